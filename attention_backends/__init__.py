@@ -1,0 +1,1 @@
+"""Attention implementations over the paged KV cache; `base` holds the interface."""

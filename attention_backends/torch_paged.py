@@ -1,0 +1,76 @@
+"""Portable paged attention in plain torch: runs on any device torch runs on.
+
+Decodes (one new token each) are batched into one masked attention over their gathered context;
+prefill chunks run one request at a time through `scaled_dot_product_attention`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attention_backends.base import AttentionBackend, AttentionMetadata
+
+
+class TorchPagedAttention(AttentionBackend):
+    name = "torch_paged"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        block_size = k_cache.size(1)
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_size)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_size)
+        flat_k.index_copy_(0, metadata.slot_mapping, key.to(flat_k.dtype))
+        flat_v.index_copy_(0, metadata.slot_mapping, value.to(flat_v.dtype))
+
+        out = torch.empty_like(query)
+        nd = metadata.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(query[:nd], k_cache, v_cache, metadata, nd, block_size)
+        starts = metadata.query_start_loc_cpu
+        for i in range(nd, metadata.num_reqs):
+            q_lo, q_hi = starts[i], starts[i + 1]
+            seq_len = metadata.seq_lens_cpu[i]
+            if q_hi - q_lo == seq_len and self.sliding_window is None:
+                k, v = key[q_lo:q_hi], value[q_lo:q_hi]  # the whole context is new
+            else:
+                blocks = metadata.block_tables[i, :-(-seq_len // block_size)]
+                k = k_cache[blocks].flatten(0, 1)[:seq_len]
+                v = v_cache[blocks].flatten(0, 1)[:seq_len]
+            out[q_lo:q_hi] = self._prefill(query[q_lo:q_hi], k, v, seq_len)
+        return out
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 seq_len: int) -> torch.Tensor:
+        q_len = q.size(0)
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v.to(q.dtype)))
+        k = k.to(q.dtype)
+        if q_len == seq_len and self.sliding_window is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=True)
+        else:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if self.sliding_window is not None:
+                mask &= k_pos > q_pos - self.sliding_window
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                metadata: AttentionMetadata, nd: int, block_size: int) -> torch.Tensor:
+        max_len = max(metadata.seq_lens_cpu[:nd])
+        num_blocks = -(-max_len // block_size)
+        blocks = metadata.block_tables[:nd, :num_blocks]
+        # [nd, num_blocks, block_size, Hkv, D] -> [nd, Hkv, L, D]
+        k = k_cache[blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        v = v_cache[blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        seq_lens = metadata.seq_lens[:nd].unsqueeze(1)
+        k_pos = torch.arange(num_blocks * block_size, device=q.device).unsqueeze(0)
+        mask = k_pos < seq_lens
+        if self.sliding_window is not None:
+            mask &= k_pos >= seq_lens - self.sliding_window
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                           scale=self.scale, enable_gqa=True)
+        return o.squeeze(2)

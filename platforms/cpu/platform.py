@@ -1,0 +1,169 @@
+"""The CPU platform: torch's cpu device, with dtype and memory choices read from the host."""
+from __future__ import annotations
+
+import logging
+import os
+import platform as pyplatform
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from plugins.interfaces import Platform
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+# The KV cache gets this share of the memory available when the engine starts (the weights are
+# already loaded by then, so they are not counted twice), capped so that a big host is not
+# emptied by default; `--kv-cache-memory` overrides both.
+KV_CACHE_SHARE = 0.4
+KV_CACHE_CAP = 8 * GiB
+
+# Features worth knowing for kernels and dtype choice (x86 "flags", ARM "Features").
+X86_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                "amx_tile", "amx_bf16", "amx_int8")
+ARM_FEATURES = ("asimd", "asimddp", "sve", "sve2", "bf16", "i8mm")
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    arch: str  # "x86_64", "aarch64" or what platform.machine() says
+    model_name: str
+    features: frozenset[str]
+
+    @property
+    def native_bf16(self) -> bool:
+        """Whether the ISA has bf16 arithmetic (otherwise bf16 matmuls are emulated and slow)."""
+        if self.arch == "x86_64":
+            return bool(self.features & {"avx512_bf16", "amx_bf16"})
+        return self.arch == "aarch64" and "bf16" in self.features
+
+
+def normalize_arch(machine: str) -> str:
+    machine = machine.lower()
+    return {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def parse_cpuinfo(text: str, arch: str) -> CpuInfo:
+    """Read the model name and ISA features from /proc/cpuinfo text (first processor only)."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        key = key.strip()
+        if sep and key not in fields:
+            fields[key] = value.strip()
+    if arch == "x86_64":
+        flags, known = fields.get("flags", ""), X86_FEATURES
+    else:
+        flags, known = fields.get("Features", ""), ARM_FEATURES
+    model = fields.get("model name") or fields.get("Hardware") or fields.get("CPU part") or arch
+    return CpuInfo(arch, model, frozenset(flags.split()) & frozenset(known))
+
+
+def read_cpuinfo() -> CpuInfo:
+    """This host's CpuInfo; without /proc/cpuinfo (macOS, Windows) the feature set is empty."""
+    arch = normalize_arch(pyplatform.machine())
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        text = ""
+    info = parse_cpuinfo(text, arch)
+    if info.model_name == arch and pyplatform.processor():
+        info = CpuInfo(arch, pyplatform.processor(), info.features)
+    return info
+
+
+def parse_meminfo_available(text: str) -> int | None:
+    """MemAvailable in bytes from /proc/meminfo text, or None when absent."""
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def available_memory_bytes() -> int:
+    """Memory this process can still take: MemAvailable, bounded by a cgroup (container) limit."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = parse_meminfo_available(f.read())
+    except OSError:
+        available = None
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    cgroup_free = _cgroup_free_bytes()
+    return min(available, cgroup_free) if cgroup_free is not None else available
+
+
+def _cgroup_free_bytes() -> int | None:
+    # cgroup v2, then v1; "max" or a near-2**63 limit means no limit.
+    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_path) as f:
+                limit = f.read().strip()
+            with open(usage_path) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:
+            return None
+        return max(int(limit) - usage, 0)
+    return None
+
+
+def kv_cache_budget(requested: int | None, available: int) -> int:
+    """The KV-cache byte budget: `requested` when given, else a share of `available`, capped."""
+    if requested is not None:
+        if requested <= 0:
+            raise ValueError(f"KV-cache memory must be positive, got {requested} bytes")
+        if requested > available:
+            logger.warning("KV cache of %.1f GiB requested but only %.1f GiB of memory is "
+                           "available; the host may swap", requested / GiB, available / GiB)
+        return requested
+    return min(int(available * KV_CACHE_SHARE), KV_CACHE_CAP)
+
+
+class CpuPlatform(Platform):
+    """Runs on torch's cpu device: bf16 by default only where the ISA computes it natively."""
+
+    name = "cpu"
+    device_type = "cpu"
+
+    def __init__(self, info: CpuInfo | None = None) -> None:
+        self.info = info or read_cpuinfo()
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.info.native_bf16 else torch.float32
+
+    def kv_cache_memory_bytes(self, requested: int | None, model_bytes: int) -> int:
+        # The weights already sit in RAM, so MemAvailable has accounted for `model_bytes`.
+        return kv_cache_budget(requested, available_memory_bytes())
+
+    def set_num_threads(self, num_threads: int | None) -> None:
+        if num_threads is None:
+            return
+        if num_threads < 1:
+            raise ValueError(f"thread count must be at least 1, got {num_threads}")
+        torch.set_num_threads(num_threads)
+
+    def describe(self) -> dict[str, Any]:
+        available = available_memory_bytes()
+        return {
+            "cpu": self.info.model_name,
+            "arch": self.info.arch,
+            "cores": os.cpu_count(),
+            "usable cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(),
+            "torch threads": torch.get_num_threads(),
+            "features": " ".join(sorted(self.info.features)) or "none detected",
+            "native bf16": self.info.native_bf16,
+            "default dtype": str(self.default_dtype()).removeprefix("torch."),
+            "memory available": f"{available / GiB:.1f} GiB",
+            "default KV cache": f"{kv_cache_budget(None, available) / GiB:.1f} GiB",
+        }

@@ -1,0 +1,102 @@
+"""The plugin contract: every hook a plugin may implement.
+
+Version HOOK_API_VERSION. A plugin is any object or module with functions marked `@hookimpl` whose
+names match the specs below. Built-in platforms (`platforms/*`) are registered like any other plugin;
+third-party ones arrive through the entry-point group `runtime.plugins`.
+
+Conventions, as in pytest:
+- a `firstresult` hook stops at the first non-None answer; `@hookimpl(tryfirst=True)` lets a plugin
+  answer before the built-in platforms (e.g. a faster CPU attention backend shipped in a wheel);
+- every other hook collects the answers of all plugins into a list;
+- a hook may accept only some of the spec's arguments (pluggy passes those it names).
+
+The hooks are called by the engine at start-up (never per step), in the order they appear here.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+PROJECT = "runtime"
+HOOK_API_VERSION = 1
+ENTRY_POINT_GROUP = "runtime.plugins"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def runtime_detect_platforms() -> list[Any]:
+    """Say which devices this plugin can drive here.
+
+    Called once, when the engine picks its platform (and by `runtime plugins`).
+    Receives nothing. Returns a list of `plugins.interfaces.PlatformCandidate`: for each device
+    family the plugin knows, the `Platform` object (or None, with `reason`, when the device or its
+    libraries are absent) and a priority. All answers are collected; the usable candidate with the
+    highest priority wins unless the user forces one with `--device` / `RUNTIME_DEVICE`.
+    """
+
+
+@hookspec(firstresult=True)
+def runtime_attention_backend(platform: Any, model: Any, requested: str | None) -> Any:
+    """Choose the attention backend for this platform, model and KV-cache dtype.
+
+    Called once per engine, after the model config is known and before the KV cache is allocated.
+    `platform` is the chosen `Platform`; `model` is a `plugins.interfaces.ModelInfo` (head sizes,
+    dtypes, sliding window); `requested` is the user's `--attention-backend` name or None.
+    Returns an `attention_backends.base.AttentionBackend` subclass, or None to let the next plugin
+    answer. A plugin that cannot honour `requested` for its own platform raises ValueError saying why.
+    First non-None answer wins.
+    """
+
+
+@hookspec(firstresult=True)
+def runtime_graph_runner(platform: Any, model: Any, enforce_eager: bool) -> Any:
+    """Choose how the forward pass is executed (eager, torch.compile, CUDA/HIP graphs, XLA).
+
+    Called once per worker after the model is loaded. Returns a `plugins.interfaces.GraphRunner`
+    instance, or None (the engine then runs eagerly). First non-None answer wins.
+    """
+
+
+@hookspec(firstresult=True)
+def runtime_communicator(platform: Any, spec: Any) -> Any:
+    """Supply collectives for one process group.
+
+    Called once per group (tensor, pipeline, data parallel) on every rank, when the worker starts.
+    `spec` is a `plugins.interfaces.CommunicatorSpec`. Returns a `plugins.interfaces.Communicator`
+    (gloo, NCCL, RCCL, oneCCL, XLA …). First non-None answer wins.
+    """
+
+
+@hookspec(firstresult=True)
+def runtime_quantization_kernel(platform: Any, method: str, params: dict) -> Any:
+    """Supply the kernel for a quantization method on this platform.
+
+    Called once per quantization method when the model is built. `method` is the method's name
+    (e.g. "int8", "int4", "fp8", "gguf"); `params` describes the layout (bits, group size, dtypes).
+    Returns a kernel object as documented by that method in `quantization/`, or None to fall back
+    to the method's portable torch reference kernel. First non-None answer wins.
+    """
+
+
+@hookspec(firstresult=True)
+def runtime_custom_op(platform: Any, name: str) -> Any:
+    """Replace a named layer op (rms_norm, rotary_embedding, silu_and_mul, fused_moe …).
+
+    Called once per op name when the model's layers are built. Returns a callable with the same
+    signature as the portable implementation in `runtime/layers`, or None to keep the portable
+    one. First non-None answer wins.
+    """
+
+
+@hookspec
+def runtime_register_models() -> dict[str, Any]:
+    """Add model architectures.
+
+    Called once, when the model registry is first consulted. Returns a dict that maps a Hugging
+    Face architecture name (config.json's `architectures[0]`) to a model class, or to a string
+    "package.module:ClassName" imported only when that architecture is loaded. All answers are
+    collected; a plugin's entry replaces a built-in one of the same name.
+    """

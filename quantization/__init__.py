@@ -1,0 +1,1 @@
+"""Quantization methods and their kernels; `base` holds the interface."""

@@ -1,0 +1,7 @@
+"""runtime: a hardware-pluggable LLM inference engine."""
+from runtime.llm import LLM
+from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,59 @@
+"""Engine options as command-line flags, shared by every subcommand that starts an engine."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from runtime.config import SCHEDULING_POLICIES
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="a Hugging Face folder or a .gguf file (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder, if not the model's")
+    g.add_argument("--device", default=None,
+                   help="force a platform by name (default: RUNTIME_DEVICE, else detection)")
+    g.add_argument("--dtype", default=None,
+                   help="float32 | bfloat16 | float16 (default: the platform's native choice)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="bytes for the KV cache, e.g. 4GiB (default: a safe share of memory)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs")
+    g.add_argument("--attention-backend", default=None, help="force an attention backend")
+    g.add_argument("--enforce-eager", action="store_true", help="never compile or capture graphs")
+    g.add_argument("--num-threads", type=int, default=None, help="host threads for the model")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("model", "tokenizer", "device", "dtype", "kv_cache_memory", "block_size",
+             "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
+             "enable_chunked_prefill", "scheduling_policy", "attention_backend", "enforce_eager",
+             "num_threads", "seed")
+    return {name: getattr(args, name) for name in names}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "min_p": args.min_p,
+            "repetition_penalty": args.repetition_penalty, "seed": args.sampling_seed,
+            "stop": args.stop}

@@ -1,0 +1,102 @@
+"""`runtime plugins`: what was discovered, which platform is active and why."""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from typing import Any
+
+from plugins.interfaces import ModelInfo, Platform
+from plugins.manager import discovered_plugins, get_plugin_manager
+from plugins.selection import PlatformError, explain_platforms, select_platform
+
+# The model shape used to ask which attention backend the active platform would choose.
+SAMPLE_HEAD_SIZE = 64
+SAMPLE_HEADS = 8
+
+
+def add_plugins_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `plugins` subcommand to the CLI's subparsers."""
+    parser = subparsers.add_parser(
+        "plugins", help="list plugins and platform candidates, and say which platform is active")
+    parser.add_argument("--device", default=None,
+                        help="force a platform by name (default: RUNTIME_DEVICE, else detection)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=plugins_command)
+    return parser
+
+
+def plugins_command(args: argparse.Namespace) -> int:
+    """Print the report; returns 0 when a platform is active, 1 when selection fails."""
+    device = getattr(args, "device", None)
+    report: dict[str, Any] = {
+        "plugins": [asdict(r) for r in discovered_plugins()],
+        "platforms": explain_platforms(device),
+        "active": None,
+        "error": None,
+    }
+    try:
+        report["active"] = _active(select_platform(device))
+    except PlatformError as e:
+        report["error"] = str(e)
+    if getattr(args, "json", False):
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(_render(report))
+    return 0 if report["active"] else 1
+
+
+def _active(platform: Platform) -> dict[str, Any]:
+    hook = get_plugin_manager().hook
+    dtype = platform.default_dtype()
+    model = ModelInfo(architecture="sample", dtype=dtype, kv_cache_dtype=dtype,
+                      head_size=SAMPLE_HEAD_SIZE, num_heads=SAMPLE_HEADS,
+                      num_kv_heads=SAMPLE_HEADS)
+    try:
+        backend = hook.runtime_attention_backend(platform=platform, model=model, requested=None)
+        attention = (f"{backend.name} ({backend.__module__}.{backend.__qualname__}), chosen for "
+                     f"head_size {SAMPLE_HEAD_SIZE}, {str(dtype).removeprefix('torch.')}"
+                     if backend else "none offered")
+    except Exception as e:  # the report must still print when a backend is broken
+        attention = f"unavailable: {type(e).__name__}: {e}"
+    try:
+        runner = hook.runtime_graph_runner(platform=platform, model=model, enforce_eager=False)
+        graph = runner.name if runner else "eager (no plugin answered)"
+    except Exception as e:
+        graph = f"unavailable: {type(e).__name__}: {e}"
+    return {
+        "name": platform.name,
+        "facts": platform.describe(),
+        "attention_backend": attention,
+        "graph_runner": graph,
+    }
+
+
+def _render(report: dict[str, Any]) -> str:
+    lines = ["Plugins:"]
+    lines += _table(["NAME", "SOURCE", "LOADED", "DETAIL"],
+                    [[r["name"], r["source"], "yes" if r["loaded"] else "no",
+                      r["reason"] or r["target"]] for r in report["plugins"]])
+    lines += ["", "Platform candidates:"]
+    lines += _table(["NAME", "PLUGIN", "PRIORITY", "DETECTED", "STATUS"],
+                    [[p["name"], p["plugin"], str(p["priority"]), "yes" if p["detected"] else "no",
+                      ("ACTIVE: " if p["active"] else "") + p["why"]]
+                     for p in report["platforms"]])
+    active = report["active"]
+    if active is None:
+        lines += ["", "No active platform:", report["error"]]
+        return "\n".join(lines)
+    lines += ["", f"Active platform: {active['name']}"]
+    facts = {**active["facts"], "attention backend": active["attention_backend"],
+             "graph runner": active["graph_runner"]}
+    width = max(map(len, facts))
+    lines += [f"  {k + ':':<{width + 1}} {v}" for k, v in facts.items()]
+    return "\n".join(lines)
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    if not rows:
+        return ["  (none)"]
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+            for r in [headers, *rows]]

@@ -1,0 +1,80 @@
+"""Engine configuration: what the user chose, and what follows from the model."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    """`--dtype` as a torch dtype; None means the platform's default."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {value!r}")
+    return _DTYPES[value]
+
+
+def parse_memory(value: int | str | None) -> int | None:
+    """`--kv-cache-memory` in bytes, from an int or a string like '4GiB', '512MB', '2G'."""
+    if value is None or isinstance(value, int):
+        return value
+    text = value.strip().upper().replace("IB", "").rstrip("B")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise ValueError(f"kv_cache_memory must be bytes or a size like '4GiB', got {value!r}") from None
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start; `LLM(**kwargs)` and the CLI flags map onto it."""
+
+    model: str | None = None  # HF folder, .gguf file, or None for the embedded default
+    tokenizer: str | None = None
+    device: str | None = None  # forces a platform; else RUNTIME_DEVICE, else detection
+    dtype: torch.dtype | None = None  # None: the platform's default
+    kv_cache_memory: int | None = None  # bytes; None: the platform's default share
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    attention_backend: str | None = None
+    enforce_eager: bool = False
+    num_threads: int | None = None
+    seed: int = 0
+    trust_remote_code: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.dtype = parse_dtype(self.dtype)
+        self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+        if self.device is None:
+            self.device = os.environ.get("RUNTIME_DEVICE") or None
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine options {unknown}; known: {sorted(known - {'extra'})}")
+        return cls(**kwargs)

@@ -1,0 +1,108 @@
+"""Per-request block tables on top of the block pool, with prefix caching by chained hashes."""
+from __future__ import annotations
+
+from runtime.core.block_pool import BlockPool, hash_block
+from runtime.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.num_cache_queries = 0  # prompt tokens looked up, for the hit rate
+        self.num_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def _update_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extend the request's hash chain over its full blocks within the first `num_tokens`."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_tokens // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+
+    def find_cached_blocks(self, request: Request) -> list[int]:
+        """The longest run of cached blocks that prefixes this request's tokens.
+
+        The last token is never served from the cache: it must be computed to produce logits.
+        """
+        if not self.enable_caching:
+            return []
+        self._update_hashes(request, request.num_tokens - 1)
+        hits = []
+        for block_hash in request.block_hashes:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.num_cache_queries += request.num_tokens
+        self.num_cache_hits += len(hits) * self.block_size
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_blocks: list[int] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens of `request` past its computed ones.
+
+        `cached_blocks` (from `find_cached_blocks`, for a request not yet holding blocks) are
+        adopted first and count as computed. Returns False, changing nothing, when the pool is
+        too small.
+        """
+        cached_blocks = cached_blocks or []
+        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_needed = cdiv(total, self.block_size) - len(request.block_ids) - len(cached_blocks)
+        num_revived = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
+        if num_needed + num_revived > self.pool.num_free_blocks:
+            return False
+        if cached_blocks:
+            self.pool.touch(cached_blocks)
+            request.block_ids.extend(cached_blocks)
+            request.num_computed_tokens = num_computed
+        if num_needed > 0:
+            request.block_ids.extend(self.pool.allocate(num_needed))
+        if self.enable_caching:
+            # Blocks that will be full after this step hold known tokens: index them now.
+            num_full = min(total, request.num_tokens) // self.block_size
+            self._update_hashes(request, num_full * self.block_size)
+            for i in range(request.num_indexed_blocks, num_full):
+                self.pool.cache(request.block_ids[i], request.block_hashes[i])
+            request.num_indexed_blocks = max(request.num_indexed_blocks, num_full)
+        return True
+
+    def share_prefix(self, child: Request, parent: Request, num_tokens: int) -> None:
+        """Let `child` use the parent's full blocks covering its first `num_tokens` tokens."""
+        n = num_tokens // self.block_size
+        shared = parent.block_ids[:n]
+        self.pool.touch(shared)
+        child.block_ids = list(shared)
+        child.block_hashes = list(parent.block_hashes[:n])
+        child.num_computed_tokens = n * self.block_size
+        child.num_indexed_blocks = n
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its shared prefix stays cached longest.
+
+        A request preempted in the step that scheduled it has indexed blocks whose KV was never
+        computed: they leave the index, and its hash chain is cut back to its computed blocks.
+        """
+        num_valid = request.num_computed_tokens // self.block_size
+        self.pool.uncache(request.block_ids[num_valid:request.num_indexed_blocks])
+        del request.block_hashes[num_valid:]
+        self.pool.release(list(reversed(request.block_ids)))
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.num_indexed_blocks = 0
+
+    def hit_rate(self) -> float:
+        return self.num_cache_hits / self.num_cache_queries if self.num_cache_queries else 0.0

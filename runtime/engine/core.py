@@ -1,0 +1,109 @@
+"""The engine core: schedule, execute, update — one step at a time."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from plugins.interfaces import Platform
+from runtime.config import EngineConfig
+from runtime.core.kv_cache_manager import KVCacheManager
+from runtime.core.scheduler import Scheduler, SchedulerOutput
+from runtime.executor.uniproc import UniprocExecutor
+from runtime.model_config import ModelConfig
+from runtime.model_loader.source import ModelSource
+from runtime.request import Request, RequestStatus
+from runtime.worker.inputs import ScheduledRequest, StepInput, TokenLogprobs
+from runtime.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CoreOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, platform: Platform, source: ModelSource,
+                 model_config: ModelConfig) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.executor = UniprocExecutor(Worker(config, platform, source, model_config))
+        num_blocks = self.executor.determine_num_blocks()
+        if num_blocks < 1:
+            raise ValueError("the KV-cache budget holds no block: raise --kv-cache-memory")
+        self.executor.init_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        per_block = model_config.kv_bytes_per_block(config.block_size, model_config.dtype)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_blocks,
+                    config.block_size, num_blocks * config.block_size,
+                    num_blocks * per_block / 2**20)
+        self._fit_max_model_len(num_blocks * config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, model_config.max_model_len)
+        self._finished_ids: list[str] = []
+
+    def _fit_max_model_len(self, cache_tokens: int) -> None:
+        """Every request must fit the cache alone, or preemption could never make room for it."""
+        mc = self.model_config
+        if mc.max_model_len <= cache_tokens:
+            return
+        if self.config.max_model_len is not None:
+            raise ValueError(f"max_model_len {mc.max_model_len} needs more KV cache than the "
+                             f"{cache_tokens} tokens that fit: raise --kv-cache-memory or lower "
+                             "--max-model-len")
+        logger.warning("max_model_len lowered from %d to %d tokens to fit the KV cache",
+                       mc.max_model_len, cache_tokens)
+        mc.max_model_len = cache_tokens
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       stop_reason: int | str | None = None) -> None:
+        """End a request early (a stop string matched, or the caller aborted it)."""
+        if self.scheduler.finish_request(request_id, status, stop_reason) is not None:
+            self._finished_ids.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _step_input(self, sched: SchedulerOutput) -> StepInput:
+        requests = []
+        for r, n in sched.scheduled:
+            start = r.num_computed_tokens
+            requests.append(ScheduledRequest(
+                request_id=r.request_id, token_ids=r.all_token_ids[start:start + n],
+                start_pos=start, block_ids=r.block_ids, sample=start + n >= r.num_tokens,
+                params=r.params, sample_index=r.sample_index,
+                num_prompt_tokens=r.num_prompt_tokens, all_token_ids=r.all_token_ids))
+        finished, self._finished_ids = self._finished_ids, []
+        return StepInput(requests, finished)
+
+    def step(self) -> list[CoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.executor.execute(self._step_input(sched))
+        finished = self.scheduler.update(sched, result.sampled)
+        self._finished_ids.extend(r.request_id for r in finished)
+        outputs = []
+        for r, _ in sched.scheduled:
+            new = result.sampled.get(r.request_id, [])
+            plp = result.prompt_logprobs.get(r.request_id)
+            if not new and plp is None:
+                continue
+            outputs.append(CoreOutput(
+                request_id=r.request_id, new_token_ids=new,
+                logprobs=result.logprobs.get(r.request_id), prompt_logprobs=plp,
+                finish_reason=r.status.finish_reason, stop_reason=r.stop_reason,
+                num_cached_tokens=r.num_cached_tokens))
+        return outputs

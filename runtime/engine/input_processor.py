@@ -1,0 +1,55 @@
+"""Turns what the user passed into token ids, and checks it against the model's limits."""
+from __future__ import annotations
+
+from typing import Any, Union
+
+from runtime.sampling_params import SamplingParams
+
+# A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
+PromptType = Union[str, list[int], dict]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
+                 eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string or a list of token ids, "
+                         f"got {type(prompt).__name__}")
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Check the prompt against the model; returns the params the engine will use."""
+        if not token_ids:
+            raise ValueError("the prompt is empty: it must hold at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), "
+                             f"got {bad[:5]}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt is {len(token_ids)} tokens long, but the model's "
+                             f"context (max_model_len) is {self.max_model_len} tokens, which "
+                             "must hold the prompt and at least one generated token")
+        primary = self.eos_token_ids[0] if self.eos_token_ids else None
+        extra = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
+        if extra and not params.ignore_eos:
+            params = params.clone(stop_token_ids=list(params.stop_token_ids) + extra)
+        return params.with_eos(primary)
+
+    def max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
+        room = self.max_model_len - len(token_ids)
+        return room if params.max_tokens is None else min(params.max_tokens, room)

@@ -1,0 +1,23 @@
+"""The executor interface the engine core talks to."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from runtime.worker.inputs import StepInput, StepOutput
+
+
+class Executor(ABC):
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """KV blocks every worker can hold (the minimum over workers)."""
+
+    @abstractmethod
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` KV blocks on every worker."""
+
+    @abstractmethod
+    def execute(self, step: StepInput) -> StepOutput:
+        """Run one step on every worker; returns the output of the rank that samples."""
+
+    def shutdown(self) -> None:
+        """Stop the workers and release their devices."""

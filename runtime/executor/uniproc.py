@@ -1,0 +1,21 @@
+"""One worker, in the engine's own process."""
+from __future__ import annotations
+
+from runtime.executor.base import Executor
+from runtime.worker.inputs import StepInput, StepOutput
+from runtime.worker.worker import Worker
+
+
+class UniprocExecutor(Executor):
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.worker.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.worker.init_kv_cache(num_blocks)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self.worker.execute(step)

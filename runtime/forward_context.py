@@ -1,0 +1,25 @@
+"""The attention metadata of the step being run, visible to every attention layer."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from attention_backends.base import AttentionMetadata
+
+_metadata: AttentionMetadata | None = None
+
+
+@contextmanager
+def forward_context(metadata: AttentionMetadata) -> Iterator[None]:
+    global _metadata
+    _metadata = metadata
+    try:
+        yield
+    finally:
+        _metadata = None
+
+
+def get_forward_context() -> AttentionMetadata:
+    if _metadata is None:
+        raise RuntimeError("attention ran outside a forward_context (no step metadata set)")
+    return _metadata

@@ -1,0 +1,1 @@
+"""Reusable model layers: shardable, quantizable linears, norms, rotary embeddings, attention."""

@@ -1,0 +1,41 @@
+"""What the layers of a model need to know when they are built."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
+
+
+@dataclass
+class BuildContext:
+    """Handed to every model constructor; layers take from it what they need.
+
+    `attention_backend` is the class chosen by the `runtime_attention_backend` hook;
+    `custom_op(name)` asks the `runtime_custom_op` hook once per op name;
+    `tp_rank`/`tp_size` and `tp_group` (a `plugins.interfaces.Communicator`) shard the layers.
+    """
+
+    dtype: torch.dtype
+    device: torch.device
+    attention_backend: type
+    quant_config: QuantizationConfig | None = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: Any = None
+    custom_op_provider: Callable[[str], Callable | None] | None = None
+    _custom_ops: dict[str, Callable | None] = field(default_factory=dict)
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        if self.quant_config is None:
+            return UnquantizedLinearMethod()
+        return self.quant_config.linear_method(prefix)
+
+    def custom_op(self, name: str) -> Callable | None:
+        """A plugin's replacement for the op `name`, or None for the portable one."""
+        if name not in self._custom_ops:
+            provider = self.custom_op_provider
+            self._custom_ops[name] = provider(name) if provider else None
+        return self._custom_ops[name]

@@ -1,0 +1,86 @@
+"""`LLM`: the offline API, the same on every device."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from runtime.config import EngineConfig
+from runtime.engine.input_processor import PromptType
+from runtime.engine.llm_engine import LLMEngine
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
+
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate text with a model on whatever device the platform plugins find.
+
+    `model` is a Hugging Face folder, a .gguf file, or None for the embedded default
+    (SmolLM2-135M-Instruct). Every other keyword is an `EngineConfig` field.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a batch; outputs come back in the prompts' order.
+
+        A prompt is a string, a list of token ids, or a dict with "prompt" or
+        "prompt_token_ids". `sampling_params` is one for all or one per prompt. Every prompt is
+        validated before any is queued, so a bad one raises without starting the others.
+        """
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        engine = self.engine
+        tokenized = []
+        for prompt, p in zip(prompts, params):
+            text, ids = engine.inputs.tokenize(prompt)
+            engine.inputs.validate(ids, p)
+            tokenized.append({"prompt": text, "prompt_token_ids": ids})
+        order = {engine.add_request(prompt, p, priority=prio): i
+                 for i, (prompt, p, prio) in enumerate(zip(tokenized, params, priorities))}
+        return self._run(order, use_tqdm if use_tqdm is not None else len(prompts) >= 16)
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Generate replies to conversations, rendered with the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, chat_template,
+                                                                 add_generation_prompt),
+                    "prompt": None} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: Messages, chat_template: str | None = None,
+                            add_generation_prompt: bool = True) -> list[int]:
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template")
+        text = self.tokenizer.apply_chat_template(messages, chat_template=chat_template,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished and output.request_id in order:
+                        results[order[output.request_id]] = output
+                        bar.update(1)
+        finally:
+            bar.close()
+        return results

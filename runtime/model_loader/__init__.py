@@ -1,0 +1,1 @@
+"""Finding and reading model checkpoints: Hugging Face folders and GGUF files."""

@@ -1,0 +1,184 @@
+"""Read GGUF checkpoints (llama.cpp's format) as Hugging Face configs, tokenizers and weights.
+
+Weights come out under the parameter names and in the layouts of the transformers model,
+dequantized: GGUF stores dimensions innermost-first, renames every tensor, and for the
+llama architecture stores q/k rows in the interleaved order of llama.cpp's rotary; each
+of those is undone here.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from functools import lru_cache
+
+import gguf
+import numpy as np
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
+
+from runtime.layers.rotary import compute_inv_freq, rope_parameters
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# GGUF files carry no `architectures` list; the engine's model registry needs one.
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                     "qwen3": "Qwen3ForCausalLM"}
+
+# Tensors that hold settings rather than parameters (read by load_gguf_config).
+_SETTINGS_TENSORS = ("rope_freqs.weight",)
+
+# What llama.cpp's converter assumes for Llama 3.x when it bakes "llama3" rope into rope_freqs.
+_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def load_gguf_config(path: str) -> PretrainedConfig:
+    """The transformers config of a GGUF file, completed where transformers falls short.
+
+    transformers reads neither `{arch}.rope.scaling.*` nor the `rope_freqs` tensor in which
+    llama.cpp stores Llama 3's "llama3" rope (both become the config's rope parameters
+    here), nor sets a llama model's `attention_bias` from its tensors.
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    reader = _reader(os.path.abspath(path))
+    if not getattr(config, "architectures", None) and _architecture(reader) in _HF_ARCHITECTURES:
+        config.architectures = [_HF_ARCHITECTURES[_architecture(reader)]]
+    if _architecture(reader) == "llama":
+        # transformers leaves attention_bias at False even when the file has the biases.
+        config.attention_bias = any(t.name == "blk.0.attn_q.bias" for t in reader.tensors)
+    scaling = _rope_scaling(reader, config)
+    if scaling:
+        if getattr(config, "rope_parameters", None) is not None:  # transformers >= 5
+            config.rope_parameters = {**config.rope_parameters, **scaling}
+        else:
+            config.rope_scaling = scaling
+    return config
+
+
+def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer (with its chat template, when the file has one) stored in a GGUF file."""
+    directory, name = os.path.split(os.path.abspath(path))
+    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+
+def iterate_gguf_weights(
+    path: str, hf_config: PretrainedConfig, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (transformers parameter name, dequantized tensor in `dtype`) for every weight.
+
+    A model with tied embeddings has no `output.weight`, so nothing comes for `lm_head.weight`.
+    """
+    reader = _reader(os.path.abspath(path))
+    arch = _architecture(reader)
+    hf_names = _hf_names(hf_config, arch)
+    for tensor in reader.tensors:
+        if tensor.name in _SETTINGS_TENSORS:
+            continue
+        hf_name = hf_names.get(tensor.name)
+        if hf_name is None:
+            model = type(hf_config).__name__
+            raise ValueError(f"GGUF tensor {tensor.name!r} ({arch}) matches no parameter of {model}")
+        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        weight = weight.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        if arch == "llama" and ".attn_q." in tensor.name:
+            weight = _unpermute(weight, hf_config.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in tensor.name:
+            weight = _unpermute(weight, hf_config.num_key_value_heads)
+        # The reader memory-maps the file read-only; torch wants memory it may write.
+        yield hf_name, torch.from_numpy(np.require(weight, requirements=["C", "W"])).to(dtype)
+
+
+@lru_cache(maxsize=1)
+def _reader(path: str) -> gguf.GGUFReader:
+    # Parsing the metadata (a vocabulary of tens of thousands of strings) takes seconds: do it once.
+    return gguf.GGUFReader(path)
+
+
+def _architecture(reader: gguf.GGUFReader) -> str:
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported; supported: {supported}")
+    return arch
+
+
+def _hf_names(hf_config: PretrainedConfig, arch: str) -> dict[str, str]:
+    """GGUF tensor name -> transformers parameter name, through gguf's own name table.
+
+    That table maps the names of many checkpoint formats to one GGUF name, so the
+    transformers names to look up come from the model itself, built without memory.
+    """
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    model_arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch)
+    name_map = gguf.get_tensor_name_map(model_arch, hf_config.num_hidden_layers)
+    names = {}
+    for hf_name in model.state_dict():
+        module, _, suffix = hf_name.rpartition(".")
+        gguf_name = name_map.get_name(module)
+        if gguf_name is not None:
+            names[f"{gguf_name}.{suffix}"] = hf_name
+    return names
+
+
+def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf's `LlamaModel.permute` of q/k rows (weights and biases).
+
+    Per head, transformers keeps the two rotary halves apart ([x0..x(d/2-1), y0..]) and
+    llama.cpp interleaves them ([x0, y0, x1, y1, ...]).
+    """
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _rope_scaling(reader: gguf.GGUFReader, config: PretrainedConfig) -> dict:
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+
+    def field(key: str):
+        value = reader.fields.get(key.format(arch=arch))
+        return None if value is None else value.contents()
+
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        factors = gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type)
+        return _llama3_from_rope_freqs(factors, config)
+
+    kind = field(gguf.Keys.Rope.SCALING_TYPE)
+    factor = field(gguf.Keys.Rope.SCALING_FACTOR)
+    if kind in (None, "none") or not factor:
+        return {}
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": factor}
+        optional = {
+            "original_max_position_embeddings": gguf.Keys.Rope.SCALING_ORIG_CTX_LEN,
+            "beta_fast": gguf.Keys.Rope.SCALING_YARN_BETA_FAST,
+            "beta_slow": gguf.Keys.Rope.SCALING_YARN_BETA_SLOW,
+        }
+        scaling.update({k: v for k, key in optional.items() if (v := field(key)) is not None})
+        return scaling
+    raise NotImplementedError(f"GGUF rope scaling type {kind!r} is not supported")
+
+
+def _llama3_from_rope_freqs(rope_freqs: np.ndarray, config: PretrainedConfig) -> dict:
+    """Recover "llama3" rope parameters from the per-frequency divisors llama.cpp stores.
+
+    Only the factor varies between Llama 3.1/3.2/3.3 (8 or 32); the other settings are the
+    converter's defaults, and the divisors they give are checked against the file.
+    """
+    scaling = {"rope_type": "llama3", "factor": float(rope_freqs.max()), **_LLAMA3_DEFAULTS}
+    params = {**rope_parameters(config), **scaling}
+    dim = 2 * len(rope_freqs)
+    plain, _ = compute_inv_freq({**params, "rope_type": "default"}, dim, 1)
+    scaled, _ = compute_inv_freq(params, dim, 1)
+    if not np.allclose((plain / scaled).numpy(), rope_freqs, rtol=1e-4):
+        raise NotImplementedError(
+            "the GGUF rope_freqs tensor matches no llama3 rope with llama.cpp's default parameters"
+        )
+    return scaling

@@ -1,0 +1,87 @@
+"""Where a model comes from: its config, tokenizer and weights, whatever the file format."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+@dataclass
+class ModelSource:
+    """A resolved model: a Hugging Face folder or a GGUF file."""
+
+    path: str
+    format: str  # "hf" or "gguf"
+    tokenizer_path: str | None = None
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path.rstrip("/"))
+
+
+def resolve_model(model: str | None, tokenizer: str | None = None) -> ModelSource:
+    """None means the embedded default; a .gguf file or a folder with config.json otherwise."""
+    if model is None:
+        from runtime.default_model import default_model_path
+        model = default_model_path()
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return ModelSource(model, "gguf", tokenizer)
+    if os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
+        return ModelSource(model, "hf", tokenizer)
+    raise ValueError(f"model {model!r} is neither a .gguf file nor a folder with config.json "
+                     "(nothing is downloaded from a model hub: pass a local path)")
+
+
+def load_config(source: ModelSource, trust_remote_code: bool = False):
+    if source.format == "gguf":
+        from runtime.model_loader.gguf_loader import load_gguf_config
+        return load_gguf_config(source.path)
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+    if source.tokenizer_path is None and source.format == "gguf":
+        from runtime.model_loader.gguf_loader import load_gguf_tokenizer
+        return load_gguf_tokenizer(source.path)
+    return AutoTokenizer.from_pretrained(source.tokenizer_path or source.path,
+                                         trust_remote_code=trust_remote_code)
+
+
+def iterate_weights(source: ModelSource, hf_config,
+                    dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF parameter name, tensor) pairs, one shard file at a time."""
+    if source.format == "gguf":
+        from runtime.model_loader.gguf_loader import iterate_gguf_weights
+        yield from iterate_gguf_weights(source.path, hf_config, dtype)
+        return
+    files = _checkpoint_files(source.path)
+    if files[0].endswith(".safetensors"):
+        from safetensors import safe_open
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+    else:
+        for file in files:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+            yield from state.items()
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"),
+                                ("pytorch_model.bin.index.json", "*.bin")):
+        index = os.path.join(path, index_name)
+        if os.path.isfile(index):
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            return [os.path.join(path, s) for s in shards]
+        files = sorted(glob.glob(os.path.join(path, pattern)))
+        if files:
+            return files
+    raise ValueError(f"no *.safetensors or *.bin weights found in {path}")

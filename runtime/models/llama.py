@@ -1,0 +1,183 @@
+"""The Llama family: Llama 2/3, TinyLlama, SmolLM, Mistral; Qwen2 and Qwen3 reuse it."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from runtime.layers.activation import SiluAndMul
+from runtime.layers.attention import Attention
+from runtime.layers.build_context import BuildContext
+from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from runtime.layers.layernorm import RMSNorm
+from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from runtime.layers.rotary import get_rope
+
+
+def layer_sliding_window(config, layer_idx: int) -> int | None:
+    """The sliding window of one layer, following the HF config's `layer_types` when present."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    qkv_bias = False  # Qwen2 turns this on
+    qk_norm = False  # Qwen3 turns this on
+
+    def __init__(self, config, layer_idx: int, ctx: BuildContext, prefix: str) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self.head_size = getattr(config, "head_dim", None) or hidden // num_heads
+        bias = self.qkv_bias or getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_size, num_heads, num_kv_heads, bias,
+                                          ctx, f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(num_heads * self.head_size, hidden,
+                                        getattr(config, "attention_bias", False), ctx,
+                                        f"{prefix}.o_proj")
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.rotary_emb = get_rope(self.head_size, config.max_position_embeddings, config,
+                                   ctx.dtype)
+        self.attn = Attention(self.num_heads, self.head_size, self.head_size ** -0.5,
+                              self.num_kv_heads, ctx, layer_sliding_window(config, layer_idx))
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, ctx)
+            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, ctx)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        t = hidden.size(0)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q = q.view(t, self.num_heads, self.head_size)
+        k = k.view(t, self.num_kv_heads, self.head_size)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, ctx: BuildContext, prefix: str) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"only the silu activation is supported, got {act!r}")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2,
+            getattr(config, "mlp_bias", False), ctx, f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           getattr(config, "mlp_bias", False), ctx,
+                                           f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul(ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, config, layer_idx: int, ctx: BuildContext, prefix: str) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(config, layer_idx, ctx, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, ctx, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    layer_cls = LlamaDecoderLayer
+
+    def __init__(self, config, ctx: BuildContext) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+        self.layers = nn.ModuleList(self.layer_cls(config, i, ctx, f"model.layers.{i}")
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    model_cls = LlamaModel
+    # checkpoint name -> (our fused parameter, shard id)
+    stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+                      "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
+                      "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config, ctx: BuildContext) -> None:
+        super().__init__()
+        self.config = config
+        self.model = self.model_cls(config, ctx)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names) into our parameters; returns the names loaded."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            for ckpt_part, (param_part, shard_id) in self.stacked_params.items():
+                if f".{ckpt_part}." in name:
+                    target = name.replace(ckpt_part, param_part)
+                    param = params[target]
+                    param.weight_loader(param, tensor, shard_id)
+                    loaded.add(target)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                                     f"{type(self).__name__}")
+                param = params[name]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loaded.add(name)
+        return loaded
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, "
+                         f"checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass

@@ -1,0 +1,96 @@
+"""A request as the scheduler sees it: tokens, how many are computed, and the blocks holding them."""
+from __future__ import annotations
+
+import enum
+import time
+
+from runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+class Request:
+    """One sequence being generated (a request with n > 1 becomes n of these).
+
+    There are no phases: `num_computed_tokens` says how much of `all_token_ids` has its KV in
+    the cache, and each step schedules some of the rest.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 max_tokens: int, priority: int = 0, arrival_time: float | None = None,
+                 parent_id: str | None = None, sample_index: int = 0,
+                 leader_id: str | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.parent_id = parent_id or request_id
+        self.sample_index = sample_index
+        self.leader_id = leader_id  # sample 0 of the same n > 1 request, whose prompt KV we share
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
+        self.num_indexed_blocks = 0  # leading blocks already entered in the prefix-cache index
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """After a token was appended: set the finished status if a stop condition holds."""
+        last = self.all_token_ids[-1]
+        if self.num_output_tokens >= self.params.min_tokens and \
+                last in self.params.all_stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = last
+        elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+        return self.is_finished
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

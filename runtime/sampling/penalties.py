@@ -1,0 +1,29 @@
+"""Logit adjustments that apply to greedy and random rows alike: min_tokens and penalties."""
+from __future__ import annotations
+
+import torch
+
+from runtime.sampling.batch import SamplingBatch
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Ban stop tokens below min_tokens, then apply repetition, presence and frequency penalties.
+
+    Returns a new tensor; `logits` is left untouched.
+    """
+    if batch.min_tokens_rows is not None:
+        logits = logits.index_put((batch.min_tokens_rows, batch.min_tokens_ids),
+                                  logits.new_tensor(float("-inf")))
+    if batch.repetition_penalty is not None:
+        # Hugging Face semantics over prompt and output tokens: shrink positive logits, grow
+        # negative ones, so a seen token always becomes less likely.
+        penalty = batch.repetition_penalty[:, None]
+        seen = batch.prompt_mask | (batch.output_counts > 0)
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    if batch.frequency_penalty is not None:
+        # OpenAI semantics over output tokens only.
+        counts = batch.output_counts
+        logits = (logits - batch.frequency_penalty[:, None] * counts
+                  - batch.presence_penalty[:, None] * (counts > 0))
+    return logits

@@ -1,0 +1,80 @@
+"""The batched sampler: logits in, one token per row out (plus logprobs when asked)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.sampling.batch import SamplingBatch
+from runtime.sampling.filters import apply_min_p, apply_top_k_top_p
+from runtime.sampling.penalties import apply_penalties
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprob_token_ids: torch.Tensor | None  # [B, 1 + max_k]: the sampled token, then the top-k
+    logprobs: torch.Tensor | None  # [B, 1 + max_k] float32
+    sampled_ranks: torch.Tensor | None  # [B] rank of the sampled token (1 = most likely)
+
+
+class Sampler:
+    """Turns one step's logits into tokens.
+
+    Logprobs come from the raw logits (before penalties and temperature). Then: min_tokens,
+    repetition/presence/frequency penalties; greedy rows take the argmax, random rows go
+    through temperature, top-k, top-p, min-p and an exponential race.
+    """
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample one token per row of `logits` [B, V]; the input tensor is not modified."""
+        logits = logits.float()
+        raw_logprobs = None
+        if batch.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1)
+        logits = apply_penalties(logits, batch)
+
+        if batch.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        elif batch.all_random:
+            sampled = _random_sample(logits, batch)
+        else:
+            sampled = torch.where(batch.greedy, logits.argmax(dim=-1), _random_sample(logits, batch))
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None, None)
+        ids, values, ranks = gather_logprobs(raw_logprobs, batch.max_num_logprobs, sampled)
+        return SamplerOutput(sampled, ids, values, ranks)
+
+
+def _random_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    logits = logits / batch.temperature[:, None]
+    logits = apply_top_k_top_p(logits, batch.top_k, batch.max_top_k, batch.top_p)
+    if batch.min_p is not None:
+        logits = apply_min_p(logits, batch.min_p)
+    probs = logits.softmax(dim=-1)
+    # Exponential race: argmax(p_i / q_i) with q_i ~ Exp(1) draws i with probability p_i.
+    # A seeded row draws its q from its own generator, so its tokens do not depend on the batch.
+    q = torch.empty_like(probs)
+    if len(batch.generators) < batch.num_rows:
+        q.exponential_()
+    for row, generator in batch.generators.items():
+        q[row].exponential_(generator=generator)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def gather_logprobs(logprobs: torch.Tensor, k: int, token_ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logprob and rank of `token_ids` [B] in `logprobs` [B, V], and the top-k per row.
+
+    Returns ids [B, 1 + k] (column 0 is `token_ids`), their logprobs [B, 1 + k] and the ranks
+    [B] of `token_ids` (1 = most likely; tied tokens share the worse rank). k is capped at V.
+    """
+    token_ids = token_ids.long()[:, None]
+    chosen = logprobs.gather(1, token_ids)
+    ranks = (logprobs >= chosen).sum(dim=-1)
+    k = min(k, logprobs.shape[-1])
+    if k == 0:
+        return token_ids, chosen, ranks
+    top_values, top_ids = logprobs.topk(k, dim=-1)
+    return torch.cat([token_ids, top_ids], dim=1), torch.cat([chosen, top_values], dim=1), ranks

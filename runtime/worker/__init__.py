@@ -1,0 +1,1 @@
+"""Workers: each owns a device, a model replica (or shard) and its KV cache."""

@@ -1,0 +1,130 @@
+"""Runs one step: builds the flat batch on the host, runs the model, samples."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from attention_backends.base import AttentionMetadata
+from plugins.interfaces import EagerRunner, GraphRunner
+from runtime.forward_context import forward_context
+from runtime.layers.attention import Attention
+from runtime.sampling.sampler import Sampler, SamplingBatch, gather_logprobs
+from runtime.worker.inputs import ScheduledRequest, StepInput, StepOutput, TokenLogprobs
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, device: torch.device, block_size: int,
+                 vocab_size: int, graph_runner: GraphRunner | None = None) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.graph_runner = graph_runner or EagerRunner()
+        self.graph_runner.capture(self.model.forward, {})
+
+    def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
+        """Give every attention layer its cache, in the layout its backend asks for."""
+        for layer in self.model.modules():
+            if isinstance(layer, Attention):
+                shape = type(layer.impl).kv_cache_shape(num_blocks, self.block_size,
+                                                        layer.num_kv_heads, layer.head_size)
+                layer.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def _generator(self, req: ScheduledRequest) -> torch.Generator | None:
+        if req.params.seed is None:
+            return None
+        gen = self.generators.get(req.request_id)
+        if gen is None:
+            gen = torch.Generator(self.device)
+            gen.manual_seed(req.params.seed + req.sample_index)
+            self.generators[req.request_id] = gen
+        return gen
+
+    def _prepare(self, reqs: list[ScheduledRequest]):
+        bs = self.block_size
+        query_lens = np.array([len(r.token_ids) for r in reqs], dtype=np.int64)
+        starts = np.array([r.start_pos for r in reqs], dtype=np.int64)
+        seq_lens = starts + query_lens
+        cu = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu[1:])
+        input_ids = np.fromiter((t for r in reqs for t in r.token_ids), np.int64, int(cu[-1]))
+        # position of every token: its request's start + its offset within the request
+        positions = np.repeat(starts - cu[:-1], query_lens) + np.arange(cu[-1])
+        max_blocks = max(len(r.block_ids) for r in reqs)
+        block_tables = np.zeros((len(reqs), max_blocks), dtype=np.int32)
+        for i, r in enumerate(reqs):
+            block_tables[i, :len(r.block_ids)] = r.block_ids
+        req_of_token = np.repeat(np.arange(len(reqs)), query_lens)
+        slots = block_tables[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        dev = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            query_start_loc_cpu=cu.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            num_decode_tokens=int(np.argmax(query_lens > 1)) if (query_lens > 1).any()
+            else len(reqs),
+        )
+        return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev),
+                metadata, cu)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        for request_id in step.finished_ids:
+            self.generators.pop(request_id, None)
+        out = StepOutput()
+        if not step.requests:
+            return out
+        # Decodes first: the attention backend batches them.
+        reqs = sorted(step.requests, key=lambda r: len(r.token_ids) > 1)
+        input_ids, positions, metadata, cu = self._prepare(reqs)
+        with forward_context(metadata):
+            hidden = self.graph_runner.run(input_ids=input_ids, positions=positions)
+
+        self._prompt_logprobs(reqs, hidden, cu, out)
+        sampling = [i for i, r in enumerate(reqs) if r.sample]
+        if not sampling:
+            return out
+        rows = torch.tensor([int(cu[i + 1]) - 1 for i in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        sreqs = [reqs[i] for i in sampling]
+        batch = SamplingBatch.build(
+            [r.params for r in sreqs],
+            [r.all_token_ids[:r.num_prompt_tokens] for r in sreqs],
+            [r.all_token_ids[r.num_prompt_tokens:] for r in sreqs],
+            [self._generator(r) for r in sreqs], self.device, self.vocab_size)
+        result = self.sampler(logits, batch)
+        tokens = result.sampled_token_ids.tolist()
+        if result.logprobs is not None:
+            ids, values, ranks = (result.logprob_token_ids.tolist(), result.logprobs.tolist(),
+                                  result.sampled_ranks.tolist())
+        for j, r in enumerate(sreqs):
+            out.sampled[r.request_id] = [tokens[j]]
+            if r.params.logprobs is not None:
+                k = r.params.logprobs + 1
+                out.logprobs[r.request_id] = [TokenLogprobs(ids[j][:k], values[j][:k], ranks[j])]
+        return out
+
+    def _prompt_logprobs(self, reqs: list[ScheduledRequest], hidden: torch.Tensor,
+                         cu: np.ndarray, out: StepOutput) -> None:
+        """Logprobs of each prompt token given the tokens before it, for requests asking."""
+        for i, r in enumerate(reqs):
+            k = r.params.prompt_logprobs
+            if k is None or r.start_pos >= r.num_prompt_tokens - 1:
+                continue
+            # position p predicts token p + 1; the prompt's last position predicts an output token
+            end = min(r.start_pos + len(r.token_ids), r.num_prompt_tokens - 1)
+            n = end - r.start_pos
+            logits = self.model.compute_logits(hidden[int(cu[i]):int(cu[i]) + n])
+            targets = torch.tensor(r.all_token_ids[r.start_pos + 1:end + 1], device=self.device)
+            ids, values, ranks = gather_logprobs(torch.log_softmax(logits, -1), k, targets)
+            entries = [TokenLogprobs(a, b, c) for a, b, c in
+                       zip(ids.tolist(), values.tolist(), ranks.tolist())]
+            out.prompt_logprobs[r.request_id] = (r.start_pos + 1, entries)

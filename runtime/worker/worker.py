@@ -1,0 +1,86 @@
+"""A worker: one device, the model (or this rank's shard of it), its KV cache and runner."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from plugins.interfaces import ModelInfo, Platform
+from plugins.manager import get_plugin_manager
+from runtime.config import EngineConfig
+from runtime.layers.build_context import BuildContext
+from runtime.model_config import ModelConfig
+from runtime.model_loader.source import ModelSource, iterate_weights
+from runtime.models.registry import resolve_model_class
+from runtime.worker.inputs import StepInput, StepOutput
+from runtime.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, platform: Platform, source: ModelSource,
+                 model_config: ModelConfig, rank: int = 0) -> None:
+        self.config = config
+        self.platform = platform
+        self.source = source
+        self.model_config = model_config
+        self.rank = rank
+        self.device = platform.device(rank)
+        self.hook = get_plugin_manager().hook
+        self.runner: ModelRunner | None = None
+        self.num_blocks = 0
+
+    def model_info(self) -> ModelInfo:
+        mc = self.model_config
+        return ModelInfo(architecture=mc.architecture, dtype=mc.dtype, kv_cache_dtype=mc.dtype,
+                         head_size=mc.head_size, num_heads=mc.num_heads,
+                         num_kv_heads=mc.num_kv_heads, sliding_window=mc.sliding_window)
+
+    def load_model(self) -> None:
+        mc = self.model_config
+        info = self.model_info()
+        backend = self.hook.runtime_attention_backend(platform=self.platform, model=info,
+                                                      requested=self.config.attention_backend)
+        if backend is None:
+            raise RuntimeError(f"no plugin supplies an attention backend for platform "
+                               f"{self.platform.name!r}")
+        ctx = BuildContext(dtype=mc.dtype, device=self.device, attention_backend=backend,
+                           custom_op_provider=lambda name: self.hook.runtime_custom_op(
+                               platform=self.platform, name=name))
+        model_cls = resolve_model_class(getattr(mc.hf_config, "architectures", None))
+        with torch.device(self.device):
+            model = model_cls(mc.hf_config, ctx)
+        loaded = model.load_weights(iterate_weights(self.source, mc.hf_config, mc.dtype))
+        missing = {n for n, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"checkpoint {self.source.path} lacks weights: {sorted(missing)[:8]}")
+        for module in model.modules():
+            method = getattr(module, "method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+        model.eval()
+        graph_runner = self.hook.runtime_graph_runner(platform=self.platform, model=info,
+                                                      enforce_eager=self.config.enforce_eager)
+        self.runner = ModelRunner(model, self.device, self.config.block_size, mc.vocab_size,
+                                  graph_runner)
+        self.model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        logger.info("loaded %s (%s, %.1f MiB) with attention backend %s, %s execution",
+                    mc.architecture, str(mc.dtype).replace("torch.", ""), self.model_bytes / 2**20,
+                    backend.name, self.runner.graph_runner.name)
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks fit in this device's KV-cache budget."""
+        mc = self.model_config
+        per_block = mc.kv_bytes_per_block(self.config.block_size, mc.dtype)
+        budget = self.platform.kv_cache_memory_bytes(self.config.kv_cache_memory, self.model_bytes)
+        # Never hold more than every sequence slot could use at full length.
+        cap = self.config.max_num_seqs * -(-mc.max_model_len // self.config.block_size)
+        return min(budget // per_block, cap)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks, self.model_config.dtype)
+        self.num_blocks = num_blocks
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self.runner.execute(step)

@@ -1,0 +1,7 @@
+"""A plugin implementing a hook that does not exist (a typo): must be refused."""
+from plugins.hookspecs import hookimpl
+
+
+@hookimpl
+def runtime_detect_platform():
+    return []

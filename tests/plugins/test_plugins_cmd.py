@@ -1,0 +1,52 @@
+"""`runtime plugins`, called directly."""
+import argparse
+import json
+
+import pytest
+
+from runtime.cli.plugins_cmd import add_plugins_parser, plugins_command
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser(prog="runtime")
+    add_plugins_parser(parser.add_subparsers())
+    return parser.parse_args(["plugins", *argv])
+
+
+def test_text_report(capsys):
+    args = _args()
+    assert args.func is plugins_command
+    assert plugins_command(args) == 0
+    out = capsys.readouterr().out
+    assert "Plugins:" in out and "platforms.cpu" in out
+    assert "ACTIVE: highest priority (0) among usable candidates" in out
+    assert "Active platform: cpu" in out
+    for fact in ("features:", "default dtype:", "attention backend:", "graph runner:      eager"):
+        assert fact in out
+
+
+def test_json_report(capsys):
+    assert plugins_command(_args("--json")) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["plugins"][0] == {"name": "cpu", "source": "builtin", "loaded": True,
+                                    "reason": "", "target": "platforms.cpu"}
+    assert report["active"]["name"] == "cpu" and report["error"] is None
+    assert report["active"]["facts"]["default dtype"] in ("float32", "bfloat16")
+
+
+def test_unknown_device_reports_the_error(capsys):
+    assert plugins_command(_args("--device", "nosuch")) == 1
+    out = capsys.readouterr().out
+    assert "No active platform:" in out and "no platform named 'nosuch'" in out
+    assert "not the forced one (--device nosuch)" in out
+
+
+@pytest.mark.usefixtures("fake_plugin")
+def test_report_with_a_third_party_plugin(capsys):
+    assert plugins_command(_args("--json")) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["active"]["name"] == "fakedev"
+    assert report["active"]["facts"] == {"device": "fake accelerator (runs on the host)"}
+    assert {p["name"]: p["loaded"] for p in report["plugins"]}["fake_broken"] is False
+    assert [(p["name"], p["active"]) for p in report["platforms"]] == [("fakedev", True),
+                                                                      ("cpu", False)]
