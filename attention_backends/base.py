@@ -42,6 +42,8 @@ class AttentionBackend(ABC):
     """
 
     name: str = ""
+    # Which dimension of `kv_cache_shape` indexes blocks (the runner zeroes blocks on first use).
+    kv_cache_block_dim: int = 1
 
     @classmethod
     def supports(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype,

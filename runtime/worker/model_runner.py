@@ -26,12 +26,28 @@ class ModelRunner:
         self.graph_runner.capture(self.model.forward, {})
 
     def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
-        """Give every attention layer its cache, in the layout its backend asks for."""
-        for layer in self.model.modules():
-            if isinstance(layer, Attention):
-                shape = type(layer.impl).kv_cache_shape(num_blocks, self.block_size,
-                                                        layer.num_kv_heads, layer.head_size)
-                layer.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        """Give every attention layer its cache, in the layout its backend asks for.
+
+        The memory is not touched here: zeroing gigabytes up front costs seconds of page
+        faults. Blocks are zeroed when first handed out (see `_zero_new_blocks`), so attention
+        never reads uninitialised memory past a sequence's end.
+        """
+        self.kv_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.kv_layers:
+            shape = type(layer.impl).kv_cache_shape(num_blocks, self.block_size,
+                                                    layer.num_kv_heads, layer.head_size)
+            layer.kv_cache = torch.empty(shape, dtype=dtype, device=self.device)
+        self.num_zeroed_blocks = 0
+
+    def _zero_new_blocks(self, reqs: list[ScheduledRequest]) -> None:
+        # The block pool hands out never-used blocks in increasing id order.
+        top = max(max(r.block_ids) for r in reqs) + 1
+        if top <= self.num_zeroed_blocks:
+            return
+        lo = self.num_zeroed_blocks
+        for layer in self.kv_layers:
+            layer.kv_cache.narrow(layer.impl.kv_cache_block_dim, lo, top - lo).zero_()
+        self.num_zeroed_blocks = top
 
     def _generator(self, req: ScheduledRequest) -> torch.Generator | None:
         if req.params.seed is None:
@@ -84,6 +100,7 @@ class ModelRunner:
             return out
         # Decodes first: the attention backend batches them.
         reqs = sorted(step.requests, key=lambda r: len(r.token_ids) > 1)
+        self._zero_new_blocks(reqs)
         input_ids, positions, metadata, cu = self._prepare(reqs)
         with forward_context(metadata):
             hidden = self.graph_runner.run(input_ids=input_ids, positions=positions)
