@@ -36,8 +36,9 @@ class KVCacheManager:
         """The longest run of cached blocks that prefixes this request's tokens.
 
         The last token is never served from the cache: it must be computed to produce logits.
+        A request asking for prompt logprobs gets no hits: each prompt position must be computed.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
             return []
         self._update_hashes(request, request.num_tokens - 1)
         hits = []
