@@ -12,8 +12,8 @@ from runtime.cli.plugins_cmd import add_plugins_parser
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="runtime", description="A hardware-pluggable LLM "
                                      "inference engine.")
-    parser.add_argument("--log-level", default="WARNING",
-                        help="DEBUG, INFO, WARNING (default) or ERROR")
+    parser.add_argument("--log-level", default="INFO",
+                        help="DEBUG, INFO (default: start-up choices), WARNING or ERROR")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(subparsers)
     add_plugins_parser(subparsers)
@@ -22,10 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for package in ("runtime", "plugins", "platforms", "attention_backends", "quantization"):
+        logging.getLogger(package).setLevel(args.log_level.upper())
     try:
         return args.func(args)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
