@@ -81,16 +81,6 @@ class KVCacheManager:
             request.num_indexed_blocks = max(request.num_indexed_blocks, num_full)
         return True
 
-    def share_prefix(self, child: Request, parent: Request, num_tokens: int) -> None:
-        """Let `child` use the parent's full blocks covering its first `num_tokens` tokens."""
-        n = num_tokens // self.block_size
-        shared = parent.block_ids[:n]
-        self.pool.touch(shared)
-        child.block_ids = list(shared)
-        child.block_hashes = list(parent.block_hashes[:n])
-        child.num_computed_tokens = n * self.block_size
-        child.num_indexed_blocks = n
-
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its shared prefix stays cached longest.
 

@@ -98,10 +98,20 @@ class Scheduler:
         return bool(self.running) or self.num_waiting() > 0
 
     def _release_held(self, leader: Request) -> None:
-        for sibling in self.held.pop(leader.request_id, []):
-            if leader.status == RequestStatus.RUNNING:
-                self.kv.share_prefix(sibling, leader, sibling.num_prompt_tokens - 1)
+        for sibling in reversed(self.held.pop(leader.request_id, [])):
             self.waiting.add(sibling, front=True)
+
+    def _shared_or_cached_blocks(self, request: Request) -> list[int]:
+        """Blocks a waiting request can adopt as computed: its leader's full prompt blocks
+        (n > 1 siblings, with or without prefix caching), else its prefix-cache hits.
+
+        Adopting happens at admission, so a waiting request never holds blocks.
+        """
+        leader = self.requests.get(request.leader_id) if request.leader_id else None
+        if leader is not None and leader.status == RequestStatus.RUNNING and \
+                leader.num_computed_tokens >= request.num_prompt_tokens:
+            return leader.block_ids[:(request.num_prompt_tokens - 1) // self.kv.block_size]
+        return self.kv.find_cached_blocks(request)
 
     def _victim(self) -> Request:
         """The running request to preempt: the latest arrival (FCFS) or the least important."""
@@ -150,7 +160,7 @@ class Scheduler:
         while not out.preempted and budget > 0 and len(self.waiting) > 0 and \
                 len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            cached = [] if request.block_ids else self.kv.find_cached_blocks(request)
+            cached = self._shared_or_cached_blocks(request)
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_computed
             if not chunked and num_new > budget:

@@ -80,11 +80,12 @@ def test_revived_cached_blocks_count_against_the_free_pool():
     kv = KVCacheManager(3, BS)
     a = req("a", range(9))
     compute(kv, a)  # 3 blocks, first 2 indexed
+    ids = list(a.block_ids)
     kv.free(a)
     assert kv.num_free_blocks == 3
     b = req("b", list(range(8)) + [70, 71, 72, 73, 74])  # 13 tokens: 4 blocks
     cached = kv.find_cached_blocks(b)
-    assert cached == a.block_ids[:2] or len(cached) == 2
+    assert cached == ids[:2]
     # 2 revived + 2 new > 3 free: refuse, and do not adopt the cached blocks.
     assert not kv.allocate_slots(b, 5, cached)
     assert b.block_ids == [] and b.num_computed_tokens == 0
@@ -154,6 +155,13 @@ def test_caching_disabled_gives_no_hits():
     assert kv.find_cached_blocks(req("c", range(10))) == []
 
 
+def test_prompt_logprob_requests_get_no_hits():
+    kv = KVCacheManager(10, BS)
+    compute(kv, req("a", range(10)))
+    b = Request("b", list(range(10)), SamplingParams(prompt_logprobs=1), 4)
+    assert kv.find_cached_blocks(b) == []
+
+
 def test_hashes_follow_the_chain_and_index_only_full_computed_blocks():
     kv = KVCacheManager(10, BS)
     a = req("a", range(10))
@@ -204,19 +212,18 @@ def test_freed_request_revives_its_own_blocks():
     assert refcounts(kv, ids[:2]) == [1, 1]
 
 
-def test_share_prefix_refcounts():
-    kv = KVCacheManager(10, BS)
+def test_adopting_a_running_requests_prompt_blocks_refcounts():
+    """How n > 1 siblings share their leader's prompt: its full blocks are adopted as computed."""
+    kv = KVCacheManager(10, BS, enable_caching=False)
     parent = req("p", range(10))
     compute(kv, parent)
     parent.append_token(50)
     child = req("c", range(10))
-    kv.share_prefix(child, parent, child.num_prompt_tokens - 1)  # 9 tokens: 2 full blocks
-    assert child.block_ids == parent.block_ids[:2]
-    assert child.block_hashes == parent.block_hashes[:2]
-    assert child.num_computed_tokens == 8 and child.num_indexed_blocks == 2
-    assert refcounts(kv, parent.block_ids) == [2, 2, 1]
     free_before = kv.num_free_blocks
-    compute(kv, child)  # the last two prompt tokens, in a block of its own
+    assert kv.allocate_slots(child, 2, parent.block_ids[:2])  # 2 full blocks + the 2-token tail
+    assert child.block_ids[:2] == parent.block_ids[:2]
+    assert child.num_computed_tokens == 8
+    assert refcounts(kv, parent.block_ids) == [2, 2, 1]
     assert len(child.block_ids) == 3 and child.block_ids[2] != parent.block_ids[2]
     assert kv.num_free_blocks == free_before - 1
     kv.free(parent)

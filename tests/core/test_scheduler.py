@@ -293,20 +293,28 @@ def test_priority_victim_is_the_current_request_when_it_is_least_important():
     assert out.preempted == [d.all["b"]] and d.ids(out) == [("a", 1)]
 
 
-def test_preempted_request_resumes_from_its_cached_prefix():
-    d = Driver(4)
-    for rid in "abc":
-        d.add(rid, range(ord(rid) * 10, ord(rid) * 10 + 6), max_tokens=2)
-    d.step()  # two blocks each would be 6; only 4 exist: c waits
-    assert waiting_ids(d) == ["c"]
-    out, _ = d.step()  # a and b finish
+def test_preempted_request_resumes_past_its_cached_prefix():
+    d = Driver(3)
+    a = d.add("a", range(4), max_tokens=2)
+    c = d.add("c", range(10, 17), max_tokens=3)  # 2 blocks, the first one full
+    d.step()
+    out, fin = d.step()  # a needs a block: c is preempted, a takes c's tail block
+    assert out.preempted == [c] and fin == [a] and c.num_tokens == 8
     out, _ = d.step()
-    c = d.all["c"]
-    assert d.ids(out) == [("c", 6)] and c.num_cached_tokens == 0
-    # A later identical prompt reuses c's first block and computes the rest.
-    d.add("c2", range(ord("c") * 10, ord("c") * 10 + 6), max_tokens=1)
+    assert d.ids(out) == [("c", 4)]  # its first block was still cached
+    assert c.num_computed_tokens == 8 and c.output_token_ids == [1000, 1001]
+    d.run()
+    assert c.output_token_ids == [1000, 1001, 1002]
+
+
+def test_a_later_identical_prompt_starts_past_the_cached_prefix():
+    d = Driver(8)
+    d.add("c", range(6), max_tokens=1)
     out, _ = d.step()
-    assert ("c2", 2) in d.ids(out) and d.all["c2"].num_cached_tokens == 4
+    assert d.ids(out) == [("c", 6)] and d.all["c"].num_cached_tokens == 0
+    d.add("c2", range(6), max_tokens=1)
+    out, _ = d.step()
+    assert d.ids(out) == [("c2", 2)] and d.all["c2"].num_cached_tokens == 4
 
 
 def test_no_request_is_lost_under_block_pressure():
@@ -328,22 +336,24 @@ def test_preempted_request_in_the_step_that_indexed_its_block_recomputes_its_las
     block another request holds) made it count every token as cached, leaving 0 to compute."""
     d = Driver(8, block_size=2, scheduling_policy="priority", max_num_batched_tokens=64)
     d.script = {"x": [7, 8, 9, 6, 6, 6]}
-    d.add("w", [5, 5, 5, 7, 8, 9, 1], priority=0, arrival_time=0.0)
-    x = d.add("x", [5, 5, 5], priority=2, arrival_time=1.0)
+    d.add("w", [5, 5, 5, 7, 8, 9, 1], max_tokens=6, priority=0, arrival_time=0.0)
+    x = d.add("x", [5, 5, 5], max_tokens=6, priority=2, arrival_time=1.0)
     d.step()
-    d.add("y", [3], priority=1, arrival_time=2.0)
-    for _ in range(2):
-        d.step()
+    d.add("y", [3], max_tokens=6, priority=1, arrival_time=2.0)
+    d.step()
+    d.step()
     assert x.all_token_ids == [5, 5, 5, 7, 8, 9] and d.kv.num_free_blocks == 0
     out = d.schedule()  # x fills its third block, then y needs a block: x is preempted
     assert out.preempted == [x]
     d.update(out)
-    out, _ = d.step()  # x: 2 cached blocks of w's; tokens 4 and 5 must be computed
-    while x.status != RequestStatus.RUNNING:
+    assert x.num_tokens == 6 and len(x.block_hashes) == 2
+    resumed = []
+    while not resumed:
         out, _ = d.step()
-    assert x.num_cached_tokens == 4
+        resumed = [n for r, n in out.scheduled if r is x]
+    assert resumed == [2]  # w's blocks [5 5] [5 7] are reused; [8 9] is computed
     d.run()
-    assert x.output_token_ids[:3] == [7, 8, 9]
+    assert x.output_token_ids == [7, 8, 9, 6, 6, 6]
 
 
 # --- update: sampled tokens and stop conditions --------------------------------------------
@@ -407,7 +417,7 @@ def test_finish_request_aborts_waiting_and_running_requests(policy):
     b = d.add("b", range(10, 16))
     c = d.add("c", range(20, 26))
     d.step()
-    assert a.block_ids and waiting_ids(d) == ["b", "c"]
+    assert a.block_ids and list(d.s.waiting) == [b, c]
     assert d.s.finish_request("b", RequestStatus.FINISHED_ABORTED) is b
     assert b.status == RequestStatus.FINISHED_ABORTED and waiting_ids(d) == ["c"]
     assert d.s.finish_request("a", RequestStatus.FINISHED_STOPPED, "stop!") is a
@@ -454,17 +464,21 @@ def test_siblings_wait_for_the_leader_then_share_its_prompt_blocks(caching):
         assert d.ids(out) == [("g#0", expected)] and d.s.held["g#0"] == [s1, s2]
     out, _ = d.step()  # the leader's last prompt chunk: its siblings are released
     assert d.ids(out) == [("g#0", 2)] and "g#0" not in d.s.held
+    assert waiting_ids(d) == ["g#1", "g#2"] and s1.block_ids == s2.block_ids == []
     shared = leader.block_ids[:2]  # the full blocks of the first 9 prompt tokens
+    out = d.schedule()  # admission adopts them as computed
     for s in (s1, s2):
-        assert s.block_ids == shared and s.num_computed_tokens == 8
-        assert s.status == RequestStatus.WAITING
-    assert [d.kv.pool.blocks[b].ref_count for b in leader.block_ids] == [3, 3, 1]
+        assert s.block_ids[:2] == shared and s.num_computed_tokens == 8
+    assert [d.kv.pool.blocks[b].ref_count for b in shared] == [3, 3]
     computed = Counter()
-    while d.s.has_unfinished():
-        out, _ = d.step()
+    while True:
         for r, n in out.scheduled:
             if r is not leader and r.num_output_tokens == 0:
                 computed[r.request_id] += n
+        d.update(out)
+        if not d.s.has_unfinished():
+            break
+        out = d.schedule()
     assert computed == {"g#1": 2, "g#2": 2}  # only the unshared prompt tail
     assert s1.num_cached_tokens == 8 and s1.block_ids == []
     assert all(r.num_output_tokens == 3 for r in (leader, s1, s2))
@@ -486,6 +500,7 @@ def test_abort_a_held_sibling_and_a_leader_with_held_siblings():
     d = Driver(16, max_num_batched_tokens=4)
     leader, s1, s2 = add_group(d, range(10), 3, max_tokens=2)
     d.step()
+    assert leader.num_computed_tokens == 4
     assert d.s.finish_request("g#1", RequestStatus.FINISHED_ABORTED) is s1
     assert d.s.held == {"g#0": [s2]} and d.s.num_waiting() == 1
     d.check()
@@ -497,6 +512,17 @@ def test_abort_a_held_sibling_and_a_leader_with_held_siblings():
     assert s2.num_output_tokens == 2 and s2.status == RequestStatus.FINISHED_LENGTH
 
 
+def test_abort_a_released_sibling():
+    d = Driver(16, max_num_seqs=1)
+    leader, s1 = add_group(d, range(10), 2, max_tokens=3)
+    d.step()
+    assert s1.status == RequestStatus.WAITING and s1.block_ids == []  # waiting holds no blocks
+    d.s.finish_request("g#1", RequestStatus.FINISHED_ABORTED)
+    assert [d.kv.pool.blocks[b].ref_count for b in leader.block_ids] == [1, 1, 1]
+    d.run()
+    assert d.kv.num_free_blocks == 16
+
+
 def test_siblings_of_a_leader_that_finishes_on_its_first_token_still_run():
     d = Driver(16, enable_prefix_caching=False)
     leader, s1 = add_group(d, range(10), 2, max_tokens=1)
@@ -504,6 +530,33 @@ def test_siblings_of_a_leader_that_finishes_on_its_first_token_still_run():
     assert fin == [leader] and waiting_ids(d) == ["g#1"]
     d.run()
     assert s1.num_output_tokens == 1 and d.kv.num_free_blocks == 16
+
+
+def test_released_siblings_do_not_block_a_more_important_request():
+    """Regression: released siblings used to wait holding their leader's prompt blocks; under
+    the priority policy a more important request needing those blocks stalled the queue.
+    Siblings now adopt the blocks only when admitted, so waiting requests hold none."""
+    d = Driver(4, scheduling_policy="priority", max_model_len=16)
+    leader, s1 = add_group(d, range(9), 2, max_tokens=2, priority=1)
+    d.step()
+    assert s1.block_ids == [] and waiting_ids(d) == ["g#1"]
+    z = d.add("z", range(100, 115), max_tokens=1, priority=0, arrival_time=1.0)  # needs 4 blocks
+    out, fin = d.step()
+    assert d.ids(out) == [("g#0", 1)] and fin == [leader] and waiting_ids(d) == ["z", "g#1"]
+    out, fin = d.step()
+    assert d.ids(out) == [("z", 15)] and s1.block_ids == [] and s1.num_computed_tokens == 0
+    d.run()
+    assert z.num_output_tokens == 1 and s1.num_output_tokens == 2
+
+
+def test_released_siblings_do_not_block_a_preempted_request():
+    """The same stall under FCFS: a preempted request returns to the front of the queue and
+    needs more blocks than a waiting sibling could have left free."""
+    d = Driver(5, max_model_len=20)
+    p = d.add("p", range(100, 106), max_tokens=14)
+    leader, s1 = add_group(d, range(9), 2, max_tokens=8)
+    d.run()
+    assert p.num_output_tokens == 14 and leader.num_output_tokens == s1.num_output_tokens == 8
 
 
 # --- randomized: invariants hold and every request finishes -----------------------------------
@@ -519,8 +572,8 @@ def test_random_workloads(seed):
     d.next_token = lambda r: hash(tuple(r.all_token_ids)) % 3
     cap = d.kv.pool.num_blocks * d.kv.block_size
     expected, aborted, t = {}, set(), 0.0
-    for step in range(400):
-        if step < 250 and rng.random() < 0.3:
+    for step in range(5000):
+        if step < 150 and rng.random() < 0.2:
             rid, plen = f"r{len(expected)}", rng.randint(1, cap // 2)
             prompt = [rng.randint(0, 2) for _ in range(plen)]
             n = rng.choice([1, 1, 1, 3])
@@ -535,7 +588,7 @@ def test_random_workloads(seed):
             aborted.add(rid)
             d.s.finish_request(rid, RequestStatus.FINISHED_ABORTED)
             d.check()
-        if step >= 250 and not d.s.has_unfinished():
+        if step >= 150 and not d.s.has_unfinished():
             break
         d.step()
     assert not d.s.has_unfinished(), d.s.requests

@@ -50,6 +50,7 @@ def test_n_samples_differ_and_share_the_prompt_blocks(llm):
     params = SamplingParams(n=4, temperature=1.0, max_tokens=6, seed=3, ignore_eos=True)
     request_id = engine.add_request(PROMPT, params)
     engine.step()  # sample 0 computes the prompt; the others are released to share it
+    engine.step()  # they are admitted, adopting its full prompt blocks
     leader, *siblings = [engine.core.scheduler.requests[f"{request_id}#{k}"] for k in range(4)]
     for sibling in siblings:
         assert sibling.block_ids[:2] == leader.block_ids[:2]
