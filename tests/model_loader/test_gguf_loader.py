@@ -1,4 +1,7 @@
-"""The GGUF reader against transformers (SmolLM2) and against GGUF files written here."""
+"""The GGUF reader against transformers (SmolLM2) and against GGUF files written here.
+
+Everything derived from a GGUF file is cached; here in one temporary folder (conftest.py).
+"""
 import os
 
 import gguf
@@ -111,6 +114,19 @@ def llama_cpp_rope_freqs(config: LlamaConfig) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
+def add_tiny_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
+    """A byte-level BPE vocabulary of `vocab_size` tokens (ASCII, one merge, one special), and a chat template."""
+    tokens = ["Ġ", "Ġt", "<|end|>"]
+    tokens = [chr(c) for c in range(33, 33 + vocab_size - len(tokens))] + tokens
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * (vocab_size - 1) + [gguf.TokenType.CONTROL])
+    writer.add_token_merges(["Ġ t"])
+    writer.add_bos_token_id(vocab_size - 1)
+    writer.add_eos_token_id(vocab_size - 1)
+    writer.add_chat_template("{% for m in messages %}<|end|>{{ m['role'] }}: {{ m['content'] }}{% endfor %}")
+
+
 def write_tiny_gguf(path: str, arch: str, config, rope_scaling: dict | None = None) -> dict[str, torch.Tensor]:
     """Write a random transformers model as llama.cpp would; return the weights a reader must recover."""
     torch.manual_seed(0)
@@ -131,6 +147,7 @@ def write_tiny_gguf(path: str, arch: str, config, rope_scaling: dict | None = No
         writer.add_rope_scaling_orig_ctx_len(rope_scaling["original_max_position_embeddings"])
     if config.rope_parameters["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(config))
+    add_tiny_tokenizer(writer, config.vocab_size)
 
     expected = {}
     for name, tensor in model.state_dict().items():
