@@ -44,6 +44,9 @@ class AttentionBackend(ABC):
     name: str = ""
     # Which dimension of `kv_cache_shape` indexes blocks (the runner zeroes blocks on first use).
     kv_cache_block_dim: int = 1
+    # Whether a decode step can be recorded as a device graph: the backend reads the metadata's
+    # tensors only (never its host lists, which are frozen at capture) and skips slots < 0.
+    graph_capturable: bool = False
 
     @classmethod
     def supports(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype,

@@ -51,12 +51,27 @@ def runtime_attention_backend(platform: Any, model: Any, requested: str | None) 
     """
 
 
+@hookspec
+def runtime_attention_backend_candidates(platform: Any, model: Any) -> list[Any]:
+    """List the attention backends this plugin considers for this platform and model, with why.
+
+    Called by `runtime plugins` and whenever selection is explained; a platform plugin usually
+    decides `runtime_attention_backend` from the same list with
+    `plugins.selection.choose_attention_backend`. Receives what `runtime_attention_backend`
+    receives, less `requested`. Returns a list of `plugins.interfaces.BackendCandidate` — the
+    unusable ones too, each with its reason — or None for platforms the plugin does not serve.
+    All answers are collected.
+    """
+
+
 @hookspec(firstresult=True)
 def runtime_graph_runner(platform: Any, model: Any, enforce_eager: bool) -> Any:
     """Choose how the forward pass is executed (eager, torch.compile, CUDA/HIP graphs, XLA).
 
     Called once per worker after the model is loaded. Returns a `plugins.interfaces.GraphRunner`
-    instance, or None (the engine then runs eagerly). First non-None answer wins.
+    instance, or None (the engine then runs eagerly). The engine calls the runner's `capture`
+    with the model's forward, its `capture_graphs` with a `plugins.interfaces.CaptureSpec` once
+    the KV cache exists, then `run` every step. First non-None answer wins.
     """
 
 

@@ -6,6 +6,7 @@ nothing of the engine, so a third-party wheel can depend on them without pulling
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -35,7 +36,8 @@ class Platform(ABC):
         """Bytes the KV cache may take on one device.
 
         `requested` is the user's `--kv-cache-memory` (None for the platform's default);
-        `model_bytes` is what the loaded weights already hold there.
+        `model_bytes` is what the model needs there besides the cache: its loaded weights plus
+        the activation peak that `measure_peak_memory` returned.
         """
 
     def synchronize(self) -> None:
@@ -50,6 +52,19 @@ class Platform(ABC):
 
     def set_num_threads(self, num_threads: int | None) -> None:
         """Apply the user's thread count, where the device has host threads to set."""
+
+    def set_memory_utilization(self, fraction: float | None) -> None:
+        """Apply `--gpu-memory-utilization`: the share of device memory the engine may take in all
+        (weights, activations, KV cache). Platforms that size the cache otherwise ignore it."""
+
+    def measure_peak_memory(self, run: Callable[[], Any]) -> int:
+        """Device bytes a forward pass of the largest batch takes beyond what is already held.
+
+        The engine calls this once, before `kv_cache_memory_bytes`, with `run` doing that forward
+        pass (on a small scratch KV cache). An accelerator runs it and measures its allocator's
+        peak; the default runs nothing and returns 0 (the CPU sizes its cache from free RAM).
+        """
+        return 0
 
 
 @dataclass
@@ -103,18 +118,47 @@ class CommunicatorSpec:
     backend_hint: str = ""
 
 
+@dataclass
+class CaptureSpec:
+    """What a graph-recording runner needs once the KV cache exists (`GraphRunner.capture_graphs`).
+
+    The model reads the step's attention metadata (an `attention_backends.base.AttentionMetadata`)
+    from the engine's forward context; recording a graph means running the forward under metadata
+    whose tensors are static buffers, and replaying it means copying the step's metadata into them.
+    `forward_context(metadata)` sets that context; `current_metadata()` returns the metadata of the
+    step being run (valid inside `GraphRunner.run`).
+    """
+
+    forward_context: Callable[[Any], AbstractContextManager]
+    current_metadata: Callable[[], Any]
+    attention_backend: type  # the chosen AttentionBackend; `graph_capturable` says if it records
+    device: torch.device
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
 class GraphRunner(ABC):
     """How the forward pass runs: eagerly, through torch.compile, CUDA/HIP graphs or XLA.
 
-    `capture` is called once after the model and KV cache exist; `run` is called every step with
-    the step's keyword arguments and returns the model's hidden states.
+    `capture` is called once after the model is loaded; `capture_graphs` once after the KV cache
+    is allocated; `run` every step with the step's `input_ids` and `positions`, inside the step's
+    forward context, and returns the model's hidden states for exactly those tokens.
     """
 
     name: str = "eager"
 
     @abstractmethod
     def capture(self, forward: Callable[..., torch.Tensor], example: dict[str, Any]) -> None:
-        """Prepare to run `forward` (warm up, compile or record graphs)."""
+        """Prepare to run `forward` (warm up, compile)."""
+
+    def capture_graphs(self, spec: CaptureSpec) -> None:
+        """Record device graphs now that the KV cache exists; runners that record none skip it."""
 
     @abstractmethod
     def run(self, **inputs: Any) -> torch.Tensor:
@@ -144,4 +188,21 @@ class ModelInfo:
     num_heads: int
     num_kv_heads: int
     sliding_window: int | None = None
+    block_size: int = 16  # tokens per KV-cache block (some kernels need particular sizes)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BackendCandidate:
+    """One attention backend a plugin can offer for a platform and model, usable or not.
+
+    `backend` is the `attention_backends.base.AttentionBackend` subclass, or None when it cannot
+    run here; `reason` then says why (missing library, compute capability, head size …). Among
+    the usable candidates the highest `priority` wins unless the user forces one by name.
+    """
+
+    name: str
+    backend: type | None
+    priority: int = 0
+    reason: str = ""
+    plugin: str = ""

@@ -25,6 +25,10 @@ logger = logging.getLogger(__name__)
 # One line per built-in platform; the plugin's name is the module's last component ("cpu").
 BUILTIN_PLUGINS = [
     "platforms.cpu",
+    "platforms.cuda",
+    "platforms.rocm",
+    "platforms.xpu",
+    "platforms.tpu",
 ]
 
 PLUGINS_ENV = "RUNTIME_PLUGINS"

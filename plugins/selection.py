@@ -1,8 +1,10 @@
-"""Platform selection: ask every plugin which devices it can drive here, then pick one.
+"""Platform and attention-backend selection: ask the plugins what can run here, then pick one.
 
-Rules: a forced name (`device=`, else env RUNTIME_DEVICE) narrows the candidates to that name;
-among the usable candidates the highest priority wins; a tie at the top is ambiguous. Whenever no
-single platform comes out, `PlatformError` names every candidate and why it was passed over.
+Platform rules: a forced name (`device=`, else env RUNTIME_DEVICE) narrows the candidates to that
+name; among the usable candidates the highest priority wins; a tie at the top is ambiguous.
+Whenever no single platform comes out, `PlatformError` names every candidate and why it was passed
+over. Attention backends follow the same rules within one platform (`choose_attention_backend`),
+forced by `--attention-backend NAME`, and `AttentionBackendError` explains a failure likewise.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from plugins.interfaces import Platform, PlatformCandidate
+from plugins.interfaces import BackendCandidate, ModelInfo, Platform, PlatformCandidate
 from plugins.manager import PLUGINS_ENV, discovered_plugins, get_plugin_manager
 
 logger = logging.getLogger(__name__)
@@ -140,4 +142,129 @@ def _message(headline: str, verdicts: list[_Verdict], hint: str) -> str:
         lines.append("Plugins not loaded:")
         lines += [f"  - {r.name} ({r.source}): {r.reason}" for r in skipped]
     lines.append(f"To fix: {hint}.")
+    return "\n".join(lines)
+
+
+class AttentionBackendError(ValueError):
+    """No attention backend can serve the request; the message lists every candidate and why."""
+
+
+@dataclass
+class BackendVerdict:
+    candidate: BackendCandidate
+    chosen: bool = False
+    why: str = ""
+
+
+def decide_attention_backend(candidates: list[BackendCandidate], requested: str | None,
+                             platform: str) -> tuple[list[BackendVerdict], str | None]:
+    """Give every backend candidate a verdict (best first); returns them and an error, if any.
+
+    `requested` (the user's `--attention-backend`) keeps only candidates of that name; among the
+    usable ones the highest priority wins, the earlier-listed one on a tie.
+    """
+    order = sorted(range(len(candidates)), key=lambda i: (-candidates[i].priority, i))
+    verdicts = [BackendVerdict(candidates[i]) for i in order]
+    known = ", ".join(sorted({c.name for c in candidates})) or "none"
+    how = f"--attention-backend {requested}"
+    pool = verdicts
+    if requested:
+        pool = [v for v in verdicts if v.candidate.name == requested]
+        for v in verdicts:
+            if v.candidate.name != requested:
+                v.why = f"not the forced one ({how})"
+        if not pool:
+            return verdicts, _backend_message(
+                f"attention backend {requested!r} ({how}) is not offered on platform "
+                f"{platform!r}; known: {known}", verdicts)
+    usable = []
+    for v in pool:
+        if v.candidate.backend is None:
+            v.why = f"unusable: {v.candidate.reason or 'no reason given'}"
+        else:
+            usable.append(v)
+    if not usable:
+        headline = (f"attention backend {requested!r} ({how}) cannot run here" if requested
+                    else f"no attention backend can run on platform {platform!r}")
+        return verdicts, _backend_message(headline, verdicts)
+    winner = usable[0]
+    winner.chosen = True
+    winner.why = (f"forced ({how})" if requested
+                  else f"highest priority ({winner.candidate.priority}) among usable backends")
+    for v in usable[1:]:
+        v.why = (f"lower priority ({v.candidate.priority} < {winner.candidate.priority})"
+                 if v.candidate.priority < winner.candidate.priority
+                 else f"listed after {winner.candidate.name} at the same priority")
+    return verdicts, None
+
+
+def choose_attention_backend(candidates: list[BackendCandidate], requested: str | None,
+                             platform: str) -> type:
+    """The backend class `decide_attention_backend` picks; raises AttentionBackendError if none."""
+    verdicts, error = decide_attention_backend(candidates, requested, platform)
+    if error:
+        raise AttentionBackendError(error)
+    winner = next(v for v in verdicts if v.chosen)
+    logger.info("attention backend %s: %s", winner.candidate.name, winner.why)
+    return winner.candidate.backend
+
+
+def explain_attention_backends(platform: Platform, model: ModelInfo,
+                               requested: str | None = None) -> dict[str, Any]:
+    """What `runtime_attention_backend` answers for `platform` and `model`, and why.
+
+    Returns {"backends": rows, "chosen": name or None, "answered_by": plugin or None, "error":
+    message or None}. The rows are every plugin's `runtime_attention_backend_candidates`, each
+    with `usable`, `chosen` and `why`; the answer itself comes from the real firstresult hook,
+    walked plugin by plugin (in pluggy's call order) so the answering plugin can be named.
+    """
+    pm = get_plugin_manager()
+    kwargs = {"platform": platform, "model": model, "requested": requested}
+    candidates = []
+    for impl in pm.hook.runtime_attention_backend_candidates.get_hookimpls():
+        answers = _call(impl, kwargs) or []
+        candidates += [c if c.plugin else replace(c, plugin=impl.plugin_name) for c in answers]
+    verdicts, _ = decide_attention_backend(candidates, requested, platform.name)
+    answer, answered_by, error = None, None, None
+    for impl in reversed(pm.hook.runtime_attention_backend.get_hookimpls()):
+        if impl.hookwrapper or impl.wrapper:
+            continue
+        try:
+            answer = _call(impl, kwargs)
+        except Exception as e:  # the explanation must survive a plugin refusing the request
+            error = f"plugin {impl.plugin_name}: {e}"
+            break
+        if answer is not None:
+            answered_by = impl.plugin_name
+            break
+    rows = []
+    for v in verdicts:
+        c = v.candidate
+        chosen = answer is not None and c.backend is answer and c.plugin == answered_by
+        why = v.why
+        if chosen and not v.chosen:
+            why = f"chosen by plugin {answered_by}"
+        elif v.chosen and not chosen:
+            why = (f"usable, but plugin {answered_by} answered first with {answer.name}"
+                   if answer is not None else "usable, but no plugin chose it")
+        rows.append({"name": c.name, "plugin": c.plugin, "priority": c.priority,
+                     "usable": c.backend is not None, "reason": c.reason, "chosen": chosen,
+                     "why": why})
+    if answer is not None and not any(r["chosen"] for r in rows):
+        rows.insert(0, {"name": answer.name, "plugin": answered_by, "priority": None,
+                        "usable": True, "reason": "", "chosen": True,
+                        "why": f"answered runtime_attention_backend (plugin {answered_by})"})
+    return {"backends": rows, "chosen": answer.name if answer is not None else None,
+            "answered_by": answered_by, "error": error}
+
+
+def _call(impl: Any, kwargs: dict[str, Any]) -> Any:
+    """Call one hook implementation with the arguments it names, as pluggy would."""
+    return impl.function(*(kwargs[name] for name in impl.argnames))
+
+
+def _backend_message(headline: str, verdicts: list[BackendVerdict]) -> str:
+    lines = [f"{headline}.", "Attention backends considered:"]
+    lines += [f"  - {v.candidate.name} (plugin {v.candidate.plugin or '?'}, priority "
+              f"{v.candidate.priority}): {v.why}" for v in verdicts] or ["  (none)"]
     return "\n".join(lines)

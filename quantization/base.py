@@ -7,6 +7,7 @@ them for its kernel; every forward pass calls `apply`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +34,37 @@ class LinearMethod(ABC):
 
 
 class QuantizationConfig(ABC):
-    """A quantization method as configured for one model (from flags or the checkpoint)."""
+    """A quantization method as configured for one model (from flags or the checkpoint).
+
+    `fast_kernel_platforms` names the platforms whose plugin answers the
+    `runtime_quantization_kernel` hook with a fast kernel for this method; everywhere else the
+    method runs its portable torch reference kernel (`reference_kernel()`). The engine sets
+    `kernel` once, before the model is built (`quantization.registry.build_quant_config`).
+    """
 
     name: str = ""
+    fast_kernel_platforms: tuple[str, ...] = ()
+    kernel: Any = None
+
+    @classmethod
+    def from_options(cls, options: dict[str, str]) -> "QuantizationConfig":
+        """The method as asked for by `--quantization NAME[:key=value,...]`."""
+        if options:
+            raise ValueError(f"quantization {cls.name!r} takes no options, got {options}")
+        return cls()
+
+    @classmethod
+    def from_checkpoint(cls, config: dict) -> "QuantizationConfig":
+        """The method as described by a checkpoint's `quantization_config`."""
+        raise ValueError(f"quantization {cls.name!r} cannot be read from a checkpoint")
+
+    def kernel_params(self) -> dict:
+        """What the `runtime_quantization_kernel` hook receives as `params`."""
+        return {}
+
+    def reference_kernel(self) -> Any:
+        """The portable torch kernel, used when no platform plugin supplies one."""
+        return None
 
     @abstractmethod
     def linear_method(self, prefix: str) -> LinearMethod:

@@ -45,6 +45,7 @@ class EngineConfig:
     device: str | None = None  # forces a platform; else RUNTIME_DEVICE, else detection
     dtype: torch.dtype | None = None  # None: the platform's default
     kv_cache_memory: int | None = None  # bytes; None: the platform's default share
+    gpu_memory_utilization: float = 0.9  # accelerators: share of device memory the engine takes
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -57,6 +58,7 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     trust_remote_code: bool = False
+    quantization: str | None = None  # a method in quantization.registry; None: the checkpoint's
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -67,6 +69,9 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -78,3 +83,14 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine options {unknown}; known: {sorted(known - {'extra'})}")
         return cls(**kwargs)
+
+    @classmethod
+    def from_yaml(cls, path: str, **overrides: Any) -> "EngineConfig":
+        """Fields from a YAML mapping of EngineConfig names (as `runtime tune` writes), with
+        `overrides` (e.g. the caller's explicit keywords) on top."""
+        import yaml
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: an engine config must be a YAML mapping of option names")
+        return cls.from_kwargs(**{**data, **overrides})

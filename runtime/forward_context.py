@@ -11,12 +11,14 @@ _metadata: AttentionMetadata | None = None
 
 @contextmanager
 def forward_context(metadata: AttentionMetadata) -> Iterator[None]:
+    """Make `metadata` the step's metadata; nested contexts (a graph runner padding the step)
+    restore the outer one on exit."""
     global _metadata
-    _metadata = metadata
+    outer, _metadata = _metadata, metadata
     try:
         yield
     finally:
-        _metadata = None
+        _metadata = outer
 
 
 def get_forward_context() -> AttentionMetadata:

@@ -18,11 +18,17 @@ class LLM:
     """Generate text with a model on whatever device the platform plugins find.
 
     `model` is a Hugging Face folder, a .gguf file, or None for the embedded default
-    (SmolLM2-135M-Instruct). Every other keyword is an `EngineConfig` field.
+    (SmolLM2-135M-Instruct). `config` is a YAML file of `EngineConfig` fields (as `runtime tune`
+    writes); every other keyword is an `EngineConfig` field and wins over the file.
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+    def __init__(self, model: str | None = None, config: str | None = None,
+                 **kwargs: Any) -> None:
+        if model is not None:
+            kwargs["model"] = model
+        engine_config = (EngineConfig.from_yaml(config, **kwargs) if config is not None
+                         else EngineConfig.from_kwargs(**kwargs))
+        self.engine = LLMEngine(engine_config)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],

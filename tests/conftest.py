@@ -13,6 +13,12 @@ import torch
 
 from runtime.default_model import default_model_path
 
+# Without a GPU, Triton kernels run through Triton's interpreter. The flag is read when Triton
+# decorates a kernel, its own library's included, and torch/transformers import Triton as early
+# as collection, so it is set here, before anything is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,
             bos_token_id=1, eos_token_id=2)

@@ -64,3 +64,12 @@ def runtime_communicator(platform: Platform, spec: CommunicatorSpec) -> Communic
     if platform.device_type != "cpu":
         return None
     return GlooCommunicator(spec)
+
+
+@hookimpl
+def runtime_quantization_kernel(platform: Platform, method: str, params: dict):
+    """torch's native weight-only int8/int4 CPU kernels; None (the reference) for the rest."""
+    if platform.device_type != "cpu":
+        return None
+    from quantization.cpu import cpu_quantization_kernel
+    return cpu_quantization_kernel(method, params)

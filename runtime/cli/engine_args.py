@@ -19,6 +19,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="float32 | bfloat16 | float16 (default: the platform's native choice)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="bytes for the KV cache, e.g. 4GiB (default: a safe share of memory)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="accelerators: share of device memory for weights, activations and "
+                        "KV cache together (default: 0.9)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -30,13 +33,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="never compile or capture graphs")
     g.add_argument("--num-threads", type=int, default=None, help="host threads for the model")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quantization", default=None,
+                   help="quantization method: int8 | int4 (default: the checkpoint's own, "
+                        "else none)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("model", "tokenizer", "device", "dtype", "kv_cache_memory", "block_size",
+    names = ("model", "tokenizer", "device", "dtype", "kv_cache_memory",
+             "gpu_memory_utilization", "block_size",
              "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
              "enable_chunked_prefill", "scheduling_policy", "attention_backend", "enforce_eager",
-             "num_threads", "seed")
+             "num_threads", "seed", "quantization")
     return {name: getattr(args, name) for name in names}
 
 

@@ -5,8 +5,11 @@ import argparse
 import logging
 import sys
 
+from runtime.cli.bench import add_bench_parser
 from runtime.cli.generate import add_generate_parser
 from runtime.cli.plugins_cmd import add_plugins_parser
+from runtime.cli.serve import add_serve_parser
+from runtime.cli.tune import add_tune_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(subparsers)
     add_plugins_parser(subparsers)
+    add_serve_parser(subparsers)
+    add_bench_parser(subparsers)
+    add_tune_parser(subparsers)
     return parser
 
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from plugins.interfaces import ModelInfo, Platform
 from plugins.manager import discovered_plugins, get_plugin_manager
-from plugins.selection import PlatformError, explain_platforms, select_platform
+from plugins.selection import (PlatformError, explain_attention_backends, explain_platforms,
+                               select_platform)
 
 # The model shape used to ask which attention backend the active platform would choose.
 SAMPLE_HEAD_SIZE = 64
@@ -21,6 +22,8 @@ def add_plugins_parser(subparsers: Any) -> argparse.ArgumentParser:
         "plugins", help="list plugins and platform candidates, and say which platform is active")
     parser.add_argument("--device", default=None,
                         help="force a platform by name (default: RUNTIME_DEVICE, else detection)")
+    parser.add_argument("--attention-backend", default=None,
+                        help="show what forcing this attention backend would do")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=plugins_command)
     return parser
@@ -36,7 +39,8 @@ def plugins_command(args: argparse.Namespace) -> int:
         "error": None,
     }
     try:
-        report["active"] = _active(select_platform(device))
+        report["active"] = _active(select_platform(device),
+                                   getattr(args, "attention_backend", None))
     except PlatformError as e:
         report["error"] = str(e)
     if getattr(args, "json", False):
@@ -46,19 +50,21 @@ def plugins_command(args: argparse.Namespace) -> int:
     return 0 if report["active"] else 1
 
 
-def _active(platform: Platform) -> dict[str, Any]:
+def _active(platform: Platform, requested: str | None = None) -> dict[str, Any]:
     hook = get_plugin_manager().hook
     dtype = platform.default_dtype()
     model = ModelInfo(architecture="sample", dtype=dtype, kv_cache_dtype=dtype,
                       head_size=SAMPLE_HEAD_SIZE, num_heads=SAMPLE_HEADS,
                       num_kv_heads=SAMPLE_HEADS)
     try:
-        backend = hook.runtime_attention_backend(platform=platform, model=model, requested=None)
+        backend = hook.runtime_attention_backend(platform=platform, model=model,
+                                                 requested=requested)
         attention = (f"{backend.name} ({backend.__module__}.{backend.__qualname__}), chosen for "
                      f"head_size {SAMPLE_HEAD_SIZE}, {str(dtype).removeprefix('torch.')}"
                      if backend else "none offered")
     except Exception as e:  # the report must still print when a backend is broken
         attention = f"unavailable: {type(e).__name__}: {e}"
+    considered = explain_attention_backends(platform, model, requested)["backends"]
     try:
         runner = hook.runtime_graph_runner(platform=platform, model=model, enforce_eager=False)
         graph = runner.name if runner else "eager (no plugin answered)"
@@ -68,6 +74,7 @@ def _active(platform: Platform) -> dict[str, Any]:
         "name": platform.name,
         "facts": platform.describe(),
         "attention_backend": attention,
+        "attention_backends": considered,
         "graph_runner": graph,
     }
 
@@ -91,6 +98,11 @@ def _render(report: dict[str, Any]) -> str:
              "graph runner": active["graph_runner"]}
     width = max(map(len, facts))
     lines += [f"  {k + ':':<{width + 1}} {v}" for k, v in facts.items()]
+    lines += ["", "Attention backends considered:"]
+    lines += _table(["NAME", "PLUGIN", "PRIORITY", "USABLE", "STATUS"],
+                    [[b["name"], b["plugin"], "" if b["priority"] is None else str(b["priority"]),
+                      "yes" if b["usable"] else "no", ("CHOSEN: " if b["chosen"] else "") + b["why"]]
+                     for b in active["attention_backends"]])
     return "\n".join(lines)
 
 

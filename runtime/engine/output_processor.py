@@ -1,6 +1,7 @@
 """Turns the core's token outputs into user-facing results: text, logprobs, finish reasons."""
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,14 @@ from runtime.sampling_params import SamplingParams
 from runtime.worker.inputs import TokenLogprobs
 
 
+class OutputKind(enum.Enum):
+    """What a request's outputs carry."""
+
+    CUMULATIVE = "cumulative"  # every step: everything generated so far
+    DELTA = "delta"  # every step: only what is new since the last output (for streaming)
+    FINAL_ONLY = "final_only"  # one output, when the request finishes
+
+
 @dataclass
 class SampleState:
     index: int
@@ -22,6 +31,7 @@ class SampleState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_sent_tokens: int = 0  # tokens (and logprobs) already returned in DELTA outputs
 
 
 @dataclass
@@ -35,6 +45,7 @@ class RequestState:
     samples: dict[str, SampleState]  # core request id -> sample
     prompt_logprobs: list[PositionLogprobs | None] | None
     metrics: RequestMetrics
+    output_kind: OutputKind = OutputKind.CUMULATIVE
 
     @property
     def finished(self) -> bool:
@@ -48,7 +59,8 @@ class OutputProcessor:
         self.parent_of: dict[str, str] = {}  # core request id -> user request id
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, sample_ids: list[str], arrival_time: float) -> None:
+                    params: SamplingParams, sample_ids: list[str], arrival_time: float,
+                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
         samples = {}
         for index, sample_id in enumerate(sample_ids):
             samples[sample_id] = SampleState(
@@ -61,7 +73,8 @@ class OutputProcessor:
             prompt_logprobs = [None] * len(prompt_token_ids)
         self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
                                                  samples, prompt_logprobs,
-                                                 RequestMetrics(arrival_time=arrival_time))
+                                                 RequestMetrics(arrival_time=arrival_time),
+                                                 output_kind)
 
     def _to_position(self, entry: TokenLogprobs) -> PositionLogprobs:
         position = {entry.ids[0]: Logprob(entry.logprobs[0], entry.rank,
@@ -73,8 +86,11 @@ class OutputProcessor:
 
     def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
         """Apply one step's outputs. Returns the updated requests' outputs, and the samples whose
-        text hit a stop string (core id, stop string): the caller must finish them in the core."""
+        text hit a stop string (core id, stop string): the caller must finish them in the core.
+        A FINAL_ONLY request appears only in the step it finishes; a DELTA request's output
+        holds only the samples this step touched."""
         updated: dict[str, RequestState] = {}
+        touched: dict[str, list[SampleState]] = {}
         stopped: list[tuple[str, str]] = []
         now = time.monotonic()
         for out in outputs:
@@ -84,6 +100,7 @@ class OutputProcessor:
             state = self.requests[request_id]
             sample = state.samples[out.request_id]
             updated[request_id] = state
+            touched.setdefault(request_id, []).append(sample)
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 start, entries = out.prompt_logprobs
                 for offset, entry in enumerate(entries):
@@ -114,7 +131,9 @@ class OutputProcessor:
             if state.finished:
                 state.metrics.finished_time = now
                 del self.requests[state.request_id]
-            results.append(self._request_output(state))
+            elif state.output_kind == OutputKind.FINAL_ONLY:
+                continue
+            results.append(self._request_output(state, touched[state.request_id]))
         return results, stopped
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -129,15 +148,31 @@ class OutputProcessor:
             self.parent_of.pop(sample_id, None)
         return self._request_output(state)
 
-    def _request_output(self, state: RequestState) -> RequestOutput:
-        outputs = [CompletionOutput(index=s.index, text=s.detokenizer.output_text,
-                                    token_ids=list(s.token_ids),
-                                    cumulative_logprob=s.cumulative_logprob,
-                                    logprobs=s.logprobs, finish_reason=s.finish_reason,
-                                    stop_reason=s.stop_reason)
-                   for s in state.samples.values()]
+    def _request_output(self, state: RequestState,
+                        samples: list[SampleState] | None = None) -> RequestOutput:
+        """The request's output; in DELTA mode only `samples` (default: all), each with what
+        is new since its previous output."""
+        if state.output_kind != OutputKind.DELTA:
+            outputs = [CompletionOutput(index=s.index, text=s.detokenizer.output_text,
+                                        token_ids=list(s.token_ids),
+                                        cumulative_logprob=s.cumulative_logprob,
+                                        logprobs=s.logprobs, finish_reason=s.finish_reason,
+                                        stop_reason=s.stop_reason)
+                       for s in state.samples.values()]
+        else:
+            outputs = [self._delta(s) for s in samples or state.samples.values()]
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=outputs,
                              finished=state.finished, prompt_logprobs=state.prompt_logprobs,
                              metrics=state.metrics,
                              num_cached_tokens=state.metrics.num_cached_tokens)
+
+    @staticmethod
+    def _delta(sample: SampleState) -> CompletionOutput:
+        start, sample.num_sent_tokens = sample.num_sent_tokens, len(sample.token_ids)
+        logprobs = sample.logprobs[start:] if sample.logprobs is not None else None
+        return CompletionOutput(index=sample.index, text=sample.detokenizer.text_delta(),
+                                token_ids=sample.token_ids[start:],
+                                cumulative_logprob=sample.cumulative_logprob, logprobs=logprobs,
+                                finish_reason=sample.finish_reason,
+                                stop_reason=sample.stop_reason)

@@ -19,7 +19,11 @@ def divide(numerator: int, denominator: int) -> int:
 
 
 class LinearBase(nn.Module):
-    """`tp_dim` is the weight dimension split across ranks: 0 (output), 1 (input) or None."""
+    """`tp_dim` is the weight dimension split across ranks: 0 (output), 1 (input) or None.
+
+    A method with `custom_loader = True` receives the layer's (non-bias) checkpoint tensors
+    itself, through `method.load_weight(layer, param, loaded, shard_id=None)`.
+    """
 
     def __init__(self, input_size: int, output_size: int, bias: bool, ctx: BuildContext,
                  prefix: str, tp_dim: int | None) -> None:
@@ -40,6 +44,8 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if getattr(self.method, "custom_loader", False) and param is not self.bias:
+            return self.method.load_weight(self, param, loaded)
         if self.tp_dim is not None and self.tp_size > 1 and \
                 not (param is self.bias and self.tp_dim == 1):
             dim = 0 if loaded.dim() == 1 else self.tp_dim
@@ -72,6 +78,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, ctx, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        if getattr(self.method, "custom_loader", False) and param is not self.bias:
+            return self.method.load_weight(self, param, loaded, shard_id)
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         target = param.data.narrow(0, offset, size)
@@ -93,6 +101,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, output_size, bias, ctx, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        if getattr(self.method, "custom_loader", False) and param is not self.bias:
+            return self.method.load_weight(self, param, loaded, shard_id)
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
         offset, size, rank = {"q": (0, q_size, self.tp_rank),

@@ -62,10 +62,18 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(cached_part(path, "tokenizer", _build_tokenizer))
 
 
+# Weights of linear layers, which `raw_linear=True` yields still quantized.
+_LINEAR_WEIGHTS = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight",
+                   ".gate_proj.weight", ".up_proj.weight", ".down_proj.weight")
+
+
 def iterate_gguf_weights(
-    path: str, hf_config: PretrainedConfig, dtype: torch.dtype
+    path: str, hf_config: PretrainedConfig, dtype: torch.dtype, raw_linear: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (transformers parameter name, dequantized tensor in `dtype`) for every weight.
+
+    With `raw_linear`, the quantized weights of linear layers come as
+    `quantization.gguf.GGUFWeight` (the file's blocks, one row per output feature) instead.
 
     A model with tied embeddings has no `output.weight`, so nothing comes for `lm_head.weight`.
     The tensors are read from the memory-mapped file at the offsets the cached index gives.
@@ -78,6 +86,10 @@ def iterate_gguf_weights(
         start = entry["offset"]
         raw = data[start:start + stored.itemsize * math.prod(entry["data_shape"])]
         raw = raw.view(stored).reshape(entry["data_shape"])
+        if raw_linear and entry["name"].endswith(_LINEAR_WEIGHTS) and \
+                getattr(gguf.quants, gguf.GGMLQuantizationType(entry["type"]).name, None):
+            yield entry["name"], _raw_weight(raw, entry, index["architecture"], hf_config)
+            continue
         weight = _dequantize(raw, gguf.GGMLQuantizationType(entry["type"])).reshape(entry["shape"])
         if index["architecture"] == "llama" and ".attn_q." in entry["gguf_name"]:
             weight = _unpermute(weight, hf_config.num_attention_heads)
@@ -85,6 +97,18 @@ def iterate_gguf_weights(
             weight = _unpermute(weight, hf_config.num_key_value_heads)
         # The file is memory-mapped read-only; torch wants memory it may write.
         yield entry["name"], torch.from_numpy(np.require(weight, requirements=["C", "W"])).to(dtype)
+
+
+def _raw_weight(raw: np.ndarray, entry: dict, arch: str, hf_config: PretrainedConfig):
+    """The file's blocks as [rows, bytes per row], q/k rows put back in transformers' order."""
+    from quantization.gguf import GGUFWeight
+    rows = np.array(raw, dtype=np.uint8).reshape(entry["shape"][0], -1)
+    if arch == "llama" and ".attn_q." in entry["gguf_name"]:
+        rows = _unpermute(rows, hf_config.num_attention_heads)
+    elif arch == "llama" and ".attn_k." in entry["gguf_name"]:
+        rows = _unpermute(rows, hf_config.num_key_value_heads)
+    return GGUFWeight(entry["type"], torch.from_numpy(np.ascontiguousarray(rows)),
+                      tuple(entry["shape"]))
 
 
 def _build_model(path: str, folder: str) -> None:

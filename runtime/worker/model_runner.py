@@ -10,6 +10,7 @@ from plugins.interfaces import EagerRunner, GraphRunner
 from runtime.forward_context import forward_context
 from runtime.layers.attention import Attention
 from runtime.sampling.sampler import Sampler, SamplingBatch, gather_logprobs
+from runtime.sampling_params import SamplingParams
 from runtime.worker.inputs import ScheduledRequest, StepInput, StepOutput, TokenLogprobs
 
 
@@ -38,6 +39,35 @@ class ModelRunner:
                                                     layer.num_kv_heads, layer.head_size)
             layer.kv_cache = torch.empty(shape, dtype=dtype, device=self.device)
         self.num_zeroed_blocks = 0
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_reqs: int, dtype: torch.dtype) -> None:
+        """The largest step the scheduler can form, run once to measure its memory peak.
+
+        `num_tokens` prefill tokens split over `num_reqs` requests, on a scratch KV cache just
+        big enough for them (freed afterwards), then the logits and log-softmax of one row per
+        request, as sampling takes them.
+        """
+        bs = self.block_size
+        sizes = sorted(num_tokens // num_reqs + (i < num_tokens % num_reqs)
+                       for i in range(num_reqs))  # one-token requests first, as in a step
+        reqs, next_block = [], 0
+        for i, n in enumerate(sizes):
+            blocks = list(range(next_block, next_block - (-n // bs)))
+            next_block += len(blocks)
+            reqs.append(ScheduledRequest(
+                request_id=f"profile-{i}", token_ids=[0] * n, start_pos=0, block_ids=blocks,
+                sample=True, params=SamplingParams(), sample_index=0, num_prompt_tokens=n,
+                all_token_ids=[0] * n))
+        self.allocate_kv_cache(next_block, dtype)
+        self._zero_new_blocks(reqs)
+        input_ids, positions, metadata, cu = self._prepare(reqs)
+        with forward_context(metadata):
+            hidden = self.model(input_ids, positions)
+        rows = torch.as_tensor(cu[1:] - 1, device=self.device)
+        torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), -1)
+        for layer in self.kv_layers:
+            layer.kv_cache = torch.empty(0)
 
     def _zero_new_blocks(self, reqs: list[ScheduledRequest]) -> None:
         # The block pool hands out never-used blocks in increasing id order.

@@ -5,9 +5,10 @@ import logging
 
 import torch
 
-from plugins.interfaces import ModelInfo, Platform
+from plugins.interfaces import CaptureSpec, ModelInfo, Platform
 from plugins.manager import get_plugin_manager
 from runtime.config import EngineConfig
+from runtime.forward_context import forward_context, get_forward_context
 from runtime.layers.build_context import BuildContext
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource, iterate_weights
@@ -35,7 +36,8 @@ class Worker:
         mc = self.model_config
         return ModelInfo(architecture=mc.architecture, dtype=mc.dtype, kv_cache_dtype=mc.dtype,
                          head_size=mc.head_size, num_heads=mc.num_heads,
-                         num_kv_heads=mc.num_kv_heads, sliding_window=mc.sliding_window)
+                         num_kv_heads=mc.num_kv_heads, sliding_window=mc.sliding_window,
+                         block_size=self.config.block_size)
 
     def load_model(self) -> None:
         mc = self.model_config
@@ -45,13 +47,23 @@ class Worker:
         if backend is None:
             raise RuntimeError(f"no plugin supplies an attention backend for platform "
                                f"{self.platform.name!r}")
+        self.attention_backend = backend
+        from quantization.registry import build_quant_config
+        quant_config = build_quant_config(self.config.quantization, mc.hf_config,
+                                          self.platform, self.hook)
         ctx = BuildContext(dtype=mc.dtype, device=self.device, attention_backend=backend,
+                           quant_config=quant_config,
                            custom_op_provider=lambda name: self.hook.runtime_custom_op(
                                platform=self.platform, name=name))
         model_cls = resolve_model_class(getattr(mc.hf_config, "architectures", None))
         with torch.device(self.device):
             model = model_cls(mc.hf_config, ctx)
-        loaded = model.load_weights(iterate_weights(self.source, mc.hf_config, mc.dtype))
+        raw_gguf = bool(getattr(quant_config, "raw_gguf_weights", False))
+        if raw_gguf and self.source.format != "gguf":
+            raise ValueError(f"--quantization {quant_config.name} needs a .gguf model, "
+                             f"got {self.source.path}")
+        loaded = model.load_weights(iterate_weights(self.source, mc.hf_config, mc.dtype,
+                                                    raw_gguf=raw_gguf))
         missing = {n for n, _ in model.named_parameters()} - loaded
         if missing:
             raise ValueError(f"checkpoint {self.source.path} lacks weights: {sorted(missing)[:8]}")
@@ -70,17 +82,34 @@ class Worker:
                     backend.name, self.runner.graph_runner.name)
 
     def determine_num_blocks(self) -> int:
-        """How many KV blocks fit in this device's KV-cache budget."""
-        mc = self.model_config
-        per_block = mc.kv_bytes_per_block(self.config.block_size, mc.dtype)
-        budget = self.platform.kv_cache_memory_bytes(self.config.kv_cache_memory, self.model_bytes)
+        """How many KV blocks fit in this device's KV-cache budget.
+
+        Accelerators measure the activation peak of the largest batch first (a profiling
+        forward pass), so the cache gets what the weights and that peak leave.
+        """
+        mc, cfg = self.model_config, self.config
+        per_block = mc.kv_bytes_per_block(cfg.block_size, mc.dtype)
+        self.platform.set_memory_utilization(cfg.gpu_memory_utilization)
+        num_tokens = min(cfg.max_num_batched_tokens, mc.max_model_len)
+        activation = self.platform.measure_peak_memory(
+            lambda: self.runner.profile_run(num_tokens, min(cfg.max_num_seqs, num_tokens),
+                                            mc.dtype))
+        budget = self.platform.kv_cache_memory_bytes(cfg.kv_cache_memory,
+                                                     self.model_bytes + activation)
         # Never hold more than every sequence slot could use at full length.
         cap = self.config.max_num_seqs * -(-mc.max_model_len // self.config.block_size)
         return min(budget // per_block, cap)
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the cache, then let the graph runner record what it records over it."""
         self.runner.allocate_kv_cache(num_blocks, self.model_config.dtype)
         self.num_blocks = num_blocks
+        cfg = self.config
+        self.runner.graph_runner.capture_graphs(CaptureSpec(
+            forward_context=forward_context, current_metadata=get_forward_context,
+            attention_backend=self.attention_backend, device=self.device,
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=self.model_config.max_model_len, block_size=cfg.block_size))
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)

@@ -27,6 +27,12 @@ GRAVITON3 = ("processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd sve bf16
 GRAVITON2 = "Features\t: fp asimd asimddp\nCPU part\t: 0xd0c\n"
 MEMINFO = "MemTotal:       32000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n"
 
+@pytest.fixture(autouse=True)
+def cpu_plugin_only(monkeypatch):
+    """These tests are about the CPU plugin alone, without the accelerator platforms."""
+    monkeypatch.setenv("RUNTIME_PLUGINS", "cpu")
+
+
 MODEL = ModelInfo(architecture="LlamaForCausalLM", dtype=torch.float32,
                   kv_cache_dtype=torch.float32, head_size=64, num_heads=8, num_kv_heads=2)
 

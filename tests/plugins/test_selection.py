@@ -8,6 +8,12 @@ from plugins.manager import get_plugin_manager
 from plugins.selection import PlatformError, detect_platforms, explain_platforms, select_platform
 
 
+@pytest.fixture(autouse=True)
+def cpu_plugin_only(monkeypatch):
+    """Only the CPU platform is built in here; the accelerator platforms have their own tests."""
+    monkeypatch.setenv("RUNTIME_PLUGINS", "cpu")
+
+
 class HostPlatform(Platform):
     device_type = "cpu"
 

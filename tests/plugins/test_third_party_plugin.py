@@ -83,7 +83,8 @@ def test_unknown_forced_name_lists_every_candidate():
     with pytest.raises(PlatformError) as err:
         select_platform("nosuch")
     msg = str(err.value)
-    assert "no platform named 'nosuch'" in msg and "available: cpu, fakedev" in msg
+    assert "no platform named 'nosuch'" in msg
+    assert "available: cpu, cuda, fakedev, rocm, tpu, xpu" in msg
     assert "- cpu (plugin cpu, priority 0): not the forced one" in msg
     assert "- fakedev (plugin fake, priority 10): not the forced one" in msg
     assert "fake_broken" in msg and "libfakedev.so" in msg  # plugins that did not load, too

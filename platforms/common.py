@@ -1,0 +1,27 @@
+"""Helpers the built-in accelerator platforms share: library probes and backend candidates."""
+from __future__ import annotations
+
+import importlib.util
+
+from attention_backends.base import AttentionBackend
+from plugins.interfaces import BackendCandidate, ModelInfo
+
+
+def module_available(name: str) -> bool:
+    """Whether `name` can be imported here, without importing it (device libraries are heavy)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a broken stub in sys.modules
+        return False
+
+
+def offer_backend(name: str, backend: type[AttentionBackend], priority: int, model: ModelInfo,
+                  device_type: str, plugin: str, problems: list[str]) -> BackendCandidate:
+    """A candidate for `backend`: usable unless the platform listed `problems` or the backend's
+    own `supports` check refuses the model; the reason names every problem found."""
+    ok, why = backend.supports(model.head_size, model.dtype, model.kv_cache_dtype,
+                               model.sliding_window, device_type)
+    problems = problems + ([] if ok else [why])
+    if problems:
+        return BackendCandidate(name, None, priority, "; ".join(problems), plugin)
+    return BackendCandidate(name, backend, priority, "", plugin)

@@ -1,0 +1,180 @@
+"""`runtime bench compute`: how close the engine comes to the machine's arithmetic peak.
+
+The peak is measured, not looked up: the best of a few square matmuls per dtype at the engine's
+thread count. The engine's achieved rate is the model's FLOPs (counted from its config) divided
+by the wall time of real engine steps, scheduling and sampling included:
+
+- per token: 2 x the decoder's matmul weights (q, k, v, o, gate, up, down), plus attention,
+  4 x layers x heads x head_dim per key attended (QK^T and PV), causal;
+- per sampled token: 2 x hidden x vocab for the LM head (a prefill samples once per prompt).
+
+Prefill runs `--prefill-batch` prompts of `--prefill-len` tokens, one output token each; decode
+runs `--decode-batch` requests and times only the steps after every prompt is in the cache.
+Sliding windows and embeddings are not counted.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.bench import common
+from runtime.bench.datasets import random_requests
+from runtime.bench.metrics import format_table, write_json
+from runtime.cli.engine_args import add_engine_args, engine_kwargs
+
+
+@dataclass
+class FlopModel:
+    """FLOPs of one forward token of a dense decoder (Llama, Qwen, Mistral ...)."""
+
+    linear_params: int  # matmul weights of all decoder layers
+    lm_head_params: int
+    attention_per_key: int
+
+    @classmethod
+    def from_config(cls, hf_config: Any) -> "FlopModel":
+        h, layers = hf_config.hidden_size, hf_config.num_hidden_layers
+        heads = hf_config.num_attention_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        head_dim = getattr(hf_config, "head_dim", None) or h // heads
+        per_layer = (2 * h * heads * head_dim + 2 * h * kv_heads * head_dim
+                     + 3 * h * hf_config.intermediate_size)
+        return cls(layers * per_layer, h * hf_config.vocab_size, 4 * layers * heads * head_dim)
+
+    def token(self, position: int, sampled: bool) -> int:
+        """The token at `position` (0-based) attends to position + 1 keys."""
+        return (2 * self.linear_params + self.attention_per_key * (position + 1)
+                + (2 * self.lm_head_params if sampled else 0))
+
+    def prefill(self, length: int) -> int:
+        """A whole prompt of `length` tokens, sampling once at its end."""
+        return (2 * self.linear_params * length
+                + self.attention_per_key * length * (length + 1) // 2
+                + 2 * self.lm_head_params)
+
+
+def matmul_peak(dtype: Any, size: int, reps: int = 3) -> float:
+    """FLOP/s of the best of `reps` size x size matmuls (after one warm-up)."""
+    import torch
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    out = torch.matmul(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--matmul-size", type=int, default=2048)
+    parser.add_argument("--prefill-batch", type=int, default=8)
+    parser.add_argument("--prefill-len", type=int, default=256)
+    parser.add_argument("--decode-batch", type=int, default=64)
+    parser.add_argument("--decode-len", type=int, default=128, help="decode: prompt tokens")
+    parser.add_argument("--decode-steps", type=int, default=32, help="decode: timed steps")
+    add_engine_args(parser)
+    common.add_output_args(parser)
+
+
+def _params(n: int):
+    from runtime.sampling_params import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def measure_prefill(engine: Any, flops: FlopModel, prompts: list[list[int]]) -> dict[str, float]:
+    start = time.perf_counter()
+    for ids in prompts:
+        engine.add_request({"prompt_token_ids": ids}, _params(1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    elapsed = time.perf_counter() - start
+    total = sum(flops.prefill(len(ids)) for ids in prompts)
+    tokens = sum(map(len, prompts))
+    return {"seconds": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed,
+            "gflops": total / elapsed / 1e9}
+
+
+def measure_decode(engine: Any, flops: FlopModel, prompts: list[list[int]],
+                   steps: int) -> dict[str, float]:
+    """Time the steps after every prompt has its first token; count each decoded token's FLOPs
+    at its own position."""
+    ids = [engine.add_request({"prompt_token_ids": p}, _params(steps + 1)) for p in prompts]
+    length = {i: len(p) for i, p in zip(ids, prompts)}
+    generated = dict.fromkeys(ids, 0)
+    start, total, tokens = None, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = len(out.outputs[0].token_ids)
+            if start is not None:
+                for k in range(generated[out.request_id], now):
+                    total += flops.token(length[out.request_id] + k - 1, sampled=True)
+                    tokens += 1
+            generated[out.request_id] = now
+        if start is None and all(generated.values()):
+            start = time.perf_counter()
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "tokens": tokens, "batch": len(prompts),
+            "tokens_per_s": tokens / elapsed, "gflops": total / elapsed / 1e9}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from runtime.config import EngineConfig
+    from runtime.engine.llm_engine import LLMEngine
+    machine = common.machine_info(args.num_threads or torch.get_num_threads())
+    kwargs = engine_kwargs(args)
+    kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], args.decode_batch)
+    kwargs["enable_prefix_caching"] = False  # random prompts; every token must be computed
+    engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
+    threads = torch.get_num_threads()
+    dtype = engine.model_config.dtype
+    peaks = {name: matmul_peak(d, args.matmul_size) / 1e9
+             for name, d in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    flops = FlopModel.from_config(engine.model_config.hf_config)
+    tok = engine.tokenizer
+    prefill_prompts = [r.prompt_token_ids for r in random_requests(
+        tok, args.prefill_batch, args.prefill_len, 1, seed=1)]
+    decode_prompts = [r.prompt_token_ids for r in random_requests(
+        tok, args.decode_batch, args.decode_len, 1, seed=2)]
+    measure_prefill(engine, flops, prefill_prompts[:1])  # warm-up
+    prefill = measure_prefill(engine, flops, prefill_prompts)
+    decode = measure_decode(engine, flops, decode_prompts, args.decode_steps)
+    name = str(dtype).removeprefix("torch.")
+    peak = peaks.get(name) or matmul_peak(dtype, args.matmul_size) / 1e9
+    for phase in (prefill, decode):
+        phase["share_of_peak"] = phase["gflops"] / peak
+    return {"command": "compute", "model": engine.source.path, "dtype": name,
+            "num_threads": threads, "peak_gflops": peaks, "prefill": prefill, "decode": decode,
+            "flops_per_token_linear": 2 * flops.linear_params,
+            "flops_lm_head": 2 * flops.lm_head_params,
+            "machine": machine}
+
+
+def report(result: dict[str, Any]) -> str:
+    peaks = ", ".join(f"{k} {v:.1f}" for k, v in result["peak_gflops"].items())
+    rows = [{"phase": f"prefill ({result['prefill']['tokens']} tokens)", **result["prefill"]},
+            {"phase": f"decode (batch {result['decode']['batch']})", **result["decode"]}]
+    for row in rows:
+        row["share"] = f"{100 * row['share_of_peak']:.1f}%"
+    return "\n".join([
+        f"model {result['model']}, dtype {result['dtype']}, {result['num_threads']} threads, "
+        f"allocator {result['machine']['allocator']}",
+        f"measured matmul peak (GFLOP/s): {peaks}",
+        format_table(rows, [("phase", "phase"), ("tokens_per_s", "tok/s"),
+                            ("gflops", "GFLOP/s"), ("share", f"of {result['dtype']} peak")]),
+        common.busy_warning(result["machine"]) or ""]).rstrip()
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    print(report(result))
+    if args.output_json:
+        write_json(args.output_json, result)
+    if args.plot:
+        from runtime.bench.plot import plot_compute
+        plot_compute(result, args.plot)
+    return 0

@@ -1,0 +1,131 @@
+"""`runtime bench throughput`: offline throughput of one workload on several backends.
+
+Each backend runs in a fresh process of its own, one after another, with the same model,
+prompts (as token ids), dtype, thread count and output lengths (`ignore_eos`), and the same
+environment, hence the same malloc; the figures land in one table.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from runtime.bench import common
+from runtime.bench.backends import BACKENDS, run_in_subprocess
+from runtime.bench.datasets import SampleRequest, add_dataset_args, build_requests, describe
+from runtime.bench.metrics import format_table, throughput, write_json
+from runtime.cli.engine_args import add_engine_args, engine_kwargs
+from runtime.config import parse_memory
+
+SHARED = ("model", "tokenizer", "dtype", "num_threads")  # given to every backend
+COLUMNS = [("backend", "backend"), ("version", "version"), ("requests_per_s", "req/s"),
+           ("total_tokens_per_s", "total tok/s"), ("output_tokens_per_s", "output tok/s"),
+           ("elapsed_s", "time s"), ("kv_peak_mib", "KV peak MiB"),
+           ("kv_peak_usage", "KV peak %"), ("allocator", "allocator")]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="runtime",
+                        help=f"comma-separated, run in this order: {', '.join(BACKENDS)}")
+    parser.add_argument("--hf-batch-size", type=int, default=64,
+                        help="hf: prompts per generate() call")
+    parser.add_argument("--vllm-python", default=sys.executable,
+                        help="the Python interpreter of a virtual environment with vLLM's CPU "
+                             "build (default: this one)")
+    parser.add_argument("--model-cache-dir", default=common.MODEL_CACHE,
+                        help="where a GGUF model is converted once for backends that need a "
+                             "Hugging Face folder (vllm)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds one backend may run before it is stopped")
+    add_dataset_args(parser)
+    add_engine_args(parser)
+    common.add_output_args(parser)
+
+
+def parse_backends(text: str) -> list[str]:
+    backends = [b.strip() for b in text.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown or not backends:
+        raise ValueError(f"--backend takes a comma-separated list of {', '.join(BACKENDS)}, "
+                         f"got {text!r}")
+    return backends
+
+
+def make_spec(backend: str, model: str, args: argparse.Namespace, dtype: str, threads: int,
+              requests: list[SampleRequest], tokenizer: Any) -> dict[str, Any]:
+    """Everything one backend's process needs; the same requests and settings for all."""
+    engine = {k: v for k, v in engine_kwargs(args).items() if k not in SHARED}
+    return {"backend": backend, "model": model, "tokenizer": args.tokenizer, "dtype": dtype,
+            "num_threads": threads,
+            "requests": [(r.prompt_token_ids, r.output_len) for r in requests],
+            "engine": engine, "kv_cache_memory": parse_memory(engine.get("kv_cache_memory")),
+            "hf_batch_size": args.hf_batch_size,
+            "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+            else (tokenizer.eos_token_id or 0),
+            "max_model_len": max(len(r.prompt_token_ids) + r.output_len for r in requests)}
+
+
+def summarize(result: dict[str, Any], requests: list[SampleRequest]) -> dict[str, Any]:
+    """One table row from a backend's raw result."""
+    if "error" in result:
+        return {"backend": result["backend"], "error": result["error"]}
+    row = {k: result.get(k) for k in ("backend", "version", "allocator", "torch_threads")}
+    row.update(throughput(len(requests), sum(len(r.prompt_token_ids) for r in requests),
+                          result["output_tokens"], result["elapsed_s"]))
+    row["output_tokens"] = result["output_tokens"]
+    for key in ("kv_peak_bytes", "kv_capacity_bytes"):
+        if result.get(key) is not None:
+            row[key.replace("bytes", "mib")] = result[key] / 2**20
+    if result.get("kv_peak_usage") is not None:
+        row["kv_peak_usage"] = 100.0 * result["kv_peak_usage"]
+    return row
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every backend of `args.backend` on one workload; returns the report."""
+    backends = parse_backends(args.backend)
+    model = common.model_path(args.model)
+    if "vllm" in backends and model.endswith(".gguf"):
+        model = common.hf_folder(model, args.model_cache_dir)
+    dtype = common.resolve_dtype(args.dtype, args.device)
+    threads = args.num_threads or common.usable_cores()
+    machine = common.machine_info(threads)  # before any backend loads the machine
+    tokenizer = common.load_tokenizer(model, args.tokenizer)
+    requests = build_requests(args, tokenizer)
+    rows = []
+    for backend in backends:
+        print(f"running {backend} ...", file=sys.stderr, flush=True)
+        spec = make_spec(backend, model, args, dtype, threads, requests, tokenizer)
+        python = args.vllm_python if backend == "vllm" else sys.executable
+        rows.append(summarize(run_in_subprocess(spec, python, args.timeout), requests))
+    return {"command": "throughput", "model": model, "dtype": dtype, "num_threads": threads,
+            "workload": describe(args), "machine": machine, "results": rows}
+
+
+def report(result: dict[str, Any]) -> str:
+    ok = [r for r in result["results"] if "error" not in r]
+    w = result["workload"]
+    lines = [f"model {result['model']}, dtype {result['dtype']}, {result['num_threads']} "
+             f"threads, workload {', '.join(f'{k}={v}' for k, v in w.items())}",
+             format_table(ok, COLUMNS)]
+    lines += [f"{r['backend']}: skipped: {r['error']}" for r in result["results"] if "error" in r]
+    allocators = {r["allocator"] for r in ok}
+    if len(allocators) > 1:
+        lines.append(f"warning: the backends ran under different allocators {sorted(allocators)}")
+    if any(a.startswith("glibc (default") for a in allocators):
+        lines.append(common.ALLOCATOR_NOTE)
+    if common.busy_warning(result["machine"]):
+        lines.append(common.busy_warning(result["machine"]))
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    print(report(result))
+    if args.output_json:
+        write_json(args.output_json, result)
+    if args.plot:
+        from runtime.bench.plot import plot_throughput
+        plot_throughput(result, args.plot)
+    return 0 if any("error" not in r for r in result["results"]) else 1
+

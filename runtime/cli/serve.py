@@ -1,0 +1,89 @@
+"""`runtime serve`: the OpenAI- and Anthropic-compatible HTTP server."""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from runtime.cli.engine_args import add_engine_args, engine_kwargs
+
+
+class _Default:
+    """A value the command line did not give (so a --config file may replace it)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="serve a model over HTTP to OpenAI and Anthropic clients",
+        description="Serve a model at http://HOST:PORT/v1 (OpenAI: /v1/completions, "
+                    "/v1/chat/completions, /v1/models; Anthropic: /v1/messages), with "
+                    "/health, /metrics, /tokenize and /detokenize.")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model (same as --model)")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model name(s) clients use (default: the model as given, or "
+                        "SmolLM2-135M-Instruct)")
+    g.add_argument("--api-key", default=None,
+                   help="require this key on /v1 routes (default: RUNTIME_API_KEY, else none)")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) to use instead "
+                        "of the model's")
+    g.add_argument("--max-queue-len", type=int, default=1024,
+                   help="sequences that may wait for the running batch; more get HTTP 503")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    g.add_argument("--config", default=None,
+                   help="a YAML file of these options (e.g. max_num_seqs: 64); flags win")
+    for action in p._actions:
+        if action.dest not in ("help", "config"):
+            action.default = _Default(action.default)
+    p.set_defaults(func=serve_command)
+    return p
+
+
+def resolve_options(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the options the command line left out from --config, else their defaults."""
+    given: dict[str, Any] = {}
+    if args.config is not None:
+        import yaml
+        with open(args.config, encoding="utf-8") as f:
+            given = {k.replace("-", "_"): v for k, v in (yaml.safe_load(f) or {}).items()}
+        unknown = sorted(set(given) - (set(vars(args)) - {"func", "config"}))
+        if unknown:
+            raise ValueError(f"{args.config}: unknown options {unknown}")
+    for name, value in vars(args).items():
+        if isinstance(value, _Default):
+            setattr(args, name, given.get(name, value.value))
+    if isinstance(args.served_model_name, str):
+        args.served_model_name = [args.served_model_name]
+    return args
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    args = resolve_options(args)
+    try:
+        from runtime.engine.async_llm import AsyncLLM
+        from runtime.entrypoints.chat import load_chat_template
+        from runtime.entrypoints.server import create_app, run_server
+        from runtime.metrics import Metrics
+    except ImportError as e:
+        raise SystemExit(f"error: {e}: the server needs the serve extra: "
+                         "pip install 'runtime[serve]'") from None
+    from runtime.config import EngineConfig
+    from runtime.default_model import DEFAULT_MODEL_NAME
+
+    kwargs = engine_kwargs(args)
+    kwargs["model"] = args.model_tag or kwargs["model"]
+    names = args.served_model_name or [kwargs["model"] or DEFAULT_MODEL_NAME]
+    metrics = Metrics(names[0])
+    engine = AsyncLLM(EngineConfig.from_kwargs(**kwargs), args.max_queue_len, metrics)
+    app = create_app(engine, metrics, names, load_chat_template(args.chat_template),
+                     args.api_key or os.environ.get("RUNTIME_API_KEY"))
+    return 0 if run_server(app, args.host, args.port, args.shutdown_timeout) else 1

@@ -1,0 +1,185 @@
+"""The engine core in its own process, and the messages it exchanges with the API process.
+
+The API process binds two ZeroMQ sockets on Unix-domain (ipc) paths and spawns the core process,
+which connects to both:
+
+    API process  --PUSH-->  core process   AddRequests | FinishRequests | Shutdown
+    API process  <--PUSH--  core process   Ready | Outputs | Failed
+
+Messages are msgspec Structs, msgpack-encoded, one message per frame. The core loop drains its
+input between steps, so a request added over the wire joins the running batch at the next step;
+it blocks on the socket only when it has nothing to run, and exits when its parent is gone.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Union
+
+import msgspec
+import zmq
+
+from runtime.config import EngineConfig
+from runtime.engine.core import CoreOutput, EngineCore
+from runtime.request import Request, RequestStatus
+from runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is still alive
+
+
+class CoreRequest(msgspec.Struct, array_like=True):
+    """A `Request`'s constructor arguments, as they cross the wire."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    priority: int
+    arrival_time: float
+    parent_id: str
+    sample_index: int
+    leader_id: Union[str, None]
+
+    @classmethod
+    def of(cls, r: Request) -> "CoreRequest":
+        return cls(r.request_id, r.prompt_token_ids, r.params, r.max_tokens, r.priority,
+                   r.arrival_time, r.parent_id, r.sample_index, r.leader_id)
+
+    def to_request(self) -> Request:
+        return Request(self.request_id, self.prompt_token_ids, self.params, self.max_tokens,
+                       self.priority, self.arrival_time, self.parent_id, self.sample_index,
+                       self.leader_id)
+
+
+class AddRequests(msgspec.Struct, tag=True, array_like=True):
+    requests: list[CoreRequest]
+
+
+class FinishRequests(msgspec.Struct, tag=True, array_like=True):
+    """End samples early: a stop string matched (status STOPPED) or the caller aborted."""
+
+    request_ids: list[str]
+    status: RequestStatus
+    stop_reasons: list[Union[str, None]]
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class CoreStats(msgspec.Struct, array_like=True):
+    """The scheduler and KV cache after a step, for /metrics and the waiting-queue bound."""
+
+    num_running: int
+    num_waiting: int
+    num_received: int  # requests (samples) the core has taken off the wire so far
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    max_model_len: int
+    num_blocks: int
+
+
+class Outputs(msgspec.Struct, tag=True, array_like=True):
+    outputs: list[CoreOutput]
+    stats: CoreStats
+
+
+class Failed(msgspec.Struct, tag=True, array_like=True):
+    error: str
+
+
+ToCore = Union[AddRequests, FinishRequests, Shutdown]
+FromCore = Union[Ready, Outputs, Failed]
+
+
+def run_core_process(config: EngineConfig, input_path: str, output_path: str,
+                     log_level: int) -> None:
+    """The core process's entry point: load the model, say Ready, then step until Shutdown."""
+    # Ctrl-C and SIGTERM to the process group are the server's to handle: it stops the core
+    # (Shutdown) after its graceful shutdown, and a core whose parent is gone stops by itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(input_path)
+    outbox = context.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)
+    outbox.connect(output_path)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        from runtime.engine.llm_engine import build_core
+        from runtime.model_loader.source import load_config, resolve_model
+        source = resolve_model(config.model, config.tokenizer)
+        core = build_core(config, source, load_config(source, config.trust_remote_code))
+        outbox.send(encoder.encode(Ready(core.model_config.max_model_len, core.num_blocks)))
+        CoreLoop(core, inbox, outbox, encoder, parent).run()
+    except Exception as e:  # reported to the API process, which fails its requests
+        logger.exception("engine core failed")
+        outbox.send(encoder.encode(Failed(f"{type(e).__name__}: {e}")))
+        raise SystemExit(1)
+    finally:
+        outbox.close(linger=1000)
+        inbox.close(linger=0)
+        context.term()
+
+
+class CoreLoop:
+    """Steps the core while it has work, between steps applying what came over the wire."""
+
+    def __init__(self, core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket,
+                 encoder: msgspec.msgpack.Encoder, parent: int) -> None:
+        self.core = core
+        self.inbox = inbox
+        self.outbox = outbox
+        self.encoder = encoder
+        self.decoder = msgspec.msgpack.Decoder(ToCore)
+        self.parent = parent  # the API process: when it is gone, so is our reason to run
+        self.num_received = 0
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            if os.getppid() != self.parent:
+                logger.warning("the API process is gone: engine core exiting")
+                return
+            changed = self._drain(block=not self.core.has_unfinished())
+            if not self.running:
+                return
+            outputs = self.core.step() if self.core.has_unfinished() else []
+            if outputs or changed:
+                self.outbox.send(self.encoder.encode(Outputs(outputs, self._stats())))
+
+    def _drain(self, block: bool) -> bool:
+        """Apply every waiting message (waiting up to IDLE_POLL_MS for one if `block`);
+        returns whether any came."""
+        changed = False
+        timeout = IDLE_POLL_MS if block else 0
+        while self.running and self.inbox.poll(timeout):
+            self._apply(self.decoder.decode(self.inbox.recv()))
+            changed, timeout = True, 0
+        return changed
+
+    def _apply(self, message: ToCore) -> None:
+        if isinstance(message, AddRequests):
+            for r in message.requests:
+                self.core.add_request(r.to_request())
+            self.num_received += len(message.requests)
+        elif isinstance(message, FinishRequests):
+            for request_id, stop in zip(message.request_ids, message.stop_reasons):
+                self.core.finish_request(request_id, message.status, stop)
+        else:
+            self.running = False
+
+    def _stats(self) -> CoreStats:
+        scheduler, kv = self.core.scheduler, self.core.kv
+        return CoreStats(len(scheduler.running), scheduler.num_waiting(), self.num_received,
+                         kv.usage(), kv.hit_rate(), scheduler.num_preemptions)

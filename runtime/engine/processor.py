@@ -1,0 +1,85 @@
+"""Request processing around an engine core, shared by the sync `LLMEngine` and `AsyncLLM`.
+
+In: a prompt and its sampling params become validated core `Request`s (one per sample).
+Out: the core's token outputs become `RequestOutput`s (text, logprobs, finish reasons), and the
+samples whose text hit a stop string, which the caller must finish in the core.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from runtime.config import EngineConfig
+from runtime.engine.core import CoreOutput
+from runtime.engine.input_processor import InputProcessor, PromptType
+from runtime.engine.output_processor import OutputKind, OutputProcessor
+from runtime.model_loader.source import ModelSource, load_tokenizer
+from runtime.outputs import RequestOutput
+from runtime.request import Request
+from runtime.sampling_params import SamplingParams
+
+
+def eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any) -> list[int]:
+    """The tokens that end generation, as `transformers` `generate` would use them."""
+    ids = None
+    if source.format == "hf":
+        try:
+            from transformers import GenerationConfig
+            ids = GenerationConfig.from_pretrained(source.path).eos_token_id
+        except OSError:
+            ids = None
+    if ids is None:
+        ids = getattr(hf_config, "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+class Processor:
+    """Tokenizes and validates requests going in, detokenizes outputs coming back."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any,
+                 max_model_len: int) -> None:
+        self.tokenizer = load_tokenizer(source, config.trust_remote_code)
+        self.inputs = InputProcessor(self.tokenizer, hf_config.vocab_size, max_model_len,
+                                     eos_token_ids(source, hf_config, self.tokenizer))
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0,
+                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> list[Request]:
+        """Validate one prompt and register it; returns the core requests to queue (one per
+        sample). Raises ValueError, registering nothing, on bad input."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.outputs.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.inputs.tokenize(prompt)
+        params = self.inputs.validate(token_ids, params)
+        max_tokens = self.inputs.max_tokens(token_ids, params)
+        arrival = time.monotonic()
+        sample_ids = [request_id] if params.n == 1 else \
+            [f"{request_id}#{k}" for k in range(params.n)]
+        self.outputs.add_request(request_id, text, token_ids, params, sample_ids, arrival,
+                                 output_kind)
+        return [Request(sample_id, token_ids, params, max_tokens, priority, arrival,
+                        parent_id=request_id, sample_index=k,
+                        leader_id=sample_ids[0] if k else None)
+                for k, sample_id in enumerate(sample_ids)]
+
+    def abort_request(self, request_id: str) -> tuple[list[str], RequestOutput | None]:
+        """Forget a request; returns the core ids of its samples (the caller finishes them in
+        the core) and its final output, or ([], None) for an unknown or finished request."""
+        state = self.outputs.requests.get(request_id)
+        if state is None:
+            return [], None
+        return list(state.samples), self.outputs.abort(request_id)
+
+    def process_outputs(self, outputs: list[CoreOutput]
+                        ) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+        """One step's core outputs -> request outputs, and (core id, stop string) pairs."""
+        return self.outputs.process(outputs)

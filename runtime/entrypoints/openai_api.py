@@ -1,0 +1,262 @@
+"""The OpenAI API: /v1/completions, /v1/chat/completions and /v1/models."""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from runtime.engine.async_llm import RequestStream
+from runtime.entrypoints.chat import render_chat, text_of
+from runtime.entrypoints.errors import APIError, bad_request
+from runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from runtime.entrypoints.serving import (ServerState, check_model, final_outputs, merge, new_id,
+                                         open_streams, sse, state_of, stream_error,
+                                         unless_disconnected)
+from runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(raw: Request) -> dict:
+    state = state_of(raw)
+    return {"object": "list", "data": [_model_card(state, name) for name in state.model_names]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, raw: Request) -> dict:
+    state = state_of(raw)
+    if model not in state.model_names:
+        raise APIError(404, f"the model {model!r} does not exist", param="model",
+                       code="model_not_found")
+    return _model_card(state, model)
+
+
+def _model_card(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "runtime",
+            "max_model_len": state.engine.max_model_len}
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, raw: Request) -> Any:
+    state = state_of(raw)
+    model = check_model(state, body.model)
+    if body.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    prompts = _completion_prompts(body.prompt)
+    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    params = body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs)
+    request_id = new_id("cmpl", raw)
+    streams = open_streams(state, request_id, prompts, params, body.stream, body.priority)
+    reply = Reply(request_id, model, "text_completion", state, params.n, streams)
+    if body.stream:
+        return _event_stream(reply.completion_chunks(body))
+    return await unless_disconnected(raw, reply.completion(body), streams)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
+    state = state_of(raw)
+    model = check_model(state, body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    messages = [{"role": m.role, "content": text_of(m.content)} for m in body.messages]
+    prompt = render_chat(state.engine.tokenizer, messages, state.chat_template,
+                         body.add_generation_prompt)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs)
+    request_id = new_id("chatcmpl", raw)
+    streams = open_streams(state, request_id, [{"prompt_token_ids": prompt}], params,
+                           body.stream, body.priority)
+    reply = Reply(request_id, model, "chat.completion", state, params.n, streams)
+    if body.stream:
+        return _event_stream(reply.chat_chunks(body))
+    return await unless_disconnected(raw, reply.chat(body), streams)
+
+
+def _completion_prompts(prompt: str | list) -> list:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("the prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def _finish_reason(sample: CompletionOutput) -> str | None:
+    return None if sample.finish_reason is None else \
+        "length" if sample.finish_reason == "length" else "stop"
+
+
+class Reply:
+    """Builds the response (or the event stream) of one OpenAI request from its engine streams:
+    one per prompt, each with n samples; choice index = prompt index * n + sample index."""
+
+    def __init__(self, request_id: str, model: str, object: str, state: ServerState, n: int,
+                 streams: list[RequestStream]) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.object = object
+        self.tokenizer = state.engine.tokenizer
+        self.n = n
+        self.streams = streams
+        self.created = int(time.time())
+
+    def _envelope(self, choices: list[dict], usage: dict | None = None,
+                  chunk: bool = False) -> dict:
+        """The response body around `choices`; a chunk carries usage only when given."""
+        kind = "chat.completion.chunk" if chunk and self.object == "chat.completion" \
+            else self.object
+        body = {"id": self.request_id, "object": kind, "created": self.created,
+                "model": self.model, "choices": choices}
+        if usage is not None or not chunk:
+            body["usage"] = usage
+        return body
+
+    def _usage(self) -> dict:
+        prompt = sum(s.num_prompt_tokens for s in self.streams)
+        completion = sum(s.num_output_tokens for s in self.streams)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        return self.tokenizer.decode(output.prompt_token_ids)
+
+    # /v1/completions
+
+    async def completion(self, body: CompletionRequest) -> dict:
+        choices = []
+        for index, output in enumerate(await final_outputs(self.streams)):
+            for sample in output.outputs:
+                text, logprobs = sample.text, None
+                if body.logprobs is not None:
+                    logprobs = self._completion_logprobs(sample.logprobs, sample.token_ids, 0)
+                if body.echo:
+                    text = self._prompt_text(output) + text
+                    if logprobs is not None:
+                        logprobs = self._echo_logprobs(output, logprobs)
+                choices.append({"index": index * self.n + sample.index, "text": text,
+                                "logprobs": logprobs, "finish_reason": _finish_reason(sample),
+                                "stop_reason": sample.stop_reason})
+        return self._envelope(sorted(choices, key=lambda c: c["index"]), self._usage())
+
+    async def completion_chunks(self, body: CompletionRequest) -> AsyncIterator[str]:
+        offsets: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
+        try:
+            async for index, output in merge(self.streams):
+                choices = []
+                for sample in output.outputs:
+                    choice = index * self.n + sample.index
+                    text, logprobs = sample.text, None
+                    if body.logprobs is not None:
+                        logprobs = self._completion_logprobs(sample.logprobs, sample.token_ids,
+                                                             offsets.get(choice, 0))
+                    if body.echo and choice not in offsets:
+                        text = self._prompt_text(output) + text
+                        if logprobs is not None:
+                            logprobs = self._echo_logprobs(output, logprobs)
+                    offsets[choice] = offsets.get(choice, 0) + len(text)
+                    if text or sample.token_ids or sample.finished:
+                        choices.append({"index": choice, "text": text, "logprobs": logprobs,
+                                        "finish_reason": _finish_reason(sample),
+                                        "stop_reason": sample.stop_reason})
+                if choices:
+                    yield sse(self._envelope(choices, chunk=True))
+            if body.include_usage:
+                yield sse(self._envelope([], self._usage(), chunk=True))
+            yield sse("[DONE]")
+        except Exception as e:
+            yield sse(stream_error(e, self.request_id).body())
+        finally:
+            for s in self.streams:
+                s.close()
+
+    def _completion_logprobs(self, positions: list[PositionLogprobs | None] | None,
+                             token_ids: list[int], offset: int) -> dict:
+        """The legacy completions logprobs: tokens, their logprobs, the top alternatives (and
+        the chosen token) at each position, and each token's character offset."""
+        result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                   "text_offset": []}
+        for token_id, position in zip(token_ids, positions or []):
+            if position is None:  # the first prompt token has no logprob
+                token, logprob, top = self.tokenizer.decode([token_id]), None, None
+            else:
+                token = position[token_id].decoded_token
+                logprob = position[token_id].logprob
+                top = {p.decoded_token: p.logprob for p in position.values()}
+            result["tokens"].append(token)
+            result["token_logprobs"].append(logprob)
+            result["top_logprobs"].append(top)
+            result["text_offset"].append(offset)
+            offset += len(token)
+        return result
+
+    def _echo_logprobs(self, output: RequestOutput, generated: dict) -> dict:
+        prompt = self._completion_logprobs(output.prompt_logprobs, output.prompt_token_ids, 0)
+        shift = prompt["text_offset"][-1] + len(prompt["tokens"][-1])
+        generated["text_offset"] = [o + shift for o in generated["text_offset"]]
+        return {key: prompt[key] + generated[key] for key in prompt}
+
+    # /v1/chat/completions
+
+    async def chat(self, body: ChatCompletionRequest) -> dict:
+        output = (await final_outputs(self.streams))[0]
+        choices = [{"index": sample.index,
+                    "message": {"role": "assistant", "content": sample.text},
+                    "logprobs": self._chat_logprobs(sample, body.top_logprobs or 0)
+                    if body.logprobs else None,
+                    "finish_reason": _finish_reason(sample), "stop_reason": sample.stop_reason}
+                   for sample in output.outputs]
+        return self._envelope(choices, self._usage())
+
+    async def chat_chunks(self, body: ChatCompletionRequest) -> AsyncIterator[str]:
+        started: set[int] = set()
+        try:
+            async for _, output in merge(self.streams):
+                choices = []
+                for sample in output.outputs:
+                    delta: dict[str, str] = {}
+                    if sample.index not in started:
+                        started.add(sample.index)
+                        delta["role"] = "assistant"
+                    if sample.text or "role" in delta:
+                        delta["content"] = sample.text
+                    logprobs = self._chat_logprobs(sample, body.top_logprobs or 0) \
+                        if body.logprobs and sample.token_ids else None
+                    if delta or logprobs or sample.finished:
+                        choices.append({"index": sample.index, "delta": delta,
+                                        "logprobs": logprobs,
+                                        "finish_reason": _finish_reason(sample),
+                                        "stop_reason": sample.stop_reason})
+                if choices:
+                    yield sse(self._envelope(choices, chunk=True))
+            if body.include_usage:
+                yield sse(self._envelope([], self._usage(), chunk=True))
+            yield sse("[DONE]")
+        except Exception as e:
+            yield sse(stream_error(e, self.request_id).body())
+        finally:
+            for s in self.streams:
+                s.close()
+
+    def _chat_logprobs(self, sample: CompletionOutput, top: int) -> dict:
+        def entry(token: str, logprob: float) -> dict:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+        content = []
+        for token_id, position in zip(sample.token_ids, sample.logprobs or []):
+            chosen = position[token_id]
+            ranked = sorted(position.values(), key=lambda p: p.rank)[:top]
+            content.append({**entry(chosen.decoded_token, chosen.logprob),
+                            "top_logprobs": [entry(p.decoded_token, p.logprob) for p in ranked]})
+        return {"content": content}

@@ -1,0 +1,89 @@
+"""Prometheus metrics of a serving engine: what `/metrics` shows."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from runtime.engine.core_proc import CoreStats
+from runtime.outputs import RequestMetrics
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+                   160.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                         0.5, 0.75, 1.0, 2.5)
+
+
+class Metrics:
+    """One registry per server, labelled with the served model name; implements the engine's
+    `StatsListener`."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.running = gauge("runtime:num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("runtime:num_requests_waiting",
+                             "Sequences waiting for a place in the running batch.")
+        self.kv_usage = gauge("runtime:kv_cache_usage_perc",
+                              "Share of KV-cache blocks in use (1 = full).")
+        self.hit_rate = gauge("runtime:prefix_cache_hit_rate",
+                              "Share of looked-up prompt tokens found in the prefix cache.")
+        self.preemptions = counter("runtime:num_preemptions", "Sequences preempted so far.")
+        self.prompt_tokens = counter("runtime:prompt_tokens", "Prompt tokens of added requests.")
+        self.generation_tokens = counter("runtime:generation_tokens", "Generated tokens.")
+        self.requests = Counter("runtime:request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+        self.rejected = counter("runtime:request_rejected",
+                                "Requests refused because the waiting queue was full.")
+        self.ttft = histogram("runtime:time_to_first_token_seconds",
+                              "Arrival to first generated token.", LATENCY_BUCKETS)
+        self.tpot = histogram("runtime:time_per_output_token_seconds",
+                              "Mean time between generated tokens, per request.",
+                              TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("runtime:e2e_request_latency_seconds",
+                             "Arrival to the last output.", LATENCY_BUCKETS)
+        self.model_name = model_name
+        self._num_preemptions = 0
+
+    def on_core_stats(self, stats: CoreStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.hit_rate.set(stats.prefix_cache_hit_rate)
+        self.preemptions.inc(stats.num_preemptions - self._num_preemptions)
+        self._num_preemptions = stats.num_preemptions
+
+    def on_request_added(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_tokens(self, num_tokens: int) -> None:
+        self.generation_tokens.inc(num_tokens)
+
+    def on_request_rejected(self) -> None:
+        self.rejected.inc()
+
+    def on_request_finished(self, finish_reason: str, metrics: RequestMetrics,
+                            tokens_per_sample: float) -> None:
+        end = metrics.finished_time or time.monotonic()
+        self.requests.labels(self.model_name, finish_reason).inc()
+        self.e2e.observe(end - metrics.arrival_time)
+        if metrics.first_token_time is None:
+            return
+        self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
+        if tokens_per_sample > 1:
+            self.tpot.observe((end - metrics.first_token_time) / (tokens_per_sample - 1))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

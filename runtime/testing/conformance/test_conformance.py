@@ -1,0 +1,181 @@
+"""One platform, every hook its plugins implement, checked against the portable references."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from attention_backends.base import AttentionBackend
+from attention_backends.torch_paged import TorchPagedAttention
+from plugins.interfaces import CommunicatorSpec, GraphRunner, Platform
+from plugins.selection import explain_attention_backends, explain_platforms
+from runtime.layers.activation import silu_and_mul
+from runtime.layers.layernorm import rms_norm
+from runtime.testing.paged_batch import run_two_steps
+
+# decodes first, then prefill chunks with and without earlier context
+QUERY_LENS, SEQ_LENS = [1, 1, 1, 7, 20], [9, 40, 17, 7, 45]
+PROMPTS = [[1, 5, 9, 23, 77, 4, 300], [1] + list(range(100, 140)), [1, 42, 43], [1, 7] * 12]
+MAX_TOKENS = 8
+ENGINE = dict(kv_cache_memory="64MiB", max_num_batched_tokens=32, max_num_seqs=8)
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype == torch.float32 else 3e-2
+
+
+def test_platform_is_detected(platform: Platform, device_name: str | None):
+    rows = {r["name"]: r for r in explain_platforms(device_name)}
+    assert rows[platform.name]["detected"] and rows[platform.name]["active"]
+
+
+def test_platform_answers(platform: Platform):
+    assert platform.device(0).type == platform.device_type
+    assert platform.default_dtype() in platform.supported_dtypes()
+    assert isinstance(platform.describe(), dict)
+    platform.synchronize()
+    assert platform.measure_peak_memory(lambda: None) >= 0
+    assert platform.kv_cache_memory_bytes(None, 0) > 0
+    assert platform.kv_cache_memory_bytes(1 << 20, 0) == 1 << 20
+
+
+def _backend(hook, platform, model_info, requested=None) -> type[AttentionBackend]:
+    backend = hook.runtime_attention_backend(platform=platform, model=model_info,
+                                             requested=requested)
+    assert backend is not None, f"no plugin supplies attention for {platform.name}"
+    assert issubclass(backend, AttentionBackend) and backend.name
+    return backend
+
+
+@pytest.mark.parametrize("window", [None, 12], ids=["full", "sliding-window"])
+def test_attention_matches_the_portable_backend(hook, platform, model_info, window):
+    model_info = type(model_info)(**{**model_info.__dict__, "sliding_window": window})
+    backend = _backend(hook, platform, model_info)
+    shape = (QUERY_LENS, SEQ_LENS, model_info.block_size, model_info.num_heads,
+             model_info.num_kv_heads, model_info.head_size)
+    got = run_two_steps(backend, *shape, model_info.dtype, platform.device(0), window)
+    want = run_two_steps(TorchPagedAttention, *shape, torch.float32, "cpu", window)
+    tol = _tolerance(model_info.dtype)
+    for step, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, atol=tol, rtol=tol, msg=f"{backend.name}, step {step}")
+
+
+def test_unknown_backend_is_refused_clearly(hook, platform, model_info):
+    with pytest.raises(ValueError, match="no-such-backend"):
+        _backend(hook, platform, model_info, "no-such-backend")
+
+
+def test_backend_candidates_explain_the_choice(platform, model_info):
+    report = explain_attention_backends(platform, model_info)
+    assert report["error"] is None and report["chosen"]
+    rows = report["backends"]
+    assert sum(r["chosen"] for r in rows) == 1
+    assert all(r["reason"] for r in rows if not r["usable"]), "every refusal needs its reason"
+
+
+def test_graph_runner(hook, platform, model_info):
+    runner = hook.runtime_graph_runner(platform=platform, model=model_info, enforce_eager=False)
+    if runner is None:
+        pytest.skip(f"no graph runner for {platform.name}: the engine runs eagerly")
+    assert isinstance(runner, GraphRunner) and runner.name
+    eager = hook.runtime_graph_runner(platform=platform, model=model_info, enforce_eager=True)
+    assert eager is None or isinstance(eager, GraphRunner)
+
+
+_generations: dict[tuple, list[list[int]]] = {}
+
+
+def _generate(model: str, platform: Platform, dtype: torch.dtype,
+              enforce_eager: bool = False) -> list[list[int]]:
+    """Greedy tokens for PROMPTS from an engine on the platform (each setting run once)."""
+    key = (model, platform.name, dtype, enforce_eager)
+    if key not in _generations:
+        from runtime import LLM, SamplingParams
+        llm = LLM(model, device=platform.name, dtype=str(dtype).removeprefix("torch."),
+                  enforce_eager=enforce_eager, **ENGINE)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        _generations[key] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    return _generations[key]
+
+
+def test_generate_matches_transformers(platform, test_dtype, tiny_model):
+    if test_dtype != torch.float32:
+        pytest.skip(f"{platform.name} has no float32: greedy parity needs it")
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                for p in PROMPTS]
+    assert _generate(tiny_model, platform, torch.float32) == want
+
+
+def test_recorded_and_eager_runs_agree(platform, tiny_model):
+    """The graph runner (CUDA graphs, XLA buckets, torch.compile …) changes no token."""
+    dtype = platform.default_dtype()
+    assert _generate(tiny_model, platform, dtype) == \
+           _generate(tiny_model, platform, dtype, enforce_eager=True)
+
+
+CUSTOM_OPS = {
+    "rms_norm": (rms_norm, lambda d, t: (torch.randn(7, 64, device=d, dtype=t),
+                                         torch.randn(64, device=d, dtype=t), 1e-6)),
+    "silu_and_mul": (silu_and_mul, lambda d, t: (torch.randn(7, 128, device=d, dtype=t),)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUSTOM_OPS))
+def test_custom_op_matches_the_portable_one(hook, platform, test_dtype, name):
+    op = hook.runtime_custom_op(platform=platform, name=name)
+    if op is None:
+        pytest.skip(f"{platform.name} keeps the portable {name}")
+    portable, make_args = CUSTOM_OPS[name]
+    args = make_args(platform.device(0), test_dtype)
+    tol = _tolerance(test_dtype)
+    torch.testing.assert_close(op(*args).float().cpu(), portable(*args).float().cpu(),
+                               atol=tol, rtol=tol)
+
+
+def test_quantization_kernel_hook_answers(hook, platform):
+    answers = {m: hook.runtime_quantization_kernel(platform=platform, method=m, params={})
+               for m in ("int8", "int4", "fp8")}
+    if all(a is None for a in answers.values()):
+        pytest.skip(f"{platform.name} supplies no quantization kernel (portable ones run)")
+    # A weight-only int8/int4 kernel computes the same product as the method's reference.
+    from quantization.weight_only import Int4Config, Int8Config
+    device = platform.device(0)
+    for config in (Int8Config(), Int4Config(group_size=32, symmetric=False)):
+        kernel = hook.runtime_quantization_kernel(platform=platform, method=config.name,
+                                                  params=config.kernel_params())
+        if kernel is None or not kernel.supports(64, 128):
+            continue
+        torch.manual_seed(0)
+        w, x = torch.randn(64, 128, device=device), torch.randn(5, 128, device=device)
+        q = config.quantize(w, torch.float32)
+        ours, ref = torch.nn.Module(), torch.nn.Module()
+        kernel.pack(ours, q)
+        config.reference_kernel().pack(ref, q)
+        torch.testing.assert_close(kernel.apply(ours, x).float().cpu(),
+                                   config.reference_kernel().apply(ref, x).float().cpu(),
+                                   atol=1e-3, rtol=1e-3)
+
+
+def test_communicator_of_one_rank(hook, platform):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialised in this process")
+    comm = hook.runtime_communicator(platform=platform,
+                                     spec=CommunicatorSpec([0], 0, f"tcp://127.0.0.1:{port}"))
+    if comm is None:
+        pytest.skip(f"{platform.name} supplies no communicator")
+    try:
+        x = torch.arange(4.0, device=platform.device(0))
+        assert torch.equal(comm.all_reduce(x.clone()).cpu(), x.cpu())
+        assert comm.all_gather(x, dim=0).shape == (4,)
+        assert (comm.rank, comm.world_size) == (0, 1)
+    finally:
+        dist.destroy_process_group()

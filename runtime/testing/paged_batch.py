@@ -1,0 +1,105 @@
+"""Random mixed batches over a paged KV cache, for checking attention backends against each other."""
+from __future__ import annotations
+
+import torch
+
+from attention_backends.base import AttentionMetadata
+
+
+def make_batch(query_lens: list[int], seq_lens: list[int], block_size: int, num_heads: int,
+               num_kv_heads: int, head_size: int, dtype: torch.dtype = torch.float32,
+               device: str = "cpu", seed: int = 0):
+    """A flat batch (decodes first, as the model runner orders it) over a cache whose blocks are
+    handed out in shuffled order and pre-filled with the requests' earlier context.
+
+    Returns (query, key, value, kv_cache, metadata).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3  # a few never-used blocks
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(seq_lens), max(blocks_per_req), dtype=torch.int32)
+    slots = []
+    for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
+        ids = [order.pop() for _ in range(blocks_per_req[i])]
+        tables[i, :len(ids)] = torch.tensor(ids)
+        slots += [ids[p // block_size] * block_size + p % block_size for p in range(s - q, s)]
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen)
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_heads, head_size, generator=gen)
+    key = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen)
+    value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    decodes = next((i for i, q in enumerate(query_lens) if q > 1), len(query_lens))
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device), query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_decode_tokens=decodes)
+    to = dict(device=device, dtype=dtype)
+    return query.to(**to), key.to(**to), value.to(**to), kv_cache.to(**to), metadata
+
+
+def run_backend(backend_cls, batch, sliding_window: int | None = None) -> tuple[torch.Tensor,
+                                                                                 torch.Tensor]:
+    """One layer's forward on a copy of the batch's cache; returns (output, cache after)."""
+    query, key, value, kv_cache, metadata = batch
+    num_heads, head_size = query.shape[1:]
+    impl = backend_cls(num_heads, head_size, head_size ** -0.5, key.shape[1], sliding_window)
+    cache = kv_cache.clone()
+    return impl.forward(query, key, value, cache, metadata), cache
+
+
+def run_two_steps(backend_cls, query_lens: list[int], seq_lens: list[int], block_size: int,
+                  num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+                  device: str | torch.device, sliding_window: int | None = None,
+                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run one layer of `backend_cls` for two steps over a cache in the backend's own layout.
+
+    Step 1 prefills each request's earlier context (writing it through the backend), step 2
+    runs the batch of new tokens (`query_lens`, decodes first) reading it back. Works for any
+    cache layout a backend declares. Returns both steps' outputs, on the CPU in float32.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[order.pop() for _ in range(-(-s // block_size))] for s in seq_lens]
+    width = max(map(len, tables))
+    qkv = [torch.randn(s, num_heads + 2 * num_kv_heads, head_size, generator=gen)
+           for s in seq_lens]
+    impl = backend_cls(num_heads, head_size, head_size ** -0.5, num_kv_heads, sliding_window)
+    cache = torch.zeros(backend_cls.kv_cache_shape(num_blocks, block_size, num_kv_heads,
+                                                   head_size), dtype=dtype, device=device)
+    context = [(i, 0, s - q) for i, (q, s) in enumerate(zip(query_lens, seq_lens)) if s > q]
+    context.sort(key=lambda c: c[2] > 1)  # one-token requests first
+    new = [(i, s - q, s) for i, (q, s) in enumerate(zip(query_lens, seq_lens))]
+    outs = []
+    for step in (context, new):
+        if not step:
+            outs.append(torch.empty(0))
+            continue
+        rows = torch.cat([qkv[i][lo:hi] for i, lo, hi in step]).to(device=device, dtype=dtype)
+        q, k, v = rows.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+        slots = [tables[i][p // block_size] * block_size + p % block_size
+                 for i, lo, hi in step for p in range(lo, hi)]
+        starts = [0]
+        for _, lo, hi in step:
+            starts.append(starts[-1] + hi - lo)
+        lens = [hi for _, _, hi in step]
+        qlens = [hi - lo for _, lo, hi in step]
+        table = torch.zeros(len(step), width, dtype=torch.int32)
+        for row, (i, _, _) in enumerate(step):
+            table[row, :len(tables[i])] = torch.tensor(tables[i])
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            block_tables=table.to(device), query_start_loc_cpu=starts, seq_lens_cpu=lens,
+            max_query_len=max(qlens), max_seq_len=max(lens),
+            num_decode_tokens=next((j for j, n in enumerate(qlens) if n > 1), len(qlens)))
+        outs.append(impl.forward(q.contiguous(), k.contiguous(), v.contiguous(), cache, md)
+                    .float().cpu())
+    return outs[0], outs[1]

@@ -1,0 +1,99 @@
+"""The accelerator platforms' host-side parts: memory budgets, graph sizes, padding, collectives."""
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from platforms.cuda.graph_runner import capture_sizes, replay_size
+from platforms.cuda.platform import GiB, CudaPlatform, GpuDevice, kv_cache_budget
+from platforms.distributed import TorchDistCommunicator
+from platforms.tpu.graph_runner import bucket, buckets, pad_metadata
+from platforms.tpu.platform import memory_info
+from platforms.xpu import collective_backend
+from plugins.interfaces import CommunicatorSpec
+from tests.platforms.fakes import fake_libraries
+from runtime.testing.paged_batch import make_batch
+
+H100 = GpuDevice(0, "H100", (9, 0), 80 * GiB)
+
+
+def test_kv_budget_from_free_memory():
+    # 80 GiB card, 0.9 usable = 72 GiB; 16 GiB model (weights + activation peak); the CUDA
+    # context and another process hold 3 GiB outside torch's allocator (62 used, 59 by torch).
+    budget = kv_cache_budget(None, free=18 * GiB, total=80 * GiB, reserved=59 * GiB,
+                             model_bytes=16 * GiB, utilization=0.9, device_name="H100")
+    assert budget == int(80 * GiB * 0.9) - 16 * GiB - 3 * GiB
+    assert kv_cache_budget(GiB, 18 * GiB, 80 * GiB, 0, 0, 0.9, "H100") == GiB
+    with pytest.raises(ValueError, match="asks for 20.00 GiB but H100 has 18.00 GiB free"):
+        kv_cache_budget(20 * GiB, 18 * GiB, 80 * GiB, 0, 0, 0.9, "H100")
+    with pytest.raises(ValueError, match="raise --gpu-memory-utilization"):
+        kv_cache_budget(None, 4 * GiB, 80 * GiB, 70 * GiB, 70 * GiB, 0.9, "H100")
+
+
+def test_platform_reads_the_device(monkeypatch):
+    """The platform's own call path, with torch.cuda's memory answers faked."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (40 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 38 * GiB)
+    platform = CudaPlatform([H100])
+    platform.set_memory_utilization(0.5)
+    assert platform.kv_cache_memory_bytes(None, 10 * GiB) == 40 * GiB - 10 * GiB - 2 * GiB
+    with pytest.raises(ValueError, match="must be in"):
+        platform.set_memory_utilization(1.5)
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(256)[:5] == [1, 2, 4, 8, 16] and capture_sizes(256)[-1] == 256
+    assert capture_sizes(10_000)[-1] == 512
+
+
+def test_replay_only_decode_batches_that_fit():
+    sizes = [1, 2, 4, 8]
+    decodes = make_batch([1, 1, 1], [5, 9, 3], 4, 2, 1, 16)[4]
+    assert replay_size(sizes, 3, decodes) == 4
+    mixed = make_batch([1, 4], [5, 9], 4, 2, 1, 16)[4]
+    assert replay_size(sizes, 5, mixed) is None
+    many = make_batch([1] * 9, [3] * 9, 4, 2, 1, 16)[4]
+    assert replay_size(sizes, 9, many) is None
+
+
+def test_tpu_buckets_and_padding():
+    assert buckets(16, 100) == [16, 32, 64, 100] and bucket([16, 32, 64, 100], 33) == 64
+    md = make_batch([1, 3], [4, 7], 4, 2, 1, 16)[4]
+    padded = pad_metadata(md, num_tokens=16, num_reqs=4, max_query_len=4, table_width=5,
+                          max_seq_len=64)
+    assert padded.slot_mapping.tolist()[4:] == [-1] * 12
+    assert padded.query_start_loc.tolist() == [0, 1, 4, 4, 4]
+    assert padded.seq_lens.tolist() == [4, 7, 0, 0]
+    assert padded.block_tables.shape == (4, 5) and padded.num_reqs == 4
+    assert memory_info({"bytes_used": 1, "bytes_limit": 8}) == (1, 8)
+    assert memory_info({"kb_free": 6, "kb_total": 8}) == (2048, 8192)
+
+
+def test_xpu_collectives_backend(monkeypatch):
+    monkeypatch.setattr(dist, "is_xccl_available", lambda: True, raising=False)
+    assert collective_backend() == "xccl"
+    monkeypatch.setattr(dist, "is_xccl_available", lambda: False, raising=False)
+    fake_libraries(monkeypatch, missing=("oneccl_bindings_for_pytorch",))
+    with pytest.raises(RuntimeError, match="no XPU collectives"):
+        collective_backend()
+
+
+def test_torch_dist_communicator_on_gloo():
+    """The shared communicator class, over gloo on a world of one (NCCL needs a GPU)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    comm = TorchDistCommunicator(CommunicatorSpec([0], 0, f"tcp://127.0.0.1:{port}"), "gloo",
+                                 torch.device("cpu"))
+    try:
+        x = torch.arange(6.0).view(2, 3).t()  # not contiguous
+        assert torch.equal(comm.all_reduce(x), torch.arange(6.0).view(2, 3).t())
+        assert comm.all_gather(torch.ones(2, 1), dim=-1).shape == (2, 1)
+        assert comm.broadcast_object({"a": 1}) == {"a": 1}
+        assert (comm.rank, comm.world_size) == (0, 1)
+    finally:
+        dist.destroy_process_group()
