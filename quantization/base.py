@@ -47,14 +47,14 @@ class QuantizationConfig(ABC):
     kernel: Any = None
 
     @classmethod
-    def from_options(cls, options: dict[str, str]) -> "QuantizationConfig":
+    def from_options(cls, options: dict[str, str]) -> QuantizationConfig:
         """The method as asked for by `--quantization NAME[:key=value,...]`."""
         if options:
             raise ValueError(f"quantization {cls.name!r} takes no options, got {options}")
         return cls()
 
     @classmethod
-    def from_checkpoint(cls, config: dict) -> "QuantizationConfig":
+    def from_checkpoint(cls, config: dict) -> QuantizationConfig:
         """The method as described by a checkpoint's `quantization_config`."""
         raise ValueError(f"quantization {cls.name!r} cannot be read from a checkpoint")
 

@@ -104,7 +104,7 @@ def dequantize_blocks(qtype: int, blocks: torch.Tensor) -> torch.Tensor:
 
 def dequantize(qtype: int, data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """Raw rows [out, bytes per row] of `qtype` -> float32 [out, in]."""
-    _, block, size = GGML_TYPES[qtype]
+    size = GGML_TYPES[qtype][2]
     return dequantize_blocks(qtype, data.reshape(-1, size)).reshape(shape)
 
 
@@ -128,7 +128,7 @@ class GGUFLinearMethod(LinearMethod):
     name = "gguf"
     custom_loader = True
 
-    def __init__(self, config: "GGUFConfig") -> None:
+    def __init__(self, config: GGUFConfig) -> None:
         self.config = config
         self.parts: dict = {}
         self.segments: list[tuple[int, str, int]] = []

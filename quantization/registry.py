@@ -24,7 +24,7 @@ def register_method(cls: type[QuantizationConfig]) -> type[QuantizationConfig]:
 
 def quantization_methods() -> dict[str, type[QuantizationConfig]]:
     """Every registered method, by name (built-ins imported on first call)."""
-    import quantization.gguf  # noqa: F401  (registers gguf)
+    import quantization.gguf
     import quantization.weight_only  # noqa: F401  (registers int8, int4)
     return dict(_METHODS)
 

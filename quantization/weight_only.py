@@ -130,7 +130,7 @@ class Int4ReferenceKernel:
 class WeightOnlyLinearMethod(LinearMethod):
     """Float weight while loading; quantized and packed for the kernel afterwards."""
 
-    def __init__(self, config: "WeightOnlyConfig") -> None:
+    def __init__(self, config: WeightOnlyConfig) -> None:
         self.config = config
         self.name = config.name
         self.kernel = None
@@ -213,8 +213,17 @@ class Int4Config(WeightOnlyConfig):
     def kernel_params(self) -> dict:
         return {"bits": 4, "group_size": self.group_size, "symmetric": self.symmetric}
 
+    def group_size_for(self, in_features: int) -> int:
+        """The configured group size, or the largest smaller one that divides `in_features`
+        (SmolLM2's 576 takes 64 when 128 is asked for)."""
+        for g in sorted(INT4_GROUP_SIZES, reverse=True):
+            if g <= self.group_size and in_features % g == 0:
+                return g
+        raise ValueError(f"int4: input size {in_features} is not a multiple of any group size "
+                         f"up to {self.group_size}")
+
     def quantize(self, w: torch.Tensor, scale_dtype: torch.dtype) -> QuantizedWeight:
-        return quantize_int4(w, self.group_size, self.symmetric, scale_dtype)
+        return quantize_int4(w, self.group_size_for(w.shape[1]), self.symmetric, scale_dtype)
 
     def reference_kernel(self):
         return Int4ReferenceKernel()

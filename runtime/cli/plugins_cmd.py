@@ -76,7 +76,26 @@ def _active(platform: Platform, requested: str | None = None) -> dict[str, Any]:
         "attention_backend": attention,
         "attention_backends": considered,
         "graph_runner": graph,
+        "quantization": _quantization(hook, platform),
     }
+
+
+def _quantization(hook: Any, platform: Platform) -> list[dict[str, Any]]:
+    """Each quantization method: the kernel this platform's plugins supply, else the reference."""
+    from quantization.registry import quantization_methods
+    rows = []
+    for name, cls in sorted(quantization_methods().items()):
+        try:
+            config = cls()
+            kernel = hook.runtime_quantization_kernel(platform=platform, method=name,
+                                                      params=config.kernel_params())
+            chosen = (f"{kernel.name} (plugin)" if kernel is not None else
+                      f"{config.reference_kernel().name} (reference)")
+        except Exception as e:
+            chosen = f"unavailable: {type(e).__name__}: {e}"
+        rows.append({"name": name, "kernel": chosen,
+                     "fast_on": ", ".join(cls.fast_kernel_platforms) or "none yet"})
+    return rows
 
 
 def _render(report: dict[str, Any]) -> str:
@@ -98,6 +117,9 @@ def _render(report: dict[str, Any]) -> str:
              "graph runner": active["graph_runner"]}
     width = max(map(len, facts))
     lines += [f"  {k + ':':<{width + 1}} {v}" for k, v in facts.items()]
+    lines += ["", "Quantization methods:"]
+    lines += _table(["METHOD", "KERNEL HERE", "FAST KERNEL ON"],
+                    [[q["name"], q["kernel"], q["fast_on"]] for q in active.get("quantization", [])])
     lines += ["", "Attention backends considered:"]
     lines += _table(["NAME", "PLUGIN", "PRIORITY", "USABLE", "STATUS"],
                     [[b["name"], b["plugin"], "" if b["priority"] is None else str(b["priority"]),

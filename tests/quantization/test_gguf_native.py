@@ -9,8 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from quantization.gguf import (GGML_TYPES, GGUFConfig, GGUFWeight, dequantize,
-                               dequantize_blocks)
+from quantization.gguf import (
+    GGML_TYPES,
+    GGUFConfig,
+    GGUFWeight,
+    dequantize,
+    dequantize_blocks,
+)
 from runtime import LLM, SamplingParams
 from runtime.default_model import default_model_path
 from runtime.layers.build_context import BuildContext
@@ -45,9 +50,14 @@ def test_dequantize_matches_gguf(qtype):
     np.testing.assert_array_equal(ours.numpy(), ref)
 
 
-def test_smollm2_tensors_match_gguf():
+@pytest.fixture(scope="module")
+def smollm2_reader():
+    return gguf.GGUFReader(default_model_path())
+
+
+def test_smollm2_tensors_match_gguf(smollm2_reader):
     """The file's own Q4_1 and Q8_0 tensors (first rows), dequantized both ways."""
-    reader = gguf.GGUFReader(default_model_path())
+    reader = smollm2_reader
     seen = set()
     for t in reader.tensors:
         if t.tensor_type.name in ("Q4_1", "Q8_0") and t.tensor_type.name not in seen:
@@ -80,13 +90,14 @@ def test_fused_layer_with_mixed_types():
     torch.testing.assert_close(layer(x), x @ torch.cat(dense).T, atol=1e-4, rtol=1e-4)
 
 
-def test_smollm2_native_matches_dequantized():
-    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 9690, 28, 2683, 253, 1377, 2439, 30, 198]]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+def test_smollm2_native_matches_dequantized(smollm2_reader):
+    # Every forward pass dequantizes all 210 linear weights, so the run is kept short.
+    prompts = [[1, 504, 3458, 282], [1, 9690, 28, 2683]]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=0)
     runs = {}
     for q in (None, "gguf"):
-        llm = LLM(dtype="float32", kv_cache_memory="16MiB", max_model_len=256,
-                  max_num_batched_tokens=64, quantization=q)
+        llm = LLM(dtype="float32", kv_cache_memory="4MiB", max_model_len=32, max_num_seqs=2,
+                  max_num_batched_tokens=8, quantization=q)
         runs[q] = (llm, llm.generate(prompts, params))
     for a, b in zip(runs["gguf"][1], runs[None][1]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -95,7 +106,7 @@ def test_smollm2_native_matches_dequantized():
         assert max(abs(x - y) for x, y in zip(la, lb)) < 2e-3
 
     # Resident bytes of the linear layers: exactly the file's quantized blocks.
-    reader = gguf.GGUFReader(default_model_path())
+    reader = smollm2_reader
     linear = (".attn_q.", ".attn_k.", ".attn_v.", ".attn_output.", ".ffn_gate.", ".ffn_up.",
               ".ffn_down.")
     expected = sum(int(t.n_bytes) for t in reader.tensors if any(s in t.name for s in linear))

@@ -13,8 +13,14 @@ from safetensors.torch import load_file, save_file
 from plugins.manager import get_plugin_manager
 from quantization.cpu import Int4PackKernel, Int8PackKernel
 from quantization.registry import build_quant_config, parse_spec, quantization_methods
-from quantization.weight_only import (Int4Config, Int4ReferenceKernel, Int8Config,
-                                      Int8ReferenceKernel, quantize_int4, quantize_int8)
+from quantization.weight_only import (
+    Int4Config,
+    Int4ReferenceKernel,
+    Int8Config,
+    Int8ReferenceKernel,
+    quantize_int4,
+    quantize_int8,
+)
 from runtime import LLM, SamplingParams
 from runtime.layers.linear import LinearBase
 from tests.parity import PROMPTS
@@ -92,6 +98,14 @@ def test_int4_cpu_kernel_bf16_activations():
     torch.testing.assert_close(y.float(), x @ q.dequantize().T, atol=0.15, rtol=0.02)
 
 
+def test_int4_group_size_falls_back_to_a_divisor():
+    cfg = Int4Config(group_size=128)
+    assert cfg.group_size_for(1536) == 128 and cfg.group_size_for(576) == 64
+    assert cfg.quantize(torch.randn(8, 576), torch.float32).group_size == 64
+    with pytest.raises(ValueError, match="group size"):
+        cfg.group_size_for(80)
+
+
 def test_registry_and_spec_parsing():
     assert {"int8", "int4"} <= set(quantization_methods())
     assert parse_spec("INT4:group_size=64, symmetric=0") == ("int4",
@@ -106,12 +120,17 @@ def test_registry_and_spec_parsing():
     assert build_quant_config(None, object()) is None
 
 
-def test_platform_hook_supplies_the_kernel():
+def test_platform_hook_supplies_the_kernel(monkeypatch):
     from platforms.cpu.platform import CpuPlatform
+    from quantization.cpu import KERNEL_ENV
     hook = get_plugin_manager().hook
     cpu = CpuPlatform()
+    monkeypatch.setenv(KERNEL_ENV, "native")
     assert isinstance(build_quant_config("int8", object(), cpu, hook).kernel, Int8PackKernel)
     assert isinstance(build_quant_config("int4", object(), cpu, hook).kernel, Int4PackKernel)
+    monkeypatch.setenv(KERNEL_ENV, "reference")  # what an AVX2-only CPU gets by default
+    assert isinstance(build_quant_config("int8", object(), cpu, hook).kernel, Int8ReferenceKernel)
+    assert isinstance(build_quant_config("int4", object(), cpu, hook).kernel, Int4ReferenceKernel)
     assert "cpu" in Int8Config.fast_kernel_platforms and "cpu" in Int4Config.fast_kernel_platforms
 
 
@@ -147,9 +166,13 @@ def _linear_shapes(llm) -> list[tuple[int, int]]:
     return [(m.output_size, m.input_size) for m in model.modules() if isinstance(m, LinearBase)]
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4:group_size=32,symmetric=1",
-                                  "int4:group_size=64,symmetric=0"])
-def test_quantized_model_matches_dequantized_model(spec, tiny_model_factory, tmp_path):
+@pytest.mark.parametrize("spec,kernel", [("int8", "native"), ("int8", "reference"),
+                                         ("int4:group_size=32,symmetric=1", "native"),
+                                         ("int4:group_size=64,symmetric=0", "reference")])
+def test_quantized_model_matches_dequantized_model(spec, kernel, tiny_model_factory, tmp_path,
+                                                   monkeypatch):
+    from quantization.cpu import KERNEL_ENV
+    monkeypatch.setenv(KERNEL_ENV, kernel)
     path = tiny_model_factory("LlamaForCausalLM", intermediate_size=256)
     config = build_quant_config(spec, object())
     dense = _dequantized_copy(path, str(tmp_path / "dequantized"), config)
@@ -189,3 +212,18 @@ def test_checkpoint_quantization_config_must_agree(tiny_model_factory, tmp_path)
         json.dump(cfg, f)
     with pytest.raises(ValueError, match="int4"):
         LLM(path, dtype="float32", kv_cache_memory="16MiB", quantization="int4")
+
+
+def test_runtime_plugins_lists_quantization_kernels(capsys, monkeypatch):
+    import argparse
+
+    from quantization.cpu import KERNEL_ENV
+    from runtime.cli.plugins_cmd import plugins_command
+    monkeypatch.setenv(KERNEL_ENV, "native")
+    assert plugins_command(argparse.Namespace(device="cpu", json=False)) == 0
+    out = capsys.readouterr().out
+    assert "Quantization methods:" in out
+    assert "cpu_int8pack_mm (plugin)" in out and "gguf_reference (reference)" in out
+    monkeypatch.setenv(KERNEL_ENV, "reference")
+    plugins_command(argparse.Namespace(device="cpu", json=False))
+    assert "int8_reference (reference)" in capsys.readouterr().out
