@@ -98,11 +98,18 @@ def runtime_quantization_kernel(platform: Any, method: str, params: dict) -> Any
 
 @hookspec(firstresult=True)
 def runtime_custom_op(platform: Any, name: str) -> Any:
-    """Replace a named layer op (rms_norm, rotary_embedding, silu_and_mul, fused_moe …).
+    """Replace a named layer op.
 
-    Called once per op name when the model's layers are built. Returns a callable with the same
-    signature as the portable implementation in `runtime/layers`, or None to keep the portable
-    one. First non-None answer wins.
+    Called once per op name when the model's layers are built. The names and signatures (the
+    portable implementations live in `runtime/layers`):
+
+    - "rms_norm": (x, weight, eps) -> normed x
+    - "add_rms_norm": (x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
+    - "silu_and_mul": (x) -> silu(x[..., :d]) * x[..., d:]
+
+    Each name is asked for on its own, so a plugin may replace one and keep the others.
+    Returns a callable with that signature, or None to keep the portable one. First non-None
+    answer wins.
     """
 
 

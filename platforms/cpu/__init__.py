@@ -11,14 +11,17 @@ import os
 
 from attention_backends.base import AttentionBackend
 from plugins.hookspecs import hookimpl
-from plugins.interfaces import (Communicator, CommunicatorSpec, EagerRunner, GraphRunner,
-                                ModelInfo, Platform, PlatformCandidate)
+from plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec, EagerRunner,
+                                GraphRunner, ModelInfo, Platform, PlatformCandidate)
+from plugins.selection import choose_attention_backend
+from platforms.common import offer_backend
 from platforms.cpu.communicator import GlooCommunicator
 from platforms.cpu.compile_runner import CompileRunner
 from platforms.cpu.platform import CpuPlatform
 
 CPU_PRIORITY = 0
-ATTENTION_BACKENDS = ("torch_paged",)
+PLUGIN = "cpu"
+ATTENTION_BACKENDS = ("cpu_paged", "torch_paged")
 COMPILE_ENV = "RUNTIME_CPU_COMPILE"
 
 
@@ -28,24 +31,55 @@ def runtime_detect_platforms() -> list[PlatformCandidate]:
     return [PlatformCandidate("cpu", CpuPlatform(), CPU_PRIORITY)]
 
 
+def attention_candidates(platform: Platform, model: ModelInfo) -> list[BackendCandidate]:
+    """The native-kernel backend first (when this host can build its kernels), then the
+    portable one, which runs everywhere."""
+    from attention_backends.cpu_paged import CpuPagedAttention  # imported when first needed
+    from attention_backends.torch_paged import TorchPagedAttention
+    from platforms.cpu import kernels
+    info = getattr(platform, "info", None)
+    native = []
+    if CpuPagedAttention.supports(model.head_size, model.dtype, model.kv_cache_dtype,
+                                  model.sliding_window, platform.device_type)[0]:
+        failed = kernels.load(info.model_name if info else platform.name)
+        native = [f"the CPU kernels did not build: {failed}"] if failed else []
+    return [
+        offer_backend("cpu_paged", CpuPagedAttention, 10, model, "cpu", PLUGIN, native),
+        offer_backend("torch_paged", TorchPagedAttention, 0, model, "cpu", PLUGIN, []),
+    ]
+
+
+@hookimpl
+def runtime_attention_backend_candidates(platform: Platform,
+                                         model: ModelInfo) -> list[BackendCandidate] | None:
+    if platform.device_type != "cpu":
+        return None
+    return attention_candidates(platform, model)
+
+
 @hookimpl
 def runtime_attention_backend(platform: Platform, model: ModelInfo,
                               requested: str | None) -> type[AttentionBackend] | None:
-    """The portable paged attention in plain torch (the only CPU backend for now)."""
+    """`cpu_paged` (native decode kernel) where it builds and fits the model, else the portable
+    `torch_paged`; `requested` must name one of the two."""
     if platform.device_type != "cpu":
         return None
-    if requested not in (None, *ATTENTION_BACKENDS):
-        if platform.name != CpuPlatform.name:
-            return None  # another host platform may know this backend
-        raise ValueError(f"attention backend {requested!r} is not available on the cpu "
-                         f"platform; known: {', '.join(ATTENTION_BACKENDS)}")
-    from attention_backends.torch_paged import TorchPagedAttention  # imported when first needed
-    ok, why = TorchPagedAttention.supports(model.head_size, model.dtype, model.kv_cache_dtype,
-                                           model.sliding_window, platform.device_type)
-    if not ok:
-        raise ValueError(f"attention backend {TorchPagedAttention.name!r} cannot run "
-                         f"{model.architecture}: {why}")
-    return TorchPagedAttention
+    if requested not in (None, *ATTENTION_BACKENDS) and platform.name != CpuPlatform.name:
+        return None  # another host platform may know this backend
+    return choose_attention_backend(attention_candidates(platform, model), requested, "cpu")
+
+
+@hookimpl
+def runtime_custom_op(platform: Platform, name: str):
+    """Fused rms_norm, add_rms_norm and silu_and_mul from the CPU kernels, when they built."""
+    if platform.device_type != "cpu":
+        return None
+    from platforms.cpu import kernels, ops
+    if name not in ops.OPS:
+        return None
+    info = getattr(platform, "info", None)
+    return ops.OPS[name] if kernels.load(info.model_name if info else platform.name) is None \
+        else None
 
 
 @hookimpl

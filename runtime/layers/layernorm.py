@@ -15,16 +15,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The portable fused op: (rms_norm(x + residual), x + residual)."""
+    x = x + residual
+    return rms_norm(x, weight, eps), x
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, ctx: BuildContext) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=ctx.dtype), requires_grad=False)
         self.op = ctx.custom_op("rms_norm") or rms_norm
+        self.add_op = ctx.custom_op("add_rms_norm")  # each op is replaced on its own
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
         if residual is None:
             return self.op(x, self.weight, self.eps)
+        if self.add_op is not None:
+            return self.add_op(x, residual, self.weight, self.eps)
         x = x + residual
         return self.op(x, self.weight, self.eps), x

@@ -12,7 +12,7 @@ from attention_backends.torch_paged import TorchPagedAttention
 from plugins.interfaces import CommunicatorSpec, GraphRunner, Platform
 from plugins.selection import explain_attention_backends, explain_platforms
 from runtime.layers.activation import silu_and_mul
-from runtime.layers.layernorm import rms_norm
+from runtime.layers.layernorm import add_rms_norm, rms_norm
 from runtime.testing.paged_batch import run_two_steps
 
 # decodes first, then prefill chunks with and without earlier context
@@ -122,6 +122,9 @@ def test_recorded_and_eager_runs_agree(platform, tiny_model):
 CUSTOM_OPS = {
     "rms_norm": (rms_norm, lambda d, t: (torch.randn(7, 64, device=d, dtype=t),
                                          torch.randn(64, device=d, dtype=t), 1e-6)),
+    "add_rms_norm": (add_rms_norm, lambda d, t: (torch.randn(7, 64, device=d, dtype=t),
+                                                 torch.randn(7, 64, device=d, dtype=t),
+                                                 torch.randn(64, device=d, dtype=t), 1e-6)),
     "silu_and_mul": (silu_and_mul, lambda d, t: (torch.randn(7, 128, device=d, dtype=t),)),
 }
 
@@ -134,8 +137,9 @@ def test_custom_op_matches_the_portable_one(hook, platform, test_dtype, name):
     portable, make_args = CUSTOM_OPS[name]
     args = make_args(platform.device(0), test_dtype)
     tol = _tolerance(test_dtype)
-    torch.testing.assert_close(op(*args).float().cpu(), portable(*args).float().cpu(),
-                               atol=tol, rtol=tol)
+    to_host = lambda out: tuple(o.float().cpu() for o in out) if isinstance(out, tuple) \
+        else out.float().cpu()
+    torch.testing.assert_close(to_host(op(*args)), to_host(portable(*args)), atol=tol, rtol=tol)
 
 
 def test_quantization_kernel_hook_answers(hook, platform):

@@ -1,0 +1,39 @@
+"""Paged attention for the CPU with a native decode kernel.
+
+Decodes read K and V straight from the cache blocks in one C++ pass per (sequence, KV head),
+instead of gathering every sequence's context into a padded tensor first; prefill chunks run
+as in the portable backend. The kernel is the op `torch.ops.runtime_cpu.paged_attention_decode`,
+which the CPU platform builds and loads before it offers this backend.
+"""
+from __future__ import annotations
+
+import torch
+
+from attention_backends.base import AttentionMetadata
+from attention_backends.torch_paged import TorchPagedAttention
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    name = "cpu_paged"
+
+    @classmethod
+    def supports(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
+                 sliding_window: int | None, device_type: str) -> tuple[bool, str]:
+        if device_type != "cpu":
+            return False, f"runs on the cpu only, not {device_type}"
+        if head_size % 8:
+            return False, f"head size {head_size} is not a multiple of 8"
+        if dtype not in DTYPES or kv_cache_dtype != dtype:
+            return False, (f"needs the KV cache in the model dtype, one of "
+                           f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)}")
+        return True, ""
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                metadata: AttentionMetadata, nd: int, block_size: int) -> torch.Tensor:
+        out = torch.empty_like(q)
+        torch.ops.runtime_cpu.paged_attention_decode(
+            out, q, k_cache, v_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd],
+            self.scale, self.sliding_window or -1)
+        return out

@@ -1,0 +1,161 @@
+// Paged attention for decode steps on the CPU: one query token per sequence, reading K and V
+// straight from the paged cache (no gather), one pass of scores, softmax, weighted sum of V.
+// Work is split over (sequence, KV head) pairs with at::parallel_for, so it follows
+// torch.set_num_threads. Accumulation is in float32 for every cache dtype.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+using namespace runtime_cpu;
+
+// Two accumulators break the FMA dependency chain; n is a multiple of 8.
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t n) {
+  v8f a0 = {}, a1 = {};
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    a0 += load8(q + d) * load8(k + d);
+    a1 += load8(q + d + 8) * load8(k + d + 8);
+  }
+  if (d < n) a0 += load8(q + d) * load8(k + d);
+  return hsum(a0 + a1);
+}
+
+// HEAD > 0 fixes the head size at compile time, so the loops unroll and the output row
+// stays in registers; HEAD == 0 reads it at run time.
+template <typename T, int HEAD>
+void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+            const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+            double scale, int64_t sliding_window) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
+  const int64_t head_size = HEAD > 0 ? HEAD : query.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t kb_stride = k_cache.stride(0), kt_stride = k_cache.stride(1),
+                kh_stride = k_cache.stride(2);
+  const int64_t vb_stride = v_cache.stride(0), vt_stride = v_cache.stride(1),
+                vh_stride = v_cache.stride(2);
+  const int64_t qs_stride = query.stride(0), qh_stride = query.stride(1);
+  const int64_t os_stride = out.stride(0), oh_stride = out.stride(1);
+  const int64_t bt_stride = block_tables.stride(0);
+  const T* q_ptr = query.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  T* o_ptr = out.data_ptr<T>();
+  const int32_t* bt_ptr = block_tables.data_ptr<int32_t>();
+  const int32_t* len_ptr = seq_lens.data_ptr<int32_t>();
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * head_size), acc(head_size), scores, sums(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t len = len_ptr[s];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t n = len - first;
+      const int32_t* table = bt_ptr + s * bt_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q_ptr + s * qs_stride + (kvh * group + g) * qh_stride;
+        for (int64_t d = 0; d < head_size; ++d)
+          q[g * head_size + d] = static_cast<float>(src[d]) * static_cast<float>(scale);
+      }
+      scores.resize(group * n);
+      // Scores block by block: no division per token, and a block's rows are adjacent.
+      for (int64_t b = first / block_size; b * block_size < len; ++b) {
+        const int64_t lo = std::max(first, b * block_size);
+        const int64_t hi = std::min(len, (b + 1) * block_size);
+        const T* k = k_ptr + table[b] * kb_stride + kvh * kh_stride +
+                     (lo - b * block_size) * kt_stride;
+        for (int64_t t = lo; t < hi; ++t, k += kt_stride)
+          for (int64_t g = 0; g < group; ++g)
+            scores[g * n + (t - first)] = dot(q.data() + g * head_size, k, head_size);
+      }
+      for (int64_t g = 0; g < group; ++g) sums[g] = softmax_numerator(scores.data() + g * n, n);
+      for (int64_t g = 0; g < group; ++g) {
+        // The weighted sum of V rows, in registers when the head size is known.
+        constexpr int64_t lanes = HEAD > 0 ? HEAD / 8 : 1;
+        v8f regs[lanes] = {};
+        if constexpr (HEAD == 0) std::fill(acc.begin(), acc.end(), 0.f);
+        const float* p = scores.data() + g * n;
+        for (int64_t b = first / block_size; b * block_size < len; ++b) {
+          const int64_t lo = std::max(first, b * block_size);
+          const int64_t hi = std::min(len, (b + 1) * block_size);
+          const T* v = v_ptr + table[b] * vb_stride + kvh * vh_stride +
+                       (lo - b * block_size) * vt_stride;
+          for (int64_t t = lo; t < hi; ++t, v += vt_stride) {
+            const float w = p[t - first];
+            if constexpr (HEAD > 0) {
+              for (int64_t j = 0; j < lanes; ++j) regs[j] += w * load8(v + 8 * j);
+            } else {
+              for (int64_t d = 0; d < head_size; d += 8)
+                store8(acc.data() + d, load8(acc.data() + d) + w * load8(v + d));
+            }
+          }
+        }
+        if constexpr (HEAD > 0)
+          for (int64_t j = 0; j < lanes; ++j) store8(acc.data() + 8 * j, regs[j]);
+        T* dst = o_ptr + s * os_stride + (kvh * group + g) * oh_stride;
+        const float inv = 1.f / sums[g];
+        for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T>
+void decode_any_head(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+  switch (query.size(2)) {
+    case 64: return decode<T, 64>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
+                                  sliding_window);
+    case 128: return decode<T, 128>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
+                                    sliding_window);
+    default: return decode<T, 0>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
+                                 sliding_window);
+  }
+}
+
+void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
+              "query and out must be [num_seqs, num_heads, head_size]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_size]");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
+              "query, out and the cache must share one dtype");
+  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0,
+              "head sizes differ or num_heads is not a multiple of num_kv_heads");
+  TORCH_CHECK(query.size(2) % 8 == 0, "head_size must be a multiple of 8");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 &&
+                  v_cache.stride(3) == 1,
+              "the head dimension must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  seq_lens.is_contiguous() && block_tables.stride(1) == 1,
+              "block_tables and seq_lens must be int32 with contiguous rows");
+  RUNTIME_CPU_DISPATCH(query.scalar_type(), "paged_attention_decode", [&] {
+    decode_any_head<scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
+                              sliding_window);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(runtime_cpu, m) {
+  m.def("paged_attention_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(runtime_cpu, CPU, m) {
+  m.impl("paged_attention_decode", &paged_attention_decode);
+}

@@ -1,0 +1,63 @@
+"""The CPU platform's native decode kernel against the portable torch backend."""
+import pytest
+import torch
+
+from attention_backends.cpu_paged import CpuPagedAttention
+from attention_backends.torch_paged import TorchPagedAttention
+from plugins.manager import get_plugin_manager
+from plugins.interfaces import ModelInfo
+from platforms.cpu import kernels
+from platforms.cpu.platform import CpuPlatform
+from runtime.testing.paged_batch import make_batch, run_backend
+
+PLATFORM = CpuPlatform()
+BUILD_ERROR = kernels.load(PLATFORM.info.model_name)
+pytestmark = pytest.mark.skipif(BUILD_ERROR is not None,
+                                reason=f"the CPU kernels did not build: {BUILD_ERROR}")
+
+# decodes of lengths across block edges, a sequence of one token, then prefill chunks
+QUERY_LENS = [1, 1, 1, 1, 1, 9, 16]
+SEQ_LENS = [1, 16, 17, 40, 93, 20, 16]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2),
+                                       (torch.float16, 2e-3)])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("head_size", [64, 128, 40])  # 40 takes the run-time head-size path
+def test_matches_the_portable_backend(dtype, tol, heads, window, head_size):
+    num_heads, num_kv_heads = heads
+    batch = make_batch(QUERY_LENS, SEQ_LENS, 16, num_heads, num_kv_heads, head_size, dtype,
+                       seed=3)
+    got, got_cache = run_backend(CpuPagedAttention, batch, window)
+    want, want_cache = run_backend(TorchPagedAttention, batch, window)
+    torch.testing.assert_close(got_cache, want_cache, atol=0, rtol=0)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_head_size_must_be_a_multiple_of_eight():
+    ok, why = CpuPagedAttention.supports(20, torch.float32, torch.float32, None, "cpu")
+    assert not ok and "multiple of 8" in why
+    q = torch.zeros(1, 2, 20)
+    cache = torch.zeros(2, 16, 2, 20)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        torch.ops.runtime_cpu.paged_attention_decode(
+            q.clone(), q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32), 1.0, -1)
+
+
+def model(head_size: int, dtype: torch.dtype = torch.float32) -> ModelInfo:
+    return ModelInfo(architecture="LlamaForCausalLM", dtype=dtype, kv_cache_dtype=dtype,
+                     head_size=head_size, num_heads=4, num_kv_heads=2, sliding_window=None,
+                     block_size=16)
+
+
+def test_platform_prefers_the_native_kernel_and_falls_back():
+    hook = get_plugin_manager().hook
+    choose = lambda m, r=None: hook.runtime_attention_backend(platform=PLATFORM, model=m,
+                                                              requested=r)
+    assert choose(model(64)) is CpuPagedAttention
+    assert choose(model(64), "torch_paged") is TorchPagedAttention
+    assert choose(model(20)) is TorchPagedAttention  # not a multiple of 8
+    with pytest.raises(ValueError, match="cpu_paged.*multiple of 8"):
+        choose(model(20), "cpu_paged")
