@@ -40,9 +40,14 @@ class QuantizationConfig(ABC):
     `runtime_quantization_kernel` hook with a fast kernel for this method; everywhere else the
     method runs its portable torch reference kernel (`reference_kernel()`). The engine sets
     `kernel` once, before the model is built (`quantization.registry.build_quant_config`).
+    `kernel_method` is the method name the hook is asked with: a method that repacks its
+    checkpoint into another method's layout (GPTQ and AWQ into int4) takes that method's kernels.
+    `weights_from` says, for `runtime plugins`, which checkpoints the method reads.
     """
 
     name: str = ""
+    kernel_method: str = ""
+    weights_from: str = ""
     fast_kernel_platforms: tuple[str, ...] = ()
     kernel: Any = None
 

@@ -184,6 +184,7 @@ class GGUFConfig(QuantizationConfig):
 
     name = "gguf"
     raw_gguf_weights = True
+    weights_from = ".gguf file"
 
     def linear_method(self, prefix: str) -> LinearMethod:
         return GGUFLinearMethod(self)

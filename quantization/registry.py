@@ -1,9 +1,12 @@
 """Quantization methods by name, and how the engine picks one for a model.
 
 A method is chosen by `--quantization NAME[:key=value,...]` (e.g. `int4:group_size=64,symmetric=0`)
-or, when the flag is absent, by the checkpoint's own `quantization_config`. Its kernel comes from
-the platform through the `runtime_quantization_kernel` hook (first non-None answer wins), else the
-method's portable reference kernel.
+or, when the flag is absent, by the checkpoint's own `quantization_config`: its `quant_method` is a
+method name, or a checkpoint format that names the method inside (compressed-tensors). With both,
+the flag must name the checkpoint's `quant_method` or the method it resolves to. Its kernel comes
+from the platform through the `runtime_quantization_kernel` hook (first non-None answer wins),
+asked for the config's `kernel_method` (default: its name), else the method's portable reference
+kernel.
 """
 from __future__ import annotations
 
@@ -24,9 +27,32 @@ def register_method(cls: type[QuantizationConfig]) -> type[QuantizationConfig]:
 
 def quantization_methods() -> dict[str, type[QuantizationConfig]]:
     """Every registered method, by name (built-ins imported on first call)."""
+    import quantization.awq
+    import quantization.fp4
+    import quantization.fp8
     import quantization.gguf
-    import quantization.weight_only  # noqa: F401  (registers int8, int4)
+    import quantization.gptq
+    import quantization.weight_only  # noqa: F401  (each registers its methods)
     return dict(_METHODS)
+
+
+def _checkpoint_formats() -> dict[str, Any]:
+    """`quant_method` values that are checkpoint formats, not methods: format -> config parser."""
+    from quantization.compressed_tensors import from_compressed_tensors
+    return {"compressed-tensors": from_compressed_tensors}
+
+
+def from_checkpoint(ckpt: dict) -> QuantizationConfig:
+    """The method a checkpoint's `quantization_config` describes."""
+    name = str(ckpt.get("quant_method", "")).lower()
+    formats = _checkpoint_formats()
+    if name in formats:
+        return formats[name](ckpt)
+    methods = quantization_methods()
+    if name not in methods:
+        raise ValueError(f"checkpoint quant_method {name or '(none)'!r} is not supported; "
+                         f"known: {', '.join(sorted([*methods, *formats]))}")
+    return methods[name].from_checkpoint(ckpt)
 
 
 def get_method(name: str) -> type[QuantizationConfig]:
@@ -61,22 +87,26 @@ def build_quant_config(requested: str | None, hf_config: Any, platform: Any = No
     ckpt = checkpoint_quant_config(hf_config)
     if requested is None and ckpt is None:
         return None
-    if requested is not None:
-        name, options = parse_spec(requested)
-        cls = get_method(name)
-        if ckpt is not None:
-            ckpt_name = str(ckpt.get("quant_method", "")).lower()
-            if ckpt_name != name:
+    if ckpt is not None:
+        ckpt_name = str(ckpt.get("quant_method", "")).lower()
+        name = parse_spec(requested)[0] if requested is not None else ckpt_name
+        if requested is not None:
+            get_method(name)
+            if name != ckpt_name and ckpt_name not in _checkpoint_formats():
                 raise ValueError(f"--quantization {name} asked for, but the checkpoint is "
                                  f"quantized with {ckpt_name or 'an unnamed method'}")
-            config = cls.from_checkpoint(ckpt)
-        else:
-            config = cls.from_options(options)
+        config = from_checkpoint(ckpt)
+        if name not in (ckpt_name, config.name):
+            raise ValueError(f"--quantization {name} asked for, but the checkpoint is quantized "
+                             f"with {ckpt_name} ({config.name}); drop the flag or pass "
+                             f"--quantization {config.name}")
     else:
-        config = get_method(str(ckpt.get("quant_method", "")).lower()).from_checkpoint(ckpt)
+        name, options = parse_spec(requested)
+        config = get_method(name).from_options(options)
     kernel = None
     if hook is not None:
-        kernel = hook.runtime_quantization_kernel(platform=platform, method=config.name,
+        kernel = hook.runtime_quantization_kernel(platform=platform,
+                                                  method=config.kernel_method or config.name,
                                                   params=config.kernel_params())
     config.kernel = kernel if kernel is not None else config.reference_kernel()
     logger.info("quantization %s with kernel %s", config.name,

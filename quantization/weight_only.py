@@ -41,6 +41,27 @@ class QuantizedWeight:
     zeros: torch.Tensor | None = None
     group_size: int | None = None
 
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    def rows(self, start: int, size: int) -> QuantizedWeight:
+        zeros = None if self.zeros is None else self.zeros[start:start + size]
+        return QuantizedWeight(self.qweight[start:start + size], self.scales[start:start + size],
+                               zeros, self.group_size)
+
+    def cols(self, start: int, size: int) -> QuantizedWeight:
+        """Input features [start, start + size): whole groups only."""
+        q = self.qweight[:, start:start + size]
+        if self.group_size is None:
+            return QuantizedWeight(q, self.scales)
+        g = self.group_size
+        if start % g or size % g:
+            raise ValueError(f"a tensor-parallel shard of {size} input features does not hold "
+                             f"whole quantization groups of {g}")
+        return QuantizedWeight(q, self.scales[:, start // g:(start + size) // g],
+                               self.zeros[:, start // g:(start + size) // g], g)
+
     def dequantize(self) -> torch.Tensor:
         if self.zeros is None:
             return self.qweight.float() * self.scales.float()[:, None]
@@ -157,6 +178,7 @@ class WeightOnlyLinearMethod(LinearMethod):
 
 class WeightOnlyConfig(QuantizationConfig):
     bits: int = 0
+    weights_from = "float checkpoint (at load)"
 
     def linear_method(self, prefix: str) -> LinearMethod:
         return WeightOnlyLinearMethod(self)

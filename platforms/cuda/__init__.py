@@ -7,11 +7,9 @@ answer only for the platform named "cuda":
   backend that is always there), the portable torch backend (0); each offered or refused by
   compute capability, installed libraries and the model's shape, with the reason;
 - graph runner: decode steps recorded as CUDA graphs, eager with `--enforce-eager`;
-- communicator: NCCL.
-
-It does not implement `runtime_quantization_kernel` yet, so that hook answers None and the
-methods' portable kernels run; fp8 via torch._scaled_mm on sm89+, int8 and Triton weight-only
-kernels belong to the quantization work.
+- communicator: NCCL;
+- quantization kernels: fp8 w8a8 through torch._scaled_mm on compute capability 8.9+
+  (`quantization.cuda`); every other method runs its portable reference kernel.
 """
 from __future__ import annotations
 
@@ -99,3 +97,10 @@ def runtime_communicator(platform: Platform, spec: CommunicatorSpec) -> Communic
         return None
     return TorchDistCommunicator(spec, "nccl", torch.device("cuda", torch.cuda.current_device()))
 
+
+@hookimpl
+def runtime_quantization_kernel(platform: Platform, method: str, params: dict):
+    if platform.name != "cuda":
+        return None
+    from quantization.cuda import cuda_quantization_kernel
+    return cuda_quantization_kernel(method, params, platform.capability)

@@ -87,14 +87,16 @@ def _quantization(hook: Any, platform: Platform) -> list[dict[str, Any]]:
     for name, cls in sorted(quantization_methods().items()):
         try:
             config = cls()
-            kernel = hook.runtime_quantization_kernel(platform=platform, method=name,
-                                                      params=config.kernel_params())
+            kernel = hook.runtime_quantization_kernel(
+                platform=platform, method=config.kernel_method or name,
+                params=config.kernel_params())
             chosen = (f"{kernel.name} (plugin)" if kernel is not None else
                       f"{config.reference_kernel().name} (reference)")
         except Exception as e:
             chosen = f"unavailable: {type(e).__name__}: {e}"
         rows.append({"name": name, "kernel": chosen,
-                     "fast_on": ", ".join(cls.fast_kernel_platforms) or "none yet"})
+                     "fast_on": ", ".join(cls.fast_kernel_platforms) or "none (reference only)",
+                     "weights": cls.weights_from})
     return rows
 
 
@@ -118,8 +120,9 @@ def _render(report: dict[str, Any]) -> str:
     width = max(map(len, facts))
     lines += [f"  {k + ':':<{width + 1}} {v}" for k, v in facts.items()]
     lines += ["", "Quantization methods:"]
-    lines += _table(["METHOD", "KERNEL HERE", "FAST KERNEL ON"],
-                    [[q["name"], q["kernel"], q["fast_on"]] for q in active.get("quantization", [])])
+    lines += _table(["METHOD", "KERNEL HERE", "FAST KERNEL ON", "WEIGHTS FROM"],
+                    [[q["name"], q["kernel"], q["fast_on"], q["weights"]]
+                     for q in active.get("quantization", [])])
     lines += ["", "Attention backends considered:"]
     lines += _table(["NAME", "PLUGIN", "PRIORITY", "USABLE", "STATUS"],
                     [[b["name"], b["plugin"], "" if b["priority"] is None else str(b["priority"]),
