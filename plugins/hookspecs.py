@@ -106,6 +106,10 @@ def runtime_custom_op(platform: Any, name: str) -> Any:
     - "rms_norm": (x, weight, eps) -> normed x
     - "add_rms_norm": (x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
     - "silu_and_mul": (x) -> silu(x[..., :d]) * x[..., d:]
+    - "rotary_embedding": (positions, query, key, cos_sin_cache, head_size) -> (query, key)
+      rotated; query/key are [T, heads * head_size] and may be rotated in place
+    - "linear": (weight) -> fn(x, bias) computing F.linear(x, weight, bias); called once per
+      dense (unquantized) layer and the LM head after loading, so it may pre-pack the weight
 
     Each name is asked for on its own, so a plugin may replace one and keep the others.
     Returns a callable with that signature, or None to keep the portable one. First non-None

@@ -7,7 +7,7 @@ them for its kernel; every forward pass calls `apply`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,15 +77,26 @@ class QuantizationConfig(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """Dense weights in the model dtype."""
+    """Dense weights in the model dtype.
+
+    `prepare`, when given, is a platform's dense kernel (the "linear" custom op): called once
+    with the loaded weight, it returns the function that computes the layer from then on.
+    """
 
     name = "unquantized"
+
+    def __init__(self, prepare: Callable[[torch.Tensor], Callable] | None = None) -> None:
+        self.prepare = prepare
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
                        params_dtype: torch.dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype),
                                     requires_grad=False)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.dense = self.prepare(layer.weight) if self.prepare is not None else None
+
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        dense = getattr(layer, "dense", None)
+        return dense(x, bias) if dense is not None else F.linear(x, layer.weight, bias)

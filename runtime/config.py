@@ -11,6 +11,7 @@ _DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "float
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 SCHEDULING_POLICIES = ("fcfs", "priority")
+EXECUTOR_BACKENDS = ("uniproc", "mp", "ray")
 
 
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
@@ -59,9 +60,21 @@ class EngineConfig:
     seed: int = 0
     trust_remote_code: bool = False
     quantization: str | None = None  # a method in quantization.registry; None: the checkpoint's
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine-core replicas behind the server (AsyncLLM)
+    distributed_executor_backend: str | None = None  # None: uniproc for one rank, else mp
+    ray_address: str | None = None  # None: RAY_ADDRESS, else a new local Ray instance
+    # speculative decoding: a SpeculativeConfig, or its dict / JSON text; None: off
+    speculative_config: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from runtime.spec_decode.config import SpeculativeConfig
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("speculative decoding needs pipeline_parallel_size 1, got "
+                             f"{self.pipeline_parallel_size}")
         self.dtype = parse_dtype(self.dtype)
         self.kv_cache_memory = parse_memory(self.kv_cache_memory)
         if self.device is None:
@@ -72,7 +85,12 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                             f"got {backend!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

@@ -1,10 +1,12 @@
 """`LLM`: the offline API, the same on every device."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 from tqdm import tqdm
 
+from runtime.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from runtime.config import EngineConfig
 from runtime.engine.input_processor import PromptType
 from runtime.engine.llm_engine import LLMEngine
@@ -57,6 +59,38 @@ class LLM:
         order = {engine.add_request(prompt, p, priority=prio): i
                  for i, (prompt, p, prio) in enumerate(zip(tokenized, params, priorities))}
         return self._run(order, use_tqdm if use_tqdm is not None else len(prompts) >= 16)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (as transformers' `num_beams`); the best sequences
+        first. Each step runs every live beam of every prompt as a one-token request; the
+        prefix cache lets the beams share their common blocks."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        inputs = self.engine.inputs
+        searches = []
+        for prompt in prompts:
+            _, ids = inputs.tokenize(prompt)
+            inputs.validate(ids, SamplingParams())
+            room = inputs.max_tokens(ids, SamplingParams(max_tokens=params.max_tokens))
+            limited = dataclasses.replace(params, max_tokens=room)
+            searches.append(BeamSearch(ids, limited, inputs.eos_token_ids))
+        while not all(s.done for s in searches):
+            live = [s for s in searches if not s.done]
+            batch = [(s, seq) for s in live for seq in s.pending()]
+            outputs = self.generate([{"prompt_token_ids": seq} for _, seq in batch],
+                                    [s.step_params() for s, _ in batch], use_tqdm=False)
+            at = 0
+            for s in live:
+                n = len(s.running)
+                s.advance([{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}
+                           for o in outputs[at:at + n]])
+                at += n
+        results = [s.output() for s in searches]
+        for result in results:
+            for seq in result.sequences:
+                seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        return results
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

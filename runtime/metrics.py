@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from runtime.engine.core_proc import CoreStats
 from runtime.outputs import RequestMetrics
+from runtime.spec_decode.stats import SpecDecodeStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
                    160.0)
@@ -53,16 +54,36 @@ class Metrics:
                               TOKEN_LATENCY_BUCKETS)
         self.e2e = histogram("runtime:e2e_request_latency_seconds",
                              "Arrival to the last output.", LATENCY_BUCKETS)
+        self.spec_drafts = counter("runtime:spec_decode_num_drafts",
+                                   "Speculative steps of a request that verified proposals.")
+        self.spec_draft_tokens = counter("runtime:spec_decode_num_draft_tokens",
+                                         "Proposed tokens verified by the target model.")
+        self.spec_accepted_tokens = counter("runtime:spec_decode_num_accepted_tokens",
+                                            "Proposed tokens the target model accepted.")
+        self.spec_acceptance_rate = gauge("runtime:spec_decode_acceptance_rate",
+                                          "Accepted share of the proposed tokens so far.")
+        self.spec_mean_accepted_length = gauge(
+            "runtime:spec_decode_mean_accepted_length",
+            "Tokens a speculative step emits per request: accepted proposals + 1.")
         self.model_name = model_name
-        self._num_preemptions = 0
+        self._last = CoreStats(0, 0, 0, 0.0, 0.0, 0)
 
     def on_core_stats(self, stats: CoreStats) -> None:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.hit_rate.set(stats.prefix_cache_hit_rate)
-        self.preemptions.inc(stats.num_preemptions - self._num_preemptions)
-        self._num_preemptions = stats.num_preemptions
+        last, self._last = self._last, stats
+        self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self.spec_drafts.inc(max(0, stats.num_spec_drafts - last.num_spec_drafts))
+        self.spec_draft_tokens.inc(max(0, stats.num_spec_draft_tokens
+                                       - last.num_spec_draft_tokens))
+        self.spec_accepted_tokens.inc(max(0, stats.num_spec_accepted_tokens
+                                          - last.num_spec_accepted_tokens))
+        spec = SpecDecodeStats(stats.num_spec_drafts, stats.num_spec_draft_tokens,
+                               stats.num_spec_accepted_tokens)
+        self.spec_acceptance_rate.set(spec.acceptance_rate)
+        self.spec_mean_accepted_length.set(spec.mean_accepted_length)
 
     def on_request_added(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

@@ -53,6 +53,8 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
         self.num_indexed_blocks = 0  # leading blocks already entered in the prefix-cache index
+        # tokens proposed by speculative decoding, to verify next step (not part of the sequence)
+        self.spec_token_ids: list[int] = []
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
@@ -79,6 +81,10 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def room(self, max_model_len: int) -> int:
+        """How many more tokens the request may generate."""
+        return min(self.max_tokens - self.num_output_tokens, max_model_len - self.num_tokens)
 
     def check_stop(self, max_model_len: int) -> bool:
         """After a token was appended: set the finished status if a stop condition holds."""

@@ -57,6 +57,9 @@ class SamplingParams:
             _check_int("best_of", self.best_of, 1)
             if self.best_of < self.n:
                 raise ValueError(f"best_of must be >= n, got best_of={self.best_of} and n={self.n}")
+            if self.best_of > 1 and self.temperature < GREEDY_EPS:
+                raise ValueError(f"best_of must be 1 with greedy sampling (temperature 0), got "
+                                 f"best_of={self.best_of}: greedy samples are all the same")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -98,6 +101,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether this request takes the argmax instead of sampling."""
         return self.temperature < GREEDY_EPS
+
+    @property
+    def num_samples(self) -> int:
+        """How many sequences are generated: best_of (the best n are returned), else n."""
+        return self.best_of or self.n
 
     @property
     def eos_token_id(self) -> int | None:

@@ -71,10 +71,13 @@ def runtime_attention_backend(platform: Platform, model: ModelInfo,
 
 @hookimpl
 def runtime_custom_op(platform: Platform, name: str):
-    """Fused rms_norm, add_rms_norm and silu_and_mul from the CPU kernels, when they built."""
+    """Fused rms_norm, add_rms_norm, silu_and_mul and rotary_embedding from the CPU kernels,
+    when they built, and dense layers through oneDNN for decode-sized inputs."""
     if platform.device_type != "cpu":
         return None
     from platforms.cpu import kernels, ops
+    if name == "linear":
+        return ops.linear  # torch's own oneDNN, no build needed
     if name not in ops.OPS:
         return None
     info = getattr(platform, "info", None)

@@ -128,9 +128,14 @@ def run_runtime(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("warmup", True):
         drain([(requests[0][0], min(4, requests[0][1]))])
         pool.reset_prefix_cache()
+    spec_stats = engine.core.scheduler.spec_stats
+    before = (spec_stats.num_draft_tokens, spec_stats.num_accepted_tokens, spec_stats.num_drafts)
     start = time.perf_counter()
     outputs, peak_blocks = drain(requests)
     elapsed = time.perf_counter() - start
+    drafted, accepted, steps = (spec_stats.num_draft_tokens - before[0],
+                                spec_stats.num_accepted_tokens - before[1],
+                                spec_stats.num_drafts - before[2])
     mc, block_size = engine.model_config, engine.config.block_size
     per_block = mc.kv_bytes_per_block(block_size, mc.dtype)
     ttft, tpot = [], []
@@ -144,7 +149,8 @@ def run_runtime(spec: dict[str, Any]) -> dict[str, Any]:
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
             "kv_peak_bytes": peak_blocks * per_block,
             "kv_capacity_bytes": pool.num_blocks * per_block,
-            "kv_peak_usage": peak_blocks / pool.num_blocks, "ttft_s": ttft, "tpot_s": tpot}
+            "kv_peak_usage": peak_blocks / pool.num_blocks, "ttft_s": ttft, "tpot_s": tpot,
+            "spec_draft_tokens": drafted, "spec_accepted_tokens": accepted, "spec_drafts": steps}
 
 
 def load_hf_model(model: str, dtype: Any):

@@ -1,4 +1,5 @@
-"""Benchmark workloads: random prompts, prompts sharing long prefixes, or a JSONL file.
+"""Benchmark workloads: random prompts, prompts sharing long prefixes, prompts that repeat a
+phrase (where speculative n-gram lookup shines), or a JSONL file.
 
 Every request carries both its text (what `bench serve` sends) and its token ids (what the
 offline backends get), and the number of tokens to generate.
@@ -12,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-DATASETS = ("random", "prefix-repetition", "jsonl")
+DATASETS = ("random", "prefix-repetition", "repeated-phrase", "jsonl")
 
 
 @dataclass
@@ -79,6 +80,23 @@ def prefix_repetition_requests(tokenizer: Any, num_prompts: int, prefix_len: int
     return [requests[i] for i in order]
 
 
+def repeated_phrase_requests(tokenizer: Any, num_prompts: int, input_len: int, phrase_len: int,
+                             output_len: int, seed: int = 0) -> list[SampleRequest]:
+    """Each prompt: a random phrase of `phrase_len` tokens of its own, repeated up to
+    `input_len` tokens. A model tends to go on repeating it."""
+    if not 1 <= phrase_len <= input_len:
+        raise ValueError(f"need 1 <= phrase_len <= input_len, got phrase_len {phrase_len} "
+                         f"and input_len {input_len}")
+    rng = np.random.default_rng(seed)
+    allowed = allowed_token_ids(tokenizer)
+    requests = []
+    for _ in range(num_prompts):
+        _, phrase = random_text(tokenizer, phrase_len, rng, allowed)
+        ids = (phrase * -(-input_len // phrase_len))[:input_len]
+        requests.append(SampleRequest(tokenizer.decode(ids), ids, output_len))
+    return requests
+
+
 def jsonl_requests(path: str, tokenizer: Any, output_len: int,
                    num_prompts: int | None = None) -> list[SampleRequest]:
     """One JSON object per line: "prompt" (text), and optionally "output_len"."""
@@ -112,6 +130,9 @@ def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 64) -> 
     g.add_argument("--prefix-len", type=int, default=256, help="prefix-repetition: shared tokens")
     g.add_argument("--suffix-len", type=int, default=32, help="prefix-repetition: own tokens")
     g.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: prefixes")
+    g.add_argument("--phrase-len", type=int, default=16,
+                   help="repeated-phrase: tokens of the phrase each prompt repeats up to "
+                        "--input-len")
     g.add_argument("--dataset-seed", type=int, default=0)
 
 
@@ -123,6 +144,9 @@ def build_requests(args: argparse.Namespace, tokenizer: Any) -> list[SampleReque
         return prefix_repetition_requests(tokenizer, args.num_prompts, args.prefix_len,
                                           args.suffix_len, args.num_prefixes, args.output_len,
                                           args.dataset_seed)
+    if args.dataset == "repeated-phrase":
+        return repeated_phrase_requests(tokenizer, args.num_prompts, args.input_len,
+                                        args.phrase_len, args.output_len, args.dataset_seed)
     if not args.dataset_path:
         raise ValueError("--dataset jsonl needs --dataset-path FILE")
     return jsonl_requests(args.dataset_path, tokenizer, args.output_len, args.num_prompts)
@@ -133,6 +157,7 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
     keys = {"random": ("num_prompts", "input_len", "output_len", "range_ratio"),
             "prefix-repetition": ("num_prompts", "prefix_len", "suffix_len", "num_prefixes",
                                   "output_len"),
+            "repeated-phrase": ("num_prompts", "input_len", "phrase_len", "output_len"),
             "jsonl": ("dataset_path", "num_prompts", "output_len")}[args.dataset]
     return {"dataset": args.dataset, **{k: getattr(args, k) for k in keys},
             "seed": args.dataset_seed}

@@ -16,12 +16,14 @@ from runtime.bench.datasets import SampleRequest, add_dataset_args, build_reques
 from runtime.bench.metrics import format_table, throughput, write_json
 from runtime.cli.engine_args import add_engine_args, engine_kwargs
 from runtime.config import parse_memory
+from runtime.spec_decode.stats import SpecDecodeStats
 
 SHARED = ("model", "tokenizer", "dtype", "num_threads")  # given to every backend
 COLUMNS = [("backend", "backend"), ("version", "version"), ("requests_per_s", "req/s"),
            ("total_tokens_per_s", "total tok/s"), ("output_tokens_per_s", "output tok/s"),
            ("elapsed_s", "time s"), ("kv_peak_mib", "KV peak MiB"),
-           ("kv_peak_usage", "KV peak %"), ("allocator", "allocator")]
+           ("kv_peak_usage", "KV peak %"), ("spec_acceptance", "spec accept %"),
+           ("spec_mean_accepted_length", "spec tok/step"), ("allocator", "allocator")]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +80,11 @@ def summarize(result: dict[str, Any], requests: list[SampleRequest]) -> dict[str
             row[key.replace("bytes", "mib")] = result[key] / 2**20
     if result.get("kv_peak_usage") is not None:
         row["kv_peak_usage"] = 100.0 * result["kv_peak_usage"]
+    if result.get("spec_draft_tokens"):
+        stats = SpecDecodeStats(result["spec_drafts"], result["spec_draft_tokens"],
+                                result["spec_accepted_tokens"])
+        row["spec_acceptance"] = 100.0 * stats.acceptance_rate
+        row["spec_mean_accepted_length"] = stats.mean_accepted_length
     return row
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from runtime.config import SCHEDULING_POLICIES
+from runtime.config import EXECUTOR_BACKENDS, SCHEDULING_POLICIES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +34,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None, help="host threads for the model")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quantization", default=None,
-                   help="quantization method: int8 | int4 (default: the checkpoint's own, "
-                        "else none)")
+                   help="quantization method: int8 | int4 | fp8 (at load) | gguf (a .gguf "
+                        "kept quantized) | gptq | awq | mxfp4 | nvfp4 (read from the checkpoint), "
+                        "with options as NAME:key=value,... (default: the checkpoint's own, "
+                        "else none; `runtime plugins` lists them)")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding, as JSON: {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                        '"prompt_lookup_min": 1} or {"method": "draft_model", "model": PATH, '
+                        '"num_speculative_tokens": 4} (see docs/speculative.md)')
+    g = parser.add_argument_group("parallelism (see docs/distributed.md)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks that split every layer (heads, MLP columns, vocabulary)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="ranks that each run a consecutive share of the layers")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas behind the server, each with tp x pp ranks")
+    g.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default=None,
+                   help="how ranks run: in this process (uniproc), one process per rank on "
+                        "this machine (mp), or Ray actors (ray) (default: uniproc for one "
+                        "rank, else mp)")
+    g.add_argument("--ray-address", default=None,
+                   help="an existing Ray cluster for --distributed-executor-backend ray "
+                        "(default: RAY_ADDRESS, else a new local Ray instance)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -43,7 +64,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
              "gpu_memory_utilization", "block_size",
              "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
              "enable_chunked_prefill", "scheduling_policy", "attention_backend", "enforce_eager",
-             "num_threads", "seed", "quantization")
+             "num_threads", "seed", "quantization", "speculative_config", "tensor_parallel_size",
+             "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend",
+             "ray_address")
     return {name: getattr(args, name) for name in names}
 
 

@@ -76,9 +76,10 @@ class BlockPool:
                 del self.free[block_id]
             block.ref_count += 1
 
-    def release(self, block_ids: list[int]) -> None:
+    def release(self, block_ids: list[int], evict_first: bool = False) -> None:
         """Drop one reference on each block; blocks reaching 0 join the free list in this order,
-        so pass the most evictable first."""
+        so pass the most evictable first. `evict_first` puts them at the front of the free list
+        instead (blocks that hold nothing worth keeping)."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count <= 0:
@@ -86,6 +87,8 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[block_id] = None
+                if evict_first:
+                    self.free.move_to_end(block_id, last=False)
 
     def cache(self, block_id: int, block_hash: bytes) -> None:
         """Record that `block_id` holds the full block named by `block_hash`."""

@@ -52,17 +52,21 @@ class KVCacheManager:
         return hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: list[int] | None = None) -> bool:
+                       cached_blocks: list[int] | None = None,
+                       num_lookahead_tokens: int = 0) -> bool:
         """Make room for `num_new_tokens` more tokens of `request` past its computed ones.
 
         `cached_blocks` (from `find_cached_blocks`, for a request not yet holding blocks) are
-        adopted first and count as computed. Returns False, changing nothing, when the pool is
-        too small.
+        adopted first and count as computed. `num_lookahead_tokens` more slots are reserved
+        past those (a draft model writes the KV of its proposals there). New tokens past the
+        request's known ones (speculative proposals) get slots but no prefix-cache entry.
+        Returns False, changing nothing, when the pool is too small.
         """
         cached_blocks = cached_blocks or []
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         total = num_computed + num_new_tokens
-        num_needed = cdiv(total, self.block_size) - len(request.block_ids) - len(cached_blocks)
+        num_needed = cdiv(total + num_lookahead_tokens, self.block_size) - \
+            len(request.block_ids) - len(cached_blocks)
         num_revived = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
         if num_needed + num_revived > self.pool.num_free_blocks:
             return False
@@ -80,6 +84,15 @@ class KVCacheManager:
                 self.pool.cache(request.block_ids[i], request.block_hashes[i])
             request.num_indexed_blocks = max(request.num_indexed_blocks, num_full)
         return True
+
+    def trim(self, request: Request) -> None:
+        """Free the blocks past the request's tokens, after a speculative step rolled back its
+        rejected proposals. They hold no accepted token, so nothing is lost: they go to the
+        front of the free list."""
+        keep = cdiv(request.num_tokens, self.block_size)
+        if len(request.block_ids) > keep:
+            self.pool.release(request.block_ids[keep:], evict_first=True)
+            del request.block_ids[keep:]
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its shared prefix stays cached longest.

@@ -4,6 +4,9 @@ Each step, running requests are served first (their next token, or the next chun
 then waiting requests are admitted while budget, sequence slots and KV blocks last. When blocks run
 out, the least important running request is preempted: its blocks are freed and it goes back to
 the waiting queue, to be recomputed (from the prefix cache where possible) later.
+
+With speculative decoding, a running request's proposed tokens are scheduled after its own, as
+ordinary tokens (budget, slots); `update` rolls back the rejected ones.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from runtime.config import EngineConfig
 from runtime.core.kv_cache_manager import KVCacheManager
 from runtime.request import Request, RequestStatus
+from runtime.spec_decode.stats import SpecDecodeStats
 
 
 @dataclass
@@ -82,6 +86,8 @@ class Scheduler:
         # then share its prompt blocks instead of computing the prompt again.
         self.held: dict[str, list[Request]] = {}
         self.num_preemptions = 0
+        self.spec = config.speculative_config
+        self.spec_stats = SpecDecodeStats()
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -119,9 +125,17 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
+    def _lookahead(self, end: int) -> int:
+        """Slots a draft model needs past a step's tokens (ending at `end`), for the KV of its
+        proposals."""
+        if self.spec is None or self.spec.method != "draft_model":
+            return 0
+        return max(0, min(self.spec.num_speculative_tokens, self.max_model_len - end))
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -139,10 +153,15 @@ class Scheduler:
                 break
             if request not in self.running:  # preempted by an earlier request this step
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens + len(request.spec_token_ids)
+                          - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
-            while not self.kv.allocate_slots(request, num_new):
+            # proposals the budget leaves out are dropped
+            del request.spec_token_ids[max(0, request.num_computed_tokens + num_new
+                                           - request.num_tokens):]
+            lookahead = self._lookahead(request.num_computed_tokens + num_new)
+            while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
                 victim = self._victim()
                 if victim.request_id in scheduled_ids:
                     budget += next(n for r, n in out.scheduled if r is victim)
@@ -166,7 +185,8 @@ class Scheduler:
             if not chunked and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, cached):
+            if not self.kv.allocate_slots(request, num_new, cached,
+                                          self._lookahead(num_computed + num_new)):
                 break
             self.waiting.pop()
             if request.status == RequestStatus.WAITING:
@@ -180,18 +200,30 @@ class Scheduler:
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+               drafts: dict[str, list[int]] | None = None) -> list[Request]:
         """Advance computed counts, append the sampled tokens, and retire finished requests.
 
         `sampled` maps a request id to the tokens it produced this step (none for a request
-        whose prompt chunk did not reach its end). Returns the requests that finished.
+        whose prompt chunk did not reach its end): with speculative decoding, its accepted
+        proposals and then one token of the target's. The rejected proposals are rolled back
+        (computed count, blocks past the new end), and the tokens after one that finished its
+        request are cut from `sampled`. `drafts` are the next step's proposals. Returns the
+        requests that finished.
         """
         finished = []
         for request, num_new in out.scheduled:
             request.num_computed_tokens += num_new
-            for token_id in sampled.get(request.request_id, ()):
+            tokens = sampled.get(request.request_id, ())
+            if request.spec_token_ids:
+                num_accepted = len(tokens) - 1
+                request.num_computed_tokens -= len(request.spec_token_ids) - num_accepted
+                self.spec_stats.observe(len(request.spec_token_ids), num_accepted)
+                request.spec_token_ids = []
+            for i, token_id in enumerate(tokens):
                 request.append_token(token_id)
                 if request.check_stop(self.max_model_len):
+                    sampled[request.request_id] = tokens[:i + 1]  # what follows is dropped
                     break
             if request.request_id in self.held and \
                     request.num_computed_tokens >= request.num_prompt_tokens:
@@ -199,6 +231,11 @@ class Scheduler:
             if request.is_finished:
                 self._retire(request)
                 finished.append(request)
+            elif self.spec is not None:
+                self.kv.trim(request)
+                # a step emits up to len(proposals) + 1 tokens: never more than the room left
+                proposals = (drafts or {}).get(request.request_id, [])
+                request.spec_token_ids = proposals[:max(0, request.room(self.max_model_len) - 1)]
         return finished
 
     def finish_request(self, request_id: str, status: RequestStatus,

@@ -1,22 +1,18 @@
-"""`AsyncLLM`: the engine for servers. The core steps in its own process; this process tokenizes,
-validates, detokenizes and hands each request's outputs to whoever awaits them."""
+"""`AsyncLLM`: the engine for servers. The core steps in its own process (one per data-parallel
+replica); this process tokenizes, validates, routes each request to a replica, detokenizes and
+hands each request's outputs to whoever awaits them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import multiprocessing
-import shutil
-import tempfile
 from typing import Any, Protocol
 
-import msgspec
-import zmq
-import zmq.asyncio
-
 from runtime.config import EngineConfig
+from runtime.distributed.load_balancer import LoadBalancer
+from runtime.engine.core_client import CoreClient, EngineDeadError
 from runtime.engine.core_proc import (AddRequests, CoreRequest, CoreStats, Failed,
-                                      FinishRequests, FromCore, Outputs, Ready, Shutdown,
-                                      run_core_process)
+                                      FinishRequests, Outputs)
 from runtime.engine.input_processor import PromptType
 from runtime.engine.output_processor import OutputKind
 from runtime.engine.processor import Processor
@@ -27,11 +23,7 @@ from runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_TIMEOUT_S = 10.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core process is gone; no request can be served."""
+__all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "RequestStream"]
 
 
 class QueueFullError(RuntimeError):
@@ -96,8 +88,12 @@ class AsyncLLM:
     """Call `await start()` in the event loop that will use the engine, then `add_request` and
     iterate over the stream it returns; `await shutdown()` at the end.
 
-    `max_queue_len` bounds the sequences waiting for a place in the running batch (the core's
-    waiting queue plus those still on the wire): beyond it `add_request` raises QueueFullError.
+    `max_queue_len` bounds the sequences waiting for a place in the running batch (the cores'
+    waiting queues plus those still on the wire): beyond it `add_request` raises QueueFullError.
+
+    With `data_parallel_size` N > 1 there are N core processes, each a whole engine (with its
+    own tensor/pipeline-parallel workers); a LoadBalancer picks one per request. A replica that
+    dies fails its own requests and leaves the rotation; the engine is dead when none is left.
     """
 
     def __init__(self, config: EngineConfig, max_queue_len: int = 1024,
@@ -112,13 +108,15 @@ class AsyncLLM:
         self.stats = CoreStats(0, 0, 0, 0.0, 0.0, 0)
         self.num_blocks = 0
         self.dead_reason: str | None = None
-        self.process: multiprocessing.process.BaseProcess | None = None
-        self._num_sent = 0
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(FromCore)
-        self._loop_task: asyncio.Task | None = None
-        self._zmq: zmq.asyncio.Context | None = None
-        self._dir: str | None = None
+        n = config.data_parallel_size
+        replica_config = dataclasses.replace(config, data_parallel_size=1)
+        self.replicas = [CoreClient(replica_config, "the engine core" if n == 1
+                                    else f"data-parallel replica {i}") for i in range(n)]
+        self.balancer = LoadBalancer(n, config.block_size, config.enable_prefix_caching)
+        self.owner: dict[str, tuple[int, int]] = {}  # request id -> (replica, its sequences)
+        self._replica_stats = [self.stats] * n
+        self._num_sent = [0] * n
+        self._loop_tasks: list[asyncio.Task] = []
 
     @property
     def tokenizer(self) -> Any:
@@ -130,50 +128,26 @@ class AsyncLLM:
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead_reason is None and self.process is not None and self.process.is_alive()
+        return self.dead_reason is None and any(r.is_alive for r in self.replicas)
 
     async def start(self) -> None:
-        """Spawn the core process and wait until its model is loaded (raises if it fails)."""
-        try:
-            await self._start()
-        except BaseException as e:
-            self.dead_reason = str(e) or type(e).__name__
+        """Spawn the core processes and wait until their models are loaded (raises if one
+        fails)."""
+        results = await asyncio.gather(*(r.start() for r in self.replicas),
+                                       return_exceptions=True)
+        failed = next((e for e in results if isinstance(e, BaseException)), None)
+        if failed is not None:
+            self.dead_reason = str(failed) or type(failed).__name__
             await self.shutdown()
-            raise
-
-    async def _start(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="runtime-core-")
-        inbox, outbox = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        self._zmq = zmq.asyncio.Context()
-        self._to_core = zmq.Context.shadow(self._zmq.underlying).socket(zmq.PUSH)
-        self._to_core.setsockopt(zmq.SNDHWM, 0)
-        self._to_core.bind(inbox)
-        self._from_core = self._zmq.socket(zmq.PULL)
-        self._from_core.bind(outbox)
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=run_core_process, name="runtime-engine-core",
-            args=(self.config, inbox, outbox, logging.getLogger("runtime").getEffectiveLevel()))
-        self.process.start()
-        logger.info("engine core process %d starting", self.process.pid)
-        loop = asyncio.get_running_loop()
-        died = loop.create_future()
-        loop.add_reader(self.process.sentinel, lambda: died.done() or died.set_result(None))
-        receive = asyncio.ensure_future(self._from_core.recv())
-        await asyncio.wait([receive, died], return_when=asyncio.FIRST_COMPLETED)
-        loop.remove_reader(self.process.sentinel)
-        if not receive.done():
-            receive.cancel()
-            raise EngineDeadError(f"the engine core process exited with code "
-                                  f"{self.process.exitcode} while loading the model")
-        message = self._decoder.decode(receive.result())
-        if isinstance(message, Failed):
-            raise EngineDeadError(f"the engine core failed to start: {message.error}")
-        assert isinstance(message, Ready)
-        self.num_blocks = message.num_blocks
+            raise failed
+        readies = results
+        self.num_blocks = min(r.num_blocks for r in readies)
         self.processor = Processor(self.config, self.source, self.hf_config,
-                                   message.max_model_len)
-        loop.add_reader(self.process.sentinel, self._on_core_exit)
-        self._loop_task = asyncio.create_task(self._output_loop())
+                                   min(r.max_model_len for r in readies))
+        loop = asyncio.get_running_loop()
+        for i, replica in enumerate(self.replicas):
+            loop.add_reader(replica.process.sentinel, self._on_core_exit, i)
+            self._loop_tasks.append(asyncio.create_task(self._output_loop(i)))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     priority: int = 0, stream: bool = False) -> RequestStream:
@@ -181,15 +155,20 @@ class AsyncLLM:
         output. Raises ValueError (bad input), QueueFullError or EngineDeadError."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        queued = self.stats.num_waiting + self._num_sent - self.stats.num_received
-        if queued + params.n > self.max_queue_len:
+        queued = sum(s.num_waiting + sent - s.num_received
+                     for s, sent, r in zip(self._replica_stats, self._num_sent, self.replicas)
+                     if r.dead_reason is None)
+        if queued + params.num_samples > self.max_queue_len:
             raise QueueFullError(f"the waiting queue is full ({queued} sequences waiting)")
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
         requests = self.processor.add_request(prompt, params, request_id, priority, kind)
+        replica = self.balancer.choose(requests[0].prompt_token_ids)
         handle = RequestStream(self, request_id, requests[0].num_prompt_tokens, params.n)
         self.streams[request_id] = handle
-        self._send(AddRequests([CoreRequest.of(r) for r in requests]))
-        self._num_sent += len(requests)
+        self.owner[request_id] = (replica, len(requests))
+        self.balancer.started(replica, len(requests))
+        self.replicas[replica].send(AddRequests([CoreRequest.of(r) for r in requests]))
+        self._num_sent[replica] += len(requests)
         if self.listener is not None:
             self.listener.on_request_added(handle.num_prompt_tokens)
         return handle
@@ -198,64 +177,59 @@ class AsyncLLM:
         """Stop a request and free its blocks in the core (a no-op once it has finished)."""
         handle = self.streams.pop(request_id, None)
         sample_ids, output = self.processor.abort_request(request_id)
-        if sample_ids and self.dead_reason is None:
-            self._send(FinishRequests(sample_ids, RequestStatus.FINISHED_ABORTED,
-                                      [None] * len(sample_ids)))
+        replica = self._release(request_id)
+        if sample_ids and replica is not None and self.replicas[replica].dead_reason is None:
+            self.replicas[replica].send(FinishRequests(
+                sample_ids, RequestStatus.FINISHED_ABORTED, [None] * len(sample_ids)))
         if output is not None and self.listener is not None and handle is not None:
             self.listener.on_request_finished("abort", output.metrics, handle.tokens_per_sample)
 
     async def shutdown(self) -> None:
-        """Abort what is still running, stop the core process and release the sockets."""
+        """Abort what is still running, stop the core processes and release the sockets."""
         for request_id in list(self.streams):
             self.streams[request_id].put(EngineDeadError("the server is shutting down"))
             self.abort(request_id)
-        if self.process is not None and self.process.is_alive():
-            if self.dead_reason is None:
-                self._send(Shutdown())
-            asyncio.get_running_loop().remove_reader(self.process.sentinel)
-            await asyncio.to_thread(self.process.join, SHUTDOWN_TIMEOUT_S)
-            if self.process.is_alive():
-                logger.warning("the engine core did not stop in %.0f s: killing it",
-                               SHUTDOWN_TIMEOUT_S)
-                self.process.kill()
-                await asyncio.to_thread(self.process.join)
+        loop = asyncio.get_running_loop()
+        for replica in self.replicas:
+            if replica.process is not None:
+                loop.remove_reader(replica.process.sentinel)
+        for task in self._loop_tasks:
+            task.cancel()
+        await asyncio.gather(*(r.shutdown() for r in self.replicas))
         self.dead_reason = self.dead_reason or "the engine has shut down"
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-        if self._zmq is not None:
-            self._to_core.close(linger=0)
-            self._zmq.destroy(linger=0)
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
 
-    def _send(self, message: AddRequests | FinishRequests | Shutdown) -> None:
-        try:
-            self._to_core.send(self._encoder.encode(message), flags=zmq.NOBLOCK)
-        except zmq.Again:  # no core on the other end: its exit fails the requests
-            logger.warning("the engine core is not reachable; %s dropped",
-                           type(message).__name__)
+    def _release(self, request_id: str) -> int | None:
+        """Forget which replica serves a request; returns that replica."""
+        owner = self.owner.pop(request_id, None)
+        if owner is None:
+            return None
+        self.balancer.finished(*owner)
+        return owner[0]
 
-    async def _output_loop(self) -> None:
+    async def _output_loop(self, replica: int) -> None:
+        client = self.replicas[replica]
         while True:
-            message = self._decoder.decode(await self._from_core.recv())
+            message = await client.recv()
             if isinstance(message, Failed):
-                self._fail(f"the engine core failed: {message.error}")
+                self._replica_died(replica, f"{client.name} failed: {message.error}")
             elif isinstance(message, Outputs):
                 try:
-                    self._handle(message)
+                    self._handle(replica, message)
                 except Exception as e:  # a bug here must fail requests, not hang them
                     logger.exception("output processing failed")
                     self._fail(f"output processing failed: {e}")
 
-    def _handle(self, message: Outputs) -> None:
-        self.stats = message.stats
+    def _handle(self, replica: int, message: Outputs) -> None:
+        self._replica_stats[replica] = message.stats
+        self.stats = self._total_stats()
         results, stopped = self.processor.process_outputs(message.outputs)
         if stopped:
-            self._send(FinishRequests([s for s, _ in stopped], RequestStatus.FINISHED_STOPPED,
-                                      [stop for _, stop in stopped]))
+            self.replicas[replica].send(FinishRequests(
+                [s for s, _ in stopped], RequestStatus.FINISHED_STOPPED,
+                [stop for _, stop in stopped]))
         listener = self.listener
         if listener is not None:
-            listener.on_core_stats(message.stats)
+            listener.on_core_stats(self.stats)
             listener.on_tokens(sum(len(o.new_token_ids) for o in message.outputs))
         for output in results:
             handle = self.streams.get(output.request_id)
@@ -265,21 +239,59 @@ class AsyncLLM:
             handle.put(output)
             if output.finished:
                 del self.streams[output.request_id]
+                self._release(output.request_id)
                 if listener is not None:
                     listener.on_request_finished(output.outputs[-1].finish_reason,
                                                  output.metrics, handle.tokens_per_sample)
 
-    def _on_core_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.process.sentinel)
-        self.process.join(1)  # reap it, for its exit code
-        self._fail(f"the engine core process exited with code {self.process.exitcode}")
+    def _total_stats(self) -> CoreStats:
+        """The live replicas' stats together (usage and hit rate as their mean)."""
+        live = [s for s, r in zip(self._replica_stats, self.replicas) if r.dead_reason is None]
+        if not live:
+            return self.stats
+        k = len(live)
+        return CoreStats(sum(s.num_running for s in live), sum(s.num_waiting for s in live),
+                         sum(s.num_received for s in live),
+                         sum(s.kv_cache_usage for s in live) / k,
+                         sum(s.prefix_cache_hit_rate for s in live) / k,
+                         sum(s.num_preemptions for s in live),
+                         sum(s.num_spec_drafts for s in live),
+                         sum(s.num_spec_draft_tokens for s in live),
+                         sum(s.num_spec_accepted_tokens for s in live))
+
+    def _on_core_exit(self, replica: int) -> None:
+        client = self.replicas[replica]
+        asyncio.get_running_loop().remove_reader(client.process.sentinel)
+        self._replica_died(replica, client.exit_reason())
+
+    def _replica_died(self, replica: int, reason: str) -> None:
+        """Fail the replica's requests and take it out of rotation; with none left, the
+        engine is dead."""
+        client = self.replicas[replica]
+        if client.dead_reason is None:
+            client.dead_reason = reason
+            self.balancer.remove(replica)
+            if len(self.replicas) > 1:
+                logger.error("%s; %d replicas left", reason,
+                             sum(r.dead_reason is None for r in self.replicas))
+        if all(r.dead_reason is not None for r in self.replicas):
+            return self._fail(reason)
+        self.stats = self._total_stats()
+        for request_id, (owner, _) in list(self.owner.items()):
+            if owner == replica:
+                self._fail_request(request_id, reason)
 
     def _fail(self, reason: str) -> None:
-        """The core is unusable: fail every request now and every request from now on."""
+        """No core is usable: fail every request now and every request from now on."""
         if self.dead_reason is None:
             logger.error("%s; failing %d requests", reason, len(self.streams))
             self.dead_reason = reason
-        for request_id, handle in list(self.streams.items()):
+        for request_id in list(self.streams):
+            self._fail_request(request_id, reason)
+
+    def _fail_request(self, request_id: str, reason: str) -> None:
+        handle = self.streams.pop(request_id, None)
+        if handle is not None:
             handle.put(EngineDeadError(reason))
-            del self.streams[request_id]
-            self.processor.abort_request(request_id)
+        self._release(request_id)
+        self.processor.abort_request(request_id)

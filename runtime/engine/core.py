@@ -8,12 +8,11 @@ from plugins.interfaces import Platform
 from runtime.config import EngineConfig
 from runtime.core.kv_cache_manager import KVCacheManager
 from runtime.core.scheduler import Scheduler, SchedulerOutput
-from runtime.executor.uniproc import UniprocExecutor
+from runtime.executor import build_executor
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource
 from runtime.request import Request, RequestStatus
 from runtime.worker.inputs import ScheduledRequest, StepInput, TokenLogprobs
-from runtime.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +35,20 @@ class EngineCore:
                  model_config: ModelConfig) -> None:
         self.config = config
         self.model_config = model_config
-        self.executor = UniprocExecutor(Worker(config, platform, source, model_config))
+        if config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size {config.data_parallel_size} runs engine "
+                             "replicas behind the server (runtime serve --data-parallel-size "
+                             "N); one engine core, like the offline LLM, is one replica")
+        self.executor = build_executor(config, platform, source, model_config)
         num_blocks = self.executor.determine_num_blocks()
         if num_blocks < 1:
             raise ValueError("the KV-cache budget holds no block: raise --kv-cache-memory")
         self.executor.init_kv_cache(num_blocks)
         self.num_blocks = num_blocks
-        per_block = model_config.kv_bytes_per_block(config.block_size, model_config.dtype)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_blocks,
+        per_block = model_config.kv_bytes_per_block(config.block_size, model_config.dtype,
+                                                    config.tensor_parallel_size)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB per tensor-parallel "
+                    "rank over all stages)", num_blocks,
                     config.block_size, num_blocks * config.block_size,
                     num_blocks * per_block / 2**20)
         self._fit_max_model_len(num_blocks * config.block_size)
@@ -64,6 +69,13 @@ class EngineCore:
                        mc.max_model_len, cache_tokens)
         mc.max_model_len = cache_tokens
 
+    def check_health(self) -> None:
+        """Raise if a worker is gone (the executor's WorkerError)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
@@ -78,13 +90,17 @@ class EngineCore:
 
     def _step_input(self, sched: SchedulerOutput) -> StepInput:
         requests = []
+        bs, max_len = self.config.block_size, self.scheduler.max_model_len
         for r, n in sched.scheduled:
             start = r.num_computed_tokens
             requests.append(ScheduledRequest(
-                request_id=r.request_id, token_ids=r.all_token_ids[start:start + n],
+                request_id=r.request_id,
+                token_ids=r.all_token_ids[start:start + n] + r.spec_token_ids,
                 start_pos=start, block_ids=r.block_ids, sample=start + n >= r.num_tokens,
                 params=r.params, sample_index=r.sample_index,
-                num_prompt_tokens=r.num_prompt_tokens, all_token_ids=r.all_token_ids))
+                num_prompt_tokens=r.num_prompt_tokens, all_token_ids=r.all_token_ids,
+                spec_token_ids=list(r.spec_token_ids),
+                num_lookahead=min(len(r.block_ids) * bs, max_len) - (start + n)))
         finished, self._finished_ids = self._finished_ids, []
         return StepInput(requests, finished)
 
@@ -93,7 +109,7 @@ class EngineCore:
         if sched.is_empty:
             return []
         result = self.executor.execute(self._step_input(sched))
-        finished = self.scheduler.update(sched, result.sampled)
+        finished = self.scheduler.update(sched, result.sampled, result.draft_token_ids)
         self._finished_ids.extend(r.request_id for r in finished)
         outputs = []
         for r, _ in sched.scheduled:

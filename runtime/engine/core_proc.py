@@ -79,6 +79,10 @@ class CoreStats(msgspec.Struct, array_like=True):
     kv_cache_usage: float
     prefix_cache_hit_rate: float
     num_preemptions: int
+    # speculative decoding, cumulative (see runtime.spec_decode.stats)
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
@@ -115,6 +119,7 @@ def run_core_process(config: EngineConfig, input_path: str, output_path: str,
     outbox.setsockopt(zmq.SNDHWM, 0)
     outbox.connect(output_path)
     encoder = msgspec.msgpack.Encoder()
+    core = None
     try:
         from runtime.engine.llm_engine import build_core
         from runtime.model_loader.source import load_config, resolve_model
@@ -127,6 +132,8 @@ def run_core_process(config: EngineConfig, input_path: str, output_path: str,
         outbox.send(encoder.encode(Failed(f"{type(e).__name__}: {e}")))
         raise SystemExit(1)
     finally:
+        if core is not None:
+            core.shutdown()  # stops the workers of a multi-rank executor
         outbox.close(linger=1000)
         inbox.close(linger=0)
         context.term()
@@ -151,9 +158,12 @@ class CoreLoop:
             if os.getppid() != self.parent:
                 logger.warning("the API process is gone: engine core exiting")
                 return
-            changed = self._drain(block=not self.core.has_unfinished())
+            idle = not self.core.has_unfinished()
+            changed = self._drain(block=idle)
             if not self.running:
                 return
+            if idle and not changed:
+                self.core.check_health()  # a worker that died while idle fails the core now
             outputs = self.core.step() if self.core.has_unfinished() else []
             if outputs or changed:
                 self.outbox.send(self.encoder.encode(Outputs(outputs, self._stats())))
@@ -181,5 +191,7 @@ class CoreLoop:
 
     def _stats(self) -> CoreStats:
         scheduler, kv = self.core.scheduler, self.core.kv
+        spec = scheduler.spec_stats
         return CoreStats(len(scheduler.running), scheduler.num_waiting(), self.num_received,
-                         kv.usage(), kv.hit_rate(), scheduler.num_preemptions)
+                         kv.usage(), kv.hit_rate(), scheduler.num_preemptions,
+                         spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)

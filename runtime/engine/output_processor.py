@@ -62,11 +62,12 @@ class OutputProcessor:
                     params: SamplingParams, sample_ids: list[str], arrival_time: float,
                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
         samples = {}
+        ranked = params.num_samples > params.n  # best_of: cumulative logprobs pick the best n
         for index, sample_id in enumerate(sample_ids):
             samples[sample_id] = SampleState(
                 index, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
                 logprobs=[] if params.logprobs is not None else None,
-                cumulative_logprob=0.0 if params.logprobs is not None else None)
+                cumulative_logprob=0.0 if params.logprobs is not None or ranked else None)
             self.parent_of[sample_id] = request_id
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
@@ -111,9 +112,10 @@ class OutputProcessor:
                 state.metrics.first_token_time = now
                 state.metrics.num_cached_tokens = out.num_cached_tokens
             sample.token_ids.extend(out.new_token_ids)
-            if out.logprobs and sample.logprobs is not None:
-                for entry in out.logprobs:
-                    sample.logprobs.append(self._to_position(entry))
+            if out.logprobs and sample.cumulative_logprob is not None:
+                for entry in out.logprobs[:len(out.new_token_ids)]:
+                    if sample.logprobs is not None:
+                        sample.logprobs.append(self._to_position(entry))
                     sample.cumulative_logprob += entry.logprobs[0]
             stop_token = out.finish_reason == "stop" and isinstance(out.stop_reason, int)
             stop_string = sample.detokenizer.update(out.new_token_ids, stop_terminated=stop_token)
@@ -131,7 +133,8 @@ class OutputProcessor:
             if state.finished:
                 state.metrics.finished_time = now
                 del self.requests[state.request_id]
-            elif state.output_kind == OutputKind.FINAL_ONLY:
+            elif state.output_kind == OutputKind.FINAL_ONLY or \
+                    state.params.num_samples > state.params.n:
                 continue
             results.append(self._request_output(state, touched[state.request_id]))
         return results, stopped
@@ -159,6 +162,11 @@ class OutputProcessor:
                                         logprobs=s.logprobs, finish_reason=s.finish_reason,
                                         stop_reason=s.stop_reason)
                        for s in state.samples.values()]
+            if state.params.num_samples > state.params.n:  # best_of: the best n, re-indexed
+                outputs.sort(key=lambda o: o.cumulative_logprob, reverse=True)
+                outputs = outputs[:state.params.n]
+                for index, output in enumerate(outputs):
+                    output.index = index
         else:
             outputs = [self._delta(s) for s in samples or state.samples.values()]
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,

@@ -62,10 +62,16 @@ class Processor:
         params = self.inputs.validate(token_ids, params)
         max_tokens = self.inputs.max_tokens(token_ids, params)
         arrival = time.monotonic()
-        sample_ids = [request_id] if params.n == 1 else \
-            [f"{request_id}#{k}" for k in range(params.n)]
+        num_samples = params.num_samples
+        if num_samples > params.n and output_kind == OutputKind.DELTA:
+            raise ValueError(f"best_of ({params.best_of}) > n ({params.n}) cannot be streamed: "
+                             "the best samples are known only at the end")
+        sample_ids = [request_id] if num_samples == 1 else \
+            [f"{request_id}#{k}" for k in range(num_samples)]
         self.outputs.add_request(request_id, text, token_ids, params, sample_ids, arrival,
                                  output_kind)
+        if num_samples > params.n and params.logprobs is None:
+            params = params.clone(logprobs=0)  # the ranking needs each token's logprob
         return [Request(sample_id, token_ids, params, max_tokens, priority, arrival,
                         parent_id=request_id, sample_index=k,
                         leader_id=sample_ids[0] if k else None)

@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from runtime.beam_search import BeamSearch
 from runtime.engine.async_llm import RequestStream
 from runtime.entrypoints.chat import render_chat, text_of
 from runtime.entrypoints.errors import APIError, bad_request
@@ -15,6 +16,7 @@ from runtime.entrypoints.serving import (ServerState, check_model, final_outputs
                                          open_streams, sse, state_of, stream_error,
                                          unless_disconnected)
 from runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from runtime.sampling_params import SamplingParams
 
 router = APIRouter()
 
@@ -46,6 +48,9 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Any:
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     prompts = _completion_prompts(body.prompt)
+    if body.use_beam_search:
+        work = _beam_search_completion(state, body, model, new_id("cmpl", raw), prompts)
+        return await unless_disconnected(raw, work, [])
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs)
     request_id = new_id("cmpl", raw)
@@ -74,6 +79,53 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
     if body.stream:
         return _event_stream(reply.chat_chunks(body))
     return await unless_disconnected(raw, reply.chat(body), streams)
+
+
+async def _beam_search_completion(state: ServerState, body: CompletionRequest, model: str,
+                                  request_id: str, prompts: list) -> dict:
+    """use_beam_search: the n best of best_of (default n) beams per prompt. Each step runs
+    every live beam as a one-token request; the prefix cache shares their blocks."""
+    inputs = state.engine.processor.inputs
+    searches, texts = [], []
+    for prompt in prompts:
+        try:
+            text, ids = inputs.tokenize(prompt)
+            inputs.validate(ids, SamplingParams())
+        except ValueError as e:
+            raise bad_request(str(e), param="prompt") from None
+        params = body.beam_search_params(inputs.max_tokens(
+            ids, SamplingParams(max_tokens=body.max_tokens)))
+        try:
+            searches.append(BeamSearch(ids, params, inputs.eos_token_ids))
+        except ValueError as e:
+            raise bad_request(str(e), param="best_of") from None
+        texts.append(text if text is not None else state.engine.tokenizer.decode(ids))
+    step = 0
+    while not all(s.done for s in searches):
+        live = [s for s in searches if not s.done]
+        beams = [{"prompt_token_ids": seq} for s in live for seq in s.pending()]
+        streams = open_streams(state, f"{request_id}-{step}", beams, live[0].step_params(),
+                               False, body.priority)
+        outputs = iter(await final_outputs(streams))
+        for s in live:
+            s.advance([{t: lp.logprob for t, lp in next(outputs).outputs[0].logprobs[0].items()}
+                       for _ in range(len(s.running))])
+        step += 1
+    tokenizer = state.engine.tokenizer
+    choices, completion_tokens = [], 0
+    for index, (search, prompt_text) in enumerate(zip(searches, texts)):
+        for rank, seq in enumerate(search.output().sequences[:body.n]):
+            text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
+            completion_tokens += len(seq.tokens)
+            choices.append({"index": index * body.n + rank,
+                            "text": prompt_text + text if body.echo else text,
+                            "logprobs": None, "finish_reason": seq.finish_reason,
+                            "stop_reason": None})
+    prompt_tokens = sum(len(s.prompt_token_ids) for s in searches)
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
 
 
 def _completion_prompts(prompt: str | list) -> list:

@@ -10,6 +10,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict
 
+from runtime.beam_search import BeamSearchParams
 from runtime.entrypoints.errors import bad_request
 from runtime.sampling_params import SamplingParams
 
@@ -75,6 +76,53 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None  # not supported: refused when given
+    best_of: int | None = None  # sample best_of, return the best n; with beam search: width
+    # vLLM's beam search extras
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs, prompt_logprobs)
+        if self.best_of is None:
+            return params
+        if self.stream and self.best_of > self.n:
+            raise bad_request("best_of > n cannot be streamed: the best samples are known "
+                              "only at the end", param="best_of")
+        try:
+            return params.clone(best_of=self.best_of)
+        except ValueError as e:
+            raise bad_request(str(e), param="best_of") from None
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """The beam search this request asks for (use_beam_search): width best_of, else n.
+        Sampling options have no place in it: a 400 names the one given."""
+        for name, neutral in (("temperature", 0), ("top_p", 1), ("top_k", -1), ("min_p", 0),
+                              ("seed", None), ("presence_penalty", 0),
+                              ("frequency_penalty", 0), ("repetition_penalty", 1),
+                              ("min_tokens", 0), ("logprobs", None), ("stop", None),
+                              ("stop_token_ids", None)):
+            value = getattr(self, name)
+            if value is not None and value != neutral and not (name == "top_k" and value == 0):
+                raise bad_request(f"{name}={value!r} is not supported with use_beam_search, "
+                                  "which always takes the most likely continuations",
+                                  param=name)
+        if self.stream:
+            raise bad_request("use_beam_search cannot be streamed: the best beams are known "
+                              "only at the end", param="stream")
+        width = self.best_of if self.best_of is not None else self.n
+        if self.n < 1 or width < self.n:
+            raise bad_request(f"use_beam_search returns n of its best_of beams: need "
+                              f"1 <= n <= best_of, got n={self.n}, best_of={self.best_of}",
+                              param="n")
+        try:
+            return BeamSearchParams(beam_width=width, max_tokens=max_tokens,
+                                    ignore_eos=bool(self.ignore_eos),
+                                    length_penalty=self.length_penalty,
+                                    early_stopping=self.early_stopping)
+        except ValueError as e:
+            raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
 
 
 class ChatMessage(Body):

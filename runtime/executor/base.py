@@ -6,6 +6,10 @@ from abc import ABC, abstractmethod
 from runtime.worker.inputs import StepInput, StepOutput
 
 
+class WorkerError(RuntimeError):
+    """A worker died or failed; the executor has stopped the others and serves no more steps."""
+
+
 class Executor(ABC):
     @abstractmethod
     def determine_num_blocks(self) -> int:
@@ -18,6 +22,9 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, step: StepInput) -> StepOutput:
         """Run one step on every worker; returns the output of the rank that samples."""
+
+    def check_health(self) -> None:
+        """Raise WorkerError if a worker is gone (called while the engine is idle)."""
 
     def shutdown(self) -> None:
         """Stop the workers and release their devices."""

@@ -7,6 +7,7 @@ from typing import Any, Callable
 import torch
 
 from quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
+from runtime.distributed.pipeline import PipelineStage
 
 
 @dataclass
@@ -15,7 +16,8 @@ class BuildContext:
 
     `attention_backend` is the class chosen by the `runtime_attention_backend` hook;
     `custom_op(name)` asks the `runtime_custom_op` hook once per op name;
-    `tp_rank`/`tp_size` and `tp_group` (a `plugins.interfaces.Communicator`) shard the layers.
+    `tp_rank`/`tp_size` and `tp_group` (a `plugins.interfaces.Communicator`) shard the layers;
+    `pp` says which layers this pipeline stage builds and how it reaches its neighbours.
     """
 
     dtype: torch.dtype
@@ -25,12 +27,13 @@ class BuildContext:
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: Any = None
+    pp: PipelineStage = field(default_factory=PipelineStage)
     custom_op_provider: Callable[[str], Callable | None] | None = None
     _custom_ops: dict[str, Callable | None] = field(default_factory=dict)
 
     def linear_method(self, prefix: str) -> LinearMethod:
         if self.quant_config is None:
-            return UnquantizedLinearMethod()
+            return UnquantizedLinearMethod(self.custom_op("linear"))
         return self.quant_config.linear_method(prefix)
 
     def custom_op(self, name: str) -> Callable | None:

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantization.base import UnquantizedLinearMethod
 from runtime.layers.build_context import BuildContext
 
 
@@ -34,10 +35,15 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to vocabulary logits (float32, full vocabulary on every rank)."""
+    """Projects hidden states to vocabulary logits (float32, full vocabulary on every rank).
+    The product is a dense linear layer's, so a platform's "linear" kernel computes it."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: BuildContext) -> None:
+        super().__init__(vocab_size, hidden_size, ctx)
+        self.method = UnquantizedLinearMethod(ctx.custom_op("linear"))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.method.apply(self, hidden)
         if self.tp_size > 1:
             logits = self.tp_group.all_gather(logits, dim=-1)
         return logits[..., :self.vocab_size].float()

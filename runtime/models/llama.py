@@ -12,7 +12,7 @@ from runtime.layers.build_context import BuildContext
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from runtime.layers.rotary import get_rope
+from runtime.layers.rotary import get_rope, rotary_embedding
 
 
 def layer_sliding_window(config, layer_idx: int) -> int | None:
@@ -48,6 +48,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_size
         self.rotary_emb = get_rope(self.head_size, config.max_position_embeddings, config,
                                    ctx.dtype)
+        self.rotary_op = ctx.custom_op("rotary_embedding") or rotary_embedding
         self.attn = Attention(self.num_heads, self.head_size, self.head_size ** -0.5,
                               self.num_kv_heads, ctx, layer_sliding_window(config, layer_idx))
         if self.qk_norm:
@@ -57,12 +58,11 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         t = hidden.size(0)
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q = q.view(t, self.num_heads, self.head_size)
-        k = k.view(t, self.num_kv_heads, self.head_size)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v))
+            q = self.q_norm(q.view(t, self.num_heads, self.head_size)).view(t, -1)
+            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_size)).view(t, -1)
+        q, k = self.rotary_op(positions, q, k, self.rotary_emb.cos_sin_cache, self.head_size)
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):
@@ -110,16 +110,31 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
-        self.layers = nn.ModuleList(self.layer_cls(config, i, ctx, f"model.layers.{i}")
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+        # A pipeline stage builds its own layers only; the others stay empty placeholders so
+        # that layer i keeps the checkpoint's name `model.layers.{i}`.
+        self.pp, self.hidden_size, self.act_dtype = ctx.pp, config.hidden_size, ctx.dtype
+        self.start, self.end = ctx.pp.layers(config.num_hidden_layers)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+                             if ctx.pp.is_first else None)
+        self.layers = nn.ModuleList(
+            self.layer_cls(config, i, ctx, f"model.layers.{i}") if self.start <= i < self.end
+            else nn.Identity() for i in range(config.num_hidden_layers))
+        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if ctx.pp.is_last
+                     else None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The final hidden states; None on a pipeline stage before the last, which sends its
+        output to the next stage instead."""
+        if self.embed_tokens is not None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = self.pp.recv(input_ids.size(0), self.hidden_size, self.act_dtype,
+                                            input_ids.device)
+        for layer in self.layers[self.start:self.end]:
             hidden, residual = layer(positions, hidden, residual)
+        if self.norm is None:
+            self.pp.send(hidden, residual)
+            return None
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -134,13 +149,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
         self.config = config
+        self.pp = ctx.pp
         self.model = self.model_cls(config, ctx)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
+                        if ctx.pp.is_last else None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and ctx.pp.size == 1:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -150,10 +167,17 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (HF names) into our parameters; returns the names loaded."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        num_layers = self.config.num_hidden_layers
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
+            if self.tie_word_embeddings:
+                if name == "lm_head.weight":
+                    continue
+                if name == "model.embed_tokens.weight" and self.pp.size > 1 and self.pp.is_last:
+                    self.lm_head.weight.weight_loader(self.lm_head.weight, tensor)
+                    loaded.add("lm_head.weight")
+            if not self.pp.owns(name, num_layers):
                 continue
             for ckpt_part, (param_part, shard_id) in self.stacked_params.items():
                 if f".{ckpt_part}." in name:

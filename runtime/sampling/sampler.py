@@ -48,17 +48,29 @@ class Sampler:
 
 
 def _random_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    return exponential_race(random_probs(logits, batch), batch.generators)
+
+
+def random_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution random rows draw from: `logits` (after penalties) through temperature,
+    top-k, top-p and min-p, softmaxed. Greedy rows come out at temperature 1, unfiltered."""
     logits = logits / batch.temperature[:, None]
     logits = apply_top_k_top_p(logits, batch.top_k, batch.max_top_k, batch.top_p)
     if batch.min_p is not None:
         logits = apply_min_p(logits, batch.min_p)
-    probs = logits.softmax(dim=-1)
-    # Exponential race: argmax(p_i / q_i) with q_i ~ Exp(1) draws i with probability p_i.
-    # A seeded row draws its q from its own generator, so its tokens do not depend on the batch.
+    return logits.softmax(dim=-1)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One draw per row of `probs` [B, V] (need not be normalized); overwrites `probs`.
+
+    argmax(p_i / q_i) with q_i ~ Exp(1) draws i with probability p_i / sum(p). A row in
+    `generators` draws its q from its own generator, so its tokens do not depend on the batch.
+    """
     q = torch.empty_like(probs)
-    if len(batch.generators) < batch.num_rows:
+    if len(generators) < probs.shape[0]:
         q.exponential_()
-    for row, generator in batch.generators.items():
+    for row, generator in generators.items():
         q[row].exponential_(generator=generator)
     return probs.div_(q).argmax(dim=-1)
 

@@ -19,6 +19,9 @@ class ScheduledRequest:
     sample_index: int
     num_prompt_tokens: int
     all_token_ids: list[int]  # prompt + output so far (read for penalties and prompt logprobs)
+    # proposed tokens to verify: the tail of token_ids, past all_token_ids
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_lookahead: int = 0  # slots reserved past token_ids (a draft model writes its KV there)
 
 
 @dataclass
@@ -38,7 +41,9 @@ class TokenLogprobs:
 
 @dataclass
 class StepOutput:
+    # accepted proposals, then the target's own token
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # request id -> (position of the first entry, one entry per prompt position predicted)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for next step

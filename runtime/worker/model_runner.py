@@ -9,8 +9,10 @@ from attention_backends.base import AttentionMetadata
 from plugins.interfaces import EagerRunner, GraphRunner
 from runtime.forward_context import forward_context
 from runtime.layers.attention import Attention
+from runtime.sampling.penalties import apply_penalties
 from runtime.sampling.sampler import Sampler, SamplingBatch, gather_logprobs
 from runtime.sampling_params import SamplingParams
+from runtime.spec_decode.rejection import Verification, rejection_sample
 from runtime.worker.inputs import ScheduledRequest, StepInput, StepOutput, TokenLogprobs
 
 
@@ -25,6 +27,8 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.graph_runner = graph_runner or EagerRunner()
         self.graph_runner.capture(self.model.forward, {})
+        # proposes tokens for speculative decoding (runtime.spec_decode); set by the worker
+        self.proposer = None
 
     def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         """Give every attention layer its cache, in the layout its backend asks for.
@@ -46,7 +50,7 @@ class ModelRunner:
 
         `num_tokens` prefill tokens split over `num_reqs` requests, on a scratch KV cache just
         big enough for them (freed afterwards), then the logits and log-softmax of one row per
-        request, as sampling takes them.
+        request (k + 1 when verifying k proposals), as sampling takes them.
         """
         bs = self.block_size
         sizes = sorted(num_tokens // num_reqs + (i < num_tokens % num_reqs)
@@ -64,8 +68,11 @@ class ModelRunner:
         input_ids, positions, metadata, cu = self._prepare(reqs)
         with forward_context(metadata):
             hidden = self.model(input_ids, positions)
-        rows = torch.as_tensor(cu[1:] - 1, device=self.device)
-        torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), -1)
+        if hidden is not None:  # None: a pipeline stage before the last
+            rows = torch.as_tensor(cu[1:] - 1, device=self.device)
+            if self.proposer is not None:  # each request verifies k + 1 rows
+                rows = rows.repeat_interleave(1 + self.proposer.k)
+            torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), -1)
         for layer in self.kv_layers:
             layer.kv_cache = torch.empty(0)
 
@@ -125,6 +132,8 @@ class ModelRunner:
     def execute(self, step: StepInput) -> StepOutput:
         for request_id in step.finished_ids:
             self.generators.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.drop(step.finished_ids)
         out = StepOutput()
         if not step.requests:
             return out
@@ -134,11 +143,21 @@ class ModelRunner:
         input_ids, positions, metadata, cu = self._prepare(reqs)
         with forward_context(metadata):
             hidden = self.graph_runner.run(input_ids=input_ids, positions=positions)
-
+        if hidden is None:  # a pipeline stage before the last: it sent its output on
+            return out
         self._prompt_logprobs(reqs, hidden, cu, out)
         sampling = [i for i, r in enumerate(reqs) if r.sample]
-        if not sampling:
-            return out
+        if any(reqs[i].spec_token_ids for i in sampling):
+            self._verify(reqs, sampling, hidden, cu, out)
+        elif sampling:
+            self._sample(reqs, sampling, hidden, cu, out)
+        if self.proposer is not None:
+            out.draft_token_ids = self.proposer.propose(reqs, out.sampled, self)
+        return out
+
+    def _sample(self, reqs: list[ScheduledRequest], sampling: list[int], hidden: torch.Tensor,
+                cu: np.ndarray, out: StepOutput) -> None:
+        """One token for each request in `sampling` (indices into `reqs`)."""
         rows = torch.tensor([int(cu[i + 1]) - 1 for i in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         sreqs = [reqs[i] for i in sampling]
@@ -157,7 +176,46 @@ class ModelRunner:
             if r.params.logprobs is not None:
                 k = r.params.logprobs + 1
                 out.logprobs[r.request_id] = [TokenLogprobs(ids[j][:k], values[j][:k], ranks[j])]
-        return out
+
+    def _verify(self, reqs: list[ScheduledRequest], sampling: list[int], hidden: torch.Tensor,
+                cu: np.ndarray, out: StepOutput) -> None:
+        """Speculative step: each request in `sampling` verifies its k proposed tokens on the
+        logits of its last k + 1 positions (k = 0 for requests without proposals), by
+        rejection sampling; it emits its accepted proposals and one token of the target's."""
+        rows, params, prompts, outputs, generators, checks = [], [], [], [], [], []
+        for i in sampling:
+            r = reqs[i]
+            k, end = len(r.spec_token_ids), int(cu[i + 1])
+            generator = self._generator(r)
+            checks.append(Verification(len(rows), r.spec_token_ids,
+                                       self.proposer.draft_probs(r.request_id, k),
+                                       r.params.greedy, generator))
+            rows += range(end - 1 - k, end)
+            history = r.all_token_ids[r.num_prompt_tokens:]
+            for j in range(k + 1):  # row j follows the first j proposals
+                params.append(r.params)
+                prompts.append(r.all_token_ids[:r.num_prompt_tokens])
+                outputs.append(history + r.spec_token_ids[:j])
+                generators.append(generator)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+        batch = SamplingBatch.build(params, prompts, outputs, generators, self.device,
+                                    self.vocab_size)
+        emitted = rejection_sample(apply_penalties(logits, batch), batch, checks)
+        wants = [j for j, i in enumerate(sampling) if reqs[i].params.logprobs is not None]
+        if wants:
+            sel = [checks[j].offset + t for j in wants for t in range(len(emitted[j]))]
+            tokens = torch.tensor([t for j in wants for t in emitted[j]], device=self.device)
+            ids, values, ranks = (x.tolist() for x in gather_logprobs(
+                logits[sel].log_softmax(dim=-1), batch.max_num_logprobs, tokens))
+            row = 0
+            for j in wants:
+                k = reqs[sampling[j]].params.logprobs + 1
+                out.logprobs[reqs[sampling[j]].request_id] = [
+                    TokenLogprobs(ids[row + t][:k], values[row + t][:k], ranks[row + t])
+                    for t in range(len(emitted[j]))]
+                row += len(emitted[j])
+        for j, i in enumerate(sampling):
+            out.sampled[reqs[i].request_id] = emitted[j]
 
     def _prompt_logprobs(self, reqs: list[ScheduledRequest], hidden: torch.Tensor,
                          cu: np.ndarray, out: StepOutput) -> None:

@@ -7,8 +7,13 @@ import torch
 
 from plugins.interfaces import CaptureSpec, ModelInfo, Platform
 from plugins.manager import get_plugin_manager
+from plugins.selection import select_platform
 from runtime.config import EngineConfig
+from runtime.distributed.groups import init_groups
+from runtime.distributed.layout import ParallelLayout, threads_per_rank
+from runtime.distributed.pipeline import PipelineStage, merge_outputs, micro_batches
 from runtime.forward_context import forward_context, get_forward_context
+from runtime.layers.attention import Attention
 from runtime.layers.build_context import BuildContext
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource, iterate_weights
@@ -20,14 +25,21 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
+    """Global `rank` in the layout of `config`; `local_rank` picks the device on its machine;
+    `init_method` (a torch.distributed URL) is how the ranks find each other when there are
+    several."""
+
     def __init__(self, config: EngineConfig, platform: Platform, source: ModelSource,
-                 model_config: ModelConfig, rank: int = 0) -> None:
+                 model_config: ModelConfig, rank: int = 0, local_rank: int = 0,
+                 init_method: str | None = None) -> None:
         self.config = config
         self.platform = platform
         self.source = source
         self.model_config = model_config
         self.rank = rank
-        self.device = platform.device(rank)
+        self.layout = ParallelLayout.of(config)
+        self.init_method = init_method
+        self.device = platform.device(local_rank)
         self.hook = get_plugin_manager().hook
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
@@ -38,6 +50,20 @@ class Worker:
                          head_size=mc.head_size, num_heads=mc.num_heads,
                          num_kv_heads=mc.num_kv_heads, sliding_window=mc.sliding_window,
                          block_size=self.config.block_size)
+
+    def _build_context(self, backend: type, quant_config) -> BuildContext:
+        layout, rank = self.layout, self.rank
+        tp_group = pp_group = None
+        if layout.world_size > 1:
+            tp_group, pp_group = init_groups(self.hook, self.platform, layout, rank,
+                                             self.init_method)
+        return BuildContext(dtype=self.model_config.dtype, device=self.device,
+                            attention_backend=backend, quant_config=quant_config,
+                            tp_rank=layout.tp_rank(rank), tp_size=layout.tp_size,
+                            tp_group=tp_group,
+                            pp=PipelineStage(layout.pp_rank(rank), layout.pp_size, pp_group),
+                            custom_op_provider=lambda name: self.hook.runtime_custom_op(
+                                platform=self.platform, name=name))
 
     def load_model(self) -> None:
         mc = self.model_config
@@ -51,10 +77,7 @@ class Worker:
         from quantization.registry import build_quant_config
         quant_config = build_quant_config(self.config.quantization, mc.hf_config,
                                           self.platform, self.hook)
-        ctx = BuildContext(dtype=mc.dtype, device=self.device, attention_backend=backend,
-                           quant_config=quant_config,
-                           custom_op_provider=lambda name: self.hook.runtime_custom_op(
-                               platform=self.platform, name=name))
+        ctx = self._build_context(backend, quant_config)
         model_cls = resolve_model_class(getattr(mc.hf_config, "architectures", None))
         with torch.device(self.device):
             model = model_cls(mc.hf_config, ctx)
@@ -72,11 +95,18 @@ class Worker:
             if method is not None:
                 method.process_weights_after_loading(module)
         model.eval()
+        # Pipeline stages exchange hidden states inside the forward pass: they run it eagerly.
+        eager = self.config.enforce_eager or self.layout.pp_size > 1
         graph_runner = self.hook.runtime_graph_runner(platform=self.platform, model=info,
-                                                      enforce_eager=self.config.enforce_eager)
+                                                      enforce_eager=eager)
         self.runner = ModelRunner(model, self.device, self.config.block_size, mc.vocab_size,
                                   graph_runner)
         self.model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        itemsize = torch.empty(0, dtype=mc.dtype).element_size()
+        self.kv_bytes_per_block = sum(  # this rank's layers and KV heads only
+            2 * self.config.block_size * m.num_kv_heads * m.head_size * itemsize
+            for m in model.modules() if isinstance(m, Attention))
+        self._load_proposer()
         logger.info("loaded %s (%s, %.1f MiB) with attention backend %s, %s execution",
                     mc.architecture, str(mc.dtype).replace("torch.", ""), self.model_bytes / 2**20,
                     backend.name, self.runner.graph_runner.name)
@@ -88,7 +118,7 @@ class Worker:
         forward pass), so the cache gets what the weights and that peak leave.
         """
         mc, cfg = self.model_config, self.config
-        per_block = mc.kv_bytes_per_block(cfg.block_size, mc.dtype)
+        per_block = self.kv_bytes_per_block
         self.platform.set_memory_utilization(cfg.gpu_memory_utilization)
         num_tokens = min(cfg.max_num_batched_tokens, mc.max_model_len)
         activation = self.platform.measure_peak_memory(
@@ -103,6 +133,9 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then let the graph runner record what it records over it."""
         self.runner.allocate_kv_cache(num_blocks, self.model_config.dtype)
+        if self.runner.proposer is not None:
+            self.runner.proposer.allocate_kv_cache(num_blocks, self.config.block_size,
+                                                   self.model_config.dtype)
         self.num_blocks = num_blocks
         cfg = self.config
         self.runner.graph_runner.capture_graphs(CaptureSpec(
@@ -111,5 +144,32 @@ class Worker:
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=self.model_config.max_model_len, block_size=cfg.block_size))
 
+    def _load_proposer(self) -> None:
+        """Speculative decoding: the runner's proposer; a draft model's KV shares the blocks."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return
+        from runtime.spec_decode.proposer import build_proposer
+        self.runner.proposer = build_proposer(spec, self)
+        self.kv_bytes_per_block += self.runner.proposer.kv_bytes_per_block
+
     def execute(self, step: StepInput) -> StepOutput:
-        return self.runner.execute(step)
+        if self.layout.pp_size == 1:
+            return self.runner.execute(step)
+        # Micro-batches: the stages work on different parts of the step at the same time.
+        return merge_outputs([self.runner.execute(part)
+                              for part in micro_batches(step, self.layout.pp_size)])
+
+
+def start_worker(config: EngineConfig, platform_name: str, source: ModelSource,
+                 model_config: ModelConfig, rank: int, local_rank: int, local_ranks: int,
+                 init_method: str) -> Worker:
+    """A worker in a process of its own (a multiprocessing child or a Ray actor): picks the
+    engine's platform by name, shares the machine's cores out between its `local_ranks`
+    ranks, and loads this rank's part of the model."""
+    platform = select_platform(platform_name)
+    platform.set_num_threads(threads_per_rank(config.num_threads, local_ranks))
+    torch.manual_seed(config.seed)
+    worker = Worker(config, platform, source, model_config, rank, local_rank, init_method)
+    worker.load_model()
+    return worker

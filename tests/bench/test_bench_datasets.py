@@ -9,7 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from runtime.bench.datasets import (add_dataset_args, build_requests, jsonl_requests, lengths,
-                                    prefix_repetition_requests, random_requests)
+                                    prefix_repetition_requests, random_requests,
+                                    repeated_phrase_requests)
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +75,14 @@ def test_build_requests_from_flags(tokenizer):
     assert [len(r.prompt_token_ids) for r in build_requests(args, tokenizer)] == [10] * 4
     with pytest.raises(ValueError, match="dataset-path"):
         build_requests(parser.parse_args(["--dataset", "jsonl"]), tokenizer)
+
+
+def test_repeated_phrase_prompts_repeat_their_own_phrase(tokenizer):
+    requests = repeated_phrase_requests(tokenizer, 3, 20, 6, 8, seed=1)
+    for r in requests:
+        ids = r.prompt_token_ids
+        assert len(ids) == 20 and r.output_len == 8
+        assert ids[6:12] == ids[:6] and ids[18:] == ids[:2]
+    assert requests[0].prompt_token_ids[:6] != requests[1].prompt_token_ids[:6]
+    with pytest.raises(ValueError, match="phrase_len"):
+        repeated_phrase_requests(tokenizer, 1, 4, 8, 8)

@@ -56,10 +56,12 @@ class Driver:
         assert not any(r in self.s.running for r in out.preempted)
         for r, n in out.scheduled:
             assert r in self.s.running and r.status == RequestStatus.RUNNING
-            assert r.num_computed_tokens + n <= r.num_tokens
+            seq = r.all_token_ids + r.spec_token_ids  # proposals are scheduled after the rest
+            assert r.num_computed_tokens + n == len(seq) if r.spec_token_ids else \
+                r.num_computed_tokens + n <= r.num_tokens
             assert len(r.block_ids) * bs >= r.num_computed_tokens + n
             for pos in range(r.num_computed_tokens, r.num_computed_tokens + n):
-                self.kv_store[r.block_ids[pos // bs], pos % bs] = tuple(r.all_token_ids[:pos + 1])
+                self.kv_store[r.block_ids[pos // bs], pos % bs] = tuple(seq[:pos + 1])
         # Attention reads after every write of the step (as the paged backends do).
         for r, n in out.scheduled:
             for pos in range(r.num_computed_tokens):
@@ -68,17 +70,18 @@ class Driver:
         self.check()
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]] | None = None):
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]] | None = None,
+               drafts: dict[str, list[int]] | None = None):
         if sampled is None:
             sampled = {r.request_id: [self.next_token(r)] for r, n in out.scheduled
                        if r.num_computed_tokens + n == r.num_tokens}
-        finished = self.s.update(out, sampled)
+        finished = self.s.update(out, sampled, drafts)
         self.check()
         return finished
 
-    def step(self, sampled=None):
+    def step(self, sampled=None, drafts=None):
         out = self.schedule()
-        return out, self.update(out, sampled)
+        return out, self.update(out, sampled, drafts)
 
     def run(self, max_steps: int = 1000) -> None:
         for _ in range(max_steps):
@@ -597,3 +600,78 @@ def test_random_workloads(seed):
             assert r.status == RequestStatus.FINISHED_LENGTH
             assert r.num_output_tokens == expected[rid.split("#")[0]]
     assert d.kv.num_free_blocks == d.kv.pool.num_blocks
+
+
+# --- speculative decoding -------------------------------------------------------------------
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def test_proposals_are_scheduled_then_the_rejected_ones_rolled_back():
+    d = Driver(num_blocks=16, speculative_config=NGRAM)
+    r = d.add("a", [1, 2, 3, 4, 5, 6], max_tokens=10)
+    d.step({"a": [100]}, {"a": [101, 102, 103]})
+    assert r.spec_token_ids == [101, 102, 103]
+    out, _ = d.step({"a": [101, 555]})  # the first proposal accepted, then the target's own
+    assert d.ids(out) == [("a", 4)]  # the last token and the 3 proposals
+    assert r.all_token_ids[6:] == [100, 101, 555] and r.spec_token_ids == []
+    assert r.num_computed_tokens == 8  # 102 and 103 rolled back
+    assert (d.s.spec_stats.num_draft_tokens, d.s.spec_stats.num_accepted_tokens) == (3, 1)
+    out, _ = d.step()  # reads positions 0..7: the accepted proposal's KV is valid
+    assert d.ids(out) == [("a", 1)]
+
+
+def test_blocks_past_the_new_end_are_freed_to_the_front_of_the_free_list():
+    d = Driver(num_blocks=16, speculative_config=NGRAM)
+    r = d.add("a", [1, 2, 3, 4, 5, 6], max_tokens=10)
+    d.step({"a": [100]}, {"a": [101, 102, 103]})
+    out = d.schedule()
+    assert len(r.block_ids) == 3  # positions 6..9 reach a third block
+    third = r.block_ids[2]
+    d.update(out, {"a": [777]})  # every proposal rejected: 8 tokens, two blocks
+    assert len(r.block_ids) == 2 and r.num_computed_tokens == 7
+    assert next(iter(d.kv.pool.free)) == third
+    assert d.kv.pool.blocks[third].block_hash is None
+
+
+def test_proposals_fit_the_budget_and_the_room_left():
+    d = Driver(num_blocks=16, speculative_config=NGRAM, max_num_batched_tokens=3)
+    r = d.add("a", [1, 2], max_tokens=10)
+    d.step({"a": [100]}, {"a": [101, 102, 103]})
+    out, _ = d.step({"a": [101, 102]})  # the budget took 2 of the 3 proposals
+    assert d.ids(out) == [("a", 3)]
+    assert r.all_token_ids[2:] == [100, 101, 102]
+    d = Driver(num_blocks=16, speculative_config=NGRAM)
+    r = d.add("b", [1, 2], max_tokens=3)
+    d.step({"b": [100]}, {"b": [101, 102, 103]})
+    assert r.spec_token_ids == [101]  # 2 tokens left: one proposal and the target's token
+
+
+def test_a_stop_among_accepted_tokens_ends_the_request_there():
+    d = Driver(num_blocks=16, speculative_config=NGRAM)
+    r = d.add("a", [1, 2, 3], params=SamplingParams(max_tokens=10, stop_token_ids=[7]))
+    d.step({"a": [100]}, {"a": [7, 8, 9]})
+    sampled = {"a": [7, 8, 9, 10]}
+    _, finished = d.step(sampled)
+    assert finished == [r] and r.output_token_ids == [100, 7]
+    assert sampled["a"] == [7]  # what followed the stop is not reported
+    assert d.kv.pool.num_free_blocks == 16
+
+
+def test_a_draft_model_gets_lookahead_slots_for_its_proposals():
+    spec = {"method": "draft_model", "model": "unused", "num_speculative_tokens": 3}
+    d = Driver(num_blocks=16, speculative_config=spec)
+    r = d.add("a", [1, 2, 3, 4], max_tokens=10)
+    d.schedule()
+    assert len(r.block_ids) == 2  # 4 prompt tokens + 3 lookahead slots
+
+
+def test_preemption_drops_proposals():
+    d = Driver(num_blocks=4, speculative_config=NGRAM)
+    b = d.add("b", list(range(10, 18)), max_tokens=8)
+    a = d.add("a", [1, 2, 3], max_tokens=8)
+    d.step({"b": [200], "a": [100]}, {"a": [101, 102, 103]})
+    out, _ = d.step()  # b's decode takes the last free block; a, last in, is preempted
+    assert out.preempted == [a] and a.spec_token_ids == []
+    d.run()
+    assert a.is_finished and b.is_finished

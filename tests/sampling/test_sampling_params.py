@@ -48,6 +48,7 @@ def test_clone_is_independent():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(n=0), r"n must be an integer >= 1, got 0"),
     (dict(n=2, best_of=1), r"best_of must be >= n, got best_of=1 and n=2"),
+    (dict(best_of=3, temperature=0), r"best_of must be 1 with greedy sampling"),
     (dict(temperature=-0.1), r"temperature must be >= 0, got -0.1"),
     (dict(temperature=float("nan")), r"temperature must be >= 0, got nan"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
@@ -75,5 +76,6 @@ def test_validation_messages(kwargs, message):
 
 def test_valid_edges():
     SamplingParams(temperature=0, top_p=1, top_k=1, min_p=1, presence_penalty=-2, frequency_penalty=2,
-                   max_tokens=1, min_tokens=1, logprobs=0, prompt_logprobs=MAX_LOGPROBS, n=2, best_of=3)
+                   max_tokens=1, min_tokens=1, logprobs=0, prompt_logprobs=MAX_LOGPROBS, n=2)
+    SamplingParams(n=2, best_of=3)
     SamplingParams(max_tokens=None, min_tokens=1000)

@@ -1,4 +1,5 @@
-// Fused element-wise layer ops for the CPU: RMSNorm (with the residual add) and SiLU-and-mul.
+// Fused element-wise layer ops for the CPU: RMSNorm (with the residual add), SiLU-and-mul and
+// the rotary embedding.
 // Each row is one pass over memory instead of the five to eight torch ops of the portable
 // versions. Every intermediate is rounded to the model dtype where the portable op (and
 // transformers) rounds it, so bf16 results match them bit for bit up to exp's last ulp.
@@ -103,16 +104,69 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// Neox-style rotary embedding, in place on q and k: per head, the first rotary_dim / 2 lanes
+// x1 and the next x2 become (x1 cos - x2 sin, x2 cos + x1 sin), each product rounded to the
+// model dtype as the portable op does.
+template <typename T>
+void rotate_heads(T* x, int64_t num_heads, int64_t head_size, const float* cos, const float* sin,
+                  int64_t half) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    T* x1 = x + h * head_size;
+    T* x2 = x1 + half;
+    for (int64_t i = 0; i < half; i += 8) {
+      const v8f c = round_to<T>(load8(cos + i)), s = round_to<T>(load8(sin + i));
+      const v8f a = load8(x1 + i), b = load8(x2 + i);
+      store8(x1 + i, round_to<T>(a * c) - round_to<T>(b * s));
+      store8(x2 + i, round_to<T>(b * c) + round_to<T>(a * s));
+    }
+  }
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor key,
+                      const at::Tensor& cos_sin_cache, int64_t head_size) {
+  const int64_t tokens = positions.numel(), rotary_dim = cos_sin_cache.size(1);
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "positions must be contiguous int64");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous(),
+              "cos_sin_cache must be contiguous float32 [max_position, rotary_dim]");
+  TORCH_CHECK(rotary_dim % 16 == 0 && rotary_dim <= head_size,
+              "rotary_dim must be a multiple of 16 and at most head_size");
+  TORCH_CHECK(query.dim() == 2 && key.dim() == 2 && query.size(0) == tokens &&
+                  key.size(0) == tokens && query.stride(1) == 1 && key.stride(1) == 1 &&
+                  query.size(1) % head_size == 0 && key.size(1) % head_size == 0,
+              "query and key must be [tokens, heads * head_size] with contiguous rows");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type(), "query and key must share one dtype");
+  const int64_t half = rotary_dim / 2;
+  const int64_t q_heads = query.size(1) / head_size, k_heads = key.size(1) / head_size;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cache = cos_sin_cache.data_ptr<float>();
+  RUNTIME_CPU_DISPATCH(query.scalar_type(), "rotary_embedding", [&] {
+    scalar_t* q = query.data_ptr<scalar_t>();
+    scalar_t* k = key.data_ptr<scalar_t>();
+    const int64_t q_stride = query.stride(0), k_stride = key.stride(0);
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* cos = cache + pos[t] * rotary_dim;
+        rotate_heads(q + t * q_stride, q_heads, head_size, cos, cos + half, half);
+        rotate_heads(k + t * k_stride, k_heads, head_size, cos, cos + half, half);
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(runtime_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
+        "Tensor cos_sin_cache, int head_size) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(runtime_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
 }

@@ -13,6 +13,7 @@ from plugins.interfaces import CommunicatorSpec, GraphRunner, Platform
 from plugins.selection import explain_attention_backends, explain_platforms
 from runtime.layers.activation import silu_and_mul
 from runtime.layers.layernorm import add_rms_norm, rms_norm
+from runtime.layers.rotary import rotary_embedding
 from runtime.testing.paged_batch import run_two_steps
 
 # decodes first, then prefill chunks with and without earlier context
@@ -126,6 +127,11 @@ CUSTOM_OPS = {
                                                  torch.randn(7, 64, device=d, dtype=t),
                                                  torch.randn(64, device=d, dtype=t), 1e-6)),
     "silu_and_mul": (silu_and_mul, lambda d, t: (torch.randn(7, 128, device=d, dtype=t),)),
+    # positions, query [T, 4 heads * 64], key [T, 2 heads * 64], cos|sin cache, head size
+    "rotary_embedding": (rotary_embedding, lambda d, t: (
+        torch.tensor([0, 3, 9, 1, 30, 31, 2], device=d),
+        torch.randn(7, 256, device=d, dtype=t), torch.randn(7, 128, device=d, dtype=t),
+        torch.randn(32, 64, device=d), 64)),
 }
 
 
@@ -136,10 +142,12 @@ def test_custom_op_matches_the_portable_one(hook, platform, test_dtype, name):
         pytest.skip(f"{platform.name} keeps the portable {name}")
     portable, make_args = CUSTOM_OPS[name]
     args = make_args(platform.device(0), test_dtype)
+    own_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]  # may be in place
     tol = _tolerance(test_dtype)
     to_host = lambda out: tuple(o.float().cpu() for o in out) if isinstance(out, tuple) \
         else out.float().cpu()
-    torch.testing.assert_close(to_host(op(*args)), to_host(portable(*args)), atol=tol, rtol=tol)
+    torch.testing.assert_close(to_host(op(*own_args)), to_host(portable(*args)), atol=tol,
+                               rtol=tol)
 
 
 def test_quantization_kernel_hook_answers(hook, platform):

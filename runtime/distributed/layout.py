@@ -1,0 +1,77 @@
+"""Where each rank sits: global rank = pp_rank * tp_size + tp_rank.
+
+A tensor-parallel group is one pipeline stage's `tp_size` consecutive ranks; a pipeline group
+links the ranks with the same tp_rank across stages. The output (sampled tokens) comes from the
+last stage's tp_rank 0.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from runtime.config import EngineConfig
+from runtime.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tp_size: int = 1
+    pp_size: int = 1
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> "ParallelLayout":
+        return cls(config.tensor_parallel_size, config.pipeline_parallel_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def output_rank(self) -> int:
+        return (self.pp_size - 1) * self.tp_size
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp_size
+
+    def pp_rank(self, rank: int) -> int:
+        return rank // self.tp_size
+
+    def tp_group(self, rank: int) -> list[int]:
+        start = self.pp_rank(rank) * self.tp_size
+        return list(range(start, start + self.tp_size))
+
+    def pp_group(self, rank: int) -> list[int]:
+        return list(range(self.tp_rank(rank), self.world_size, self.tp_size))
+
+
+def check_model_fits(model_config: ModelConfig, layout: ParallelLayout) -> None:
+    """Raise ValueError, saying what is allowed, when the model cannot be split this way."""
+    tp, pp = layout.tp_size, layout.pp_size
+    heads, kv_heads = model_config.num_heads, model_config.num_kv_heads
+    if heads % tp:
+        allowed = [n for n in range(1, heads + 1) if heads % n == 0]
+        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {heads} attention "
+                         f"heads; allowed: {allowed}")
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {kv_heads} KV "
+                         f"heads, or be a multiple of it (KV heads are then replicated)")
+    if pp > model_config.num_layers:
+        raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's "
+                         f"{model_config.num_layers} layers (each stage needs at least one)")
+
+
+def layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """The layers [start, end) of one stage: an even split, earlier stages taking the remainder
+    (the last stage also runs the LM head and sampling)."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (pp_rank < extra)
+
+
+def threads_per_rank(num_threads: int | None, local_ranks: int) -> int:
+    """The user's thread count, else this machine's usable cores shared out between the ranks
+    on it (several ranks each taking every core would oversubscribe them)."""
+    if num_threads is not None:
+        return num_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // local_ranks)

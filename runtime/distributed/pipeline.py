@@ -1,0 +1,81 @@
+"""One pipeline stage's view of the pipeline: its layers, the hidden states it receives from the
+stage before and sends to the stage after, and the micro-batches a step is cut into."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+from runtime.distributed.layout import layer_range
+from runtime.worker.inputs import StepInput, StepOutput
+
+
+@dataclass
+class PipelineStage:
+    """`group` links this rank with its peers (same tp_rank) in the other stages; None when
+    there is one stage."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a plugins.interfaces.Communicator
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def layers(self, num_layers: int) -> tuple[int, int]:
+        return layer_range(num_layers, self.rank, self.size)
+
+    def owns(self, name: str, num_layers: int) -> bool:
+        """Whether the checkpoint tensor `name` (HF naming) belongs to this stage."""
+        if self.size == 1:
+            return True
+        if ".layers." in name:
+            index = int(name.split(".layers.", 1)[1].split(".", 1)[0])
+            start, end = self.layers(num_layers)
+            return start <= index < end
+        if "embed_tokens" in name:
+            return self.is_first
+        return self.is_last  # the final norm and the LM head
+
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        """Hand this stage's output (hidden states and residual, [T, H] each) to the next."""
+        self.group.send(torch.stack([hidden, residual]), dst=self.rank + 1)
+
+    def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous stage's output for the `num_tokens` tokens of this step."""
+        buf = torch.empty(2, num_tokens, hidden_size, dtype=dtype, device=device)
+        self.group.recv(buf, src=self.rank - 1)
+        return buf[0], buf[1]
+
+
+def micro_batches(step: StepInput, n: int) -> list[StepInput]:
+    """Split a step into up to `n` consecutive runs of requests with about equal token counts,
+    so that stage k can work on one while stage k+1 works on the one before. Every rank splits
+    the same step the same way."""
+    total = sum(len(r.token_ids) for r in step.requests)
+    parts: list[list] = [[]]
+    done = 0
+    for r in step.requests:
+        # a new part once this request would sit mostly past the current part's share
+        past_share = done + len(r.token_ids) / 2 > total * len(parts) / n
+        if parts[-1] and len(parts) < n and past_share:
+            parts.append([])
+        parts[-1].append(r)
+        done += len(r.token_ids)
+    return [replace(step, requests=p, finished_ids=step.finished_ids if i == 0 else [])
+            for i, p in enumerate(parts)]
+
+
+def merge_outputs(outputs: list[StepOutput]) -> StepOutput:
+    merged = StepOutput()
+    for out in outputs:
+        for f in fields(StepOutput):
+            getattr(merged, f.name).update(getattr(out, f.name))
+    return merged

@@ -1,0 +1,62 @@
+"""The CPU platform's fused layer ops against the portable ones, on the shapes models give them."""
+import pytest
+import torch
+
+from platforms.cpu import kernels, ops
+from platforms.cpu.platform import CpuPlatform
+from runtime.layers.activation import silu_and_mul
+from runtime.layers.layernorm import add_rms_norm, rms_norm
+from runtime.layers.rotary import rotary_embedding
+
+BUILD_ERROR = kernels.load(CpuPlatform().info.model_name)
+pytestmark = pytest.mark.skipif(BUILD_ERROR is not None,
+                                reason=f"the CPU kernels did not build: {BUILD_ERROR}")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("rotary_dim", [64, 32, 24])  # full, partial, and a fallback size
+def test_rotary_on_slices_of_a_fused_qkv_output(dtype, rotary_dim):
+    tokens, heads, kv_heads, head_size = 9, 6, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size).to(dtype)
+    q, k, _ = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], -1)
+    positions = torch.tensor([0, 1, 2, 7, 100, 101, 5, 63, 64])
+    cache = torch.randn(128, rotary_dim)
+    want_q, want_k = rotary_embedding(positions, q.clone(), k.clone(), cache, head_size)
+    got_q, got_k = ops.rotary_embedding(positions, q, k, cache, head_size)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got_q, want_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(got_k, want_k, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_norms_and_activation(dtype):
+    x, r, w = (torch.randn(5, 576).to(dtype), torch.randn(5, 576).to(dtype),
+               torch.randn(576).to(dtype))
+    tol = TOL[dtype]
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), atol=tol, rtol=tol)
+    torch.testing.assert_close(ops.add_rms_norm(x, r, w, 1e-5), add_rms_norm(x, r, w, 1e-5),
+                               atol=tol, rtol=tol)
+    g = torch.randn(5, 3072).to(dtype) * 4
+    torch.testing.assert_close(ops.silu_and_mul(g), silu_and_mul(g), atol=tol, rtol=tol)
+
+
+def test_shapes_the_kernels_do_not_take_use_the_portable_ops():
+    x, w = torch.randn(3, 4, 20), torch.randn(20)  # 20 is not a multiple of 8
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6))
+    strided = torch.randn(3, 4, 64)[:, :, :32]
+    torch.testing.assert_close(ops.rms_norm(strided, w[:1].expand(32).contiguous(), 1e-6),
+                               rms_norm(strided, w[:1].expand(32).contiguous(), 1e-6))
+    g = torch.randn(3, 24)  # halves of 12
+    torch.testing.assert_close(ops.silu_and_mul(g), silu_and_mul(g))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 64, 256, 300])  # MKL, oneDNN, oneDNN, oneDNN, MKL
+def test_dense_kernel_matches_f_linear(rows, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # oneDNN packs for 2+ threads
+    weight, bias = torch.randn(96, 40), torch.randn(96)
+    dense = ops.linear(weight)
+    x = torch.randn(rows, 40)
+    torch.testing.assert_close(dense(x, bias), torch.nn.functional.linear(x, weight, bias),
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dense(x, None), x @ weight.T, atol=1e-4, rtol=1e-4)
