@@ -1,6 +1,7 @@
-"""The CPU platform's fused layer ops (`csrc/layer_ops.cpp`), with the portable ones as fallback
-for shapes the kernels do not take (a last dimension that is not a multiple of 8 or a rotary
-dimension not a multiple of 16, strided views such as Qwen3's per-head q/k norms)."""
+"""The CPU platform's custom ops: the fused layer ops of `csrc/layer_ops.cpp`, with the portable
+ones as fallback for shapes the kernels do not take (a last dimension that is not a multiple of
+8 or a rotary dimension not a multiple of 16, strided views such as Qwen3's per-head q/k norms),
+and the dense `linear` kernel (oneDNN for decode-sized products)."""
 from __future__ import annotations
 
 import os

@@ -66,12 +66,16 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
 
     argmax(p_i / q_i) with q_i ~ Exp(1) draws i with probability p_i / sum(p). A row in
     `generators` draws its q from its own generator, so its tokens do not depend on the batch.
+    q = -log(1 - u) with u ~ U[0, 1): torch's CPU `exponential_` is five times slower than
+    `uniform_` and a log (77 ms against 15 ms for 64 x 49152 draws on one core).
     """
-    q = torch.empty_like(probs)
+    u = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
-        q.exponential_()
+        u.uniform_()
     for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
+        u[row].uniform_(generator=generator)
+    # q > 0 always, so a filtered-out token (p = 0) never gets 0 / 0
+    q = u.neg_().log1p_().neg_().clamp_min_(torch.finfo(u.dtype).tiny)
     return probs.div_(q).argmax(dim=-1)
 
 

@@ -23,6 +23,7 @@ from runtime.sampling.batch import SamplingBatch
 from runtime.sampling.sampler import exponential_race, random_probs
 from runtime.spec_decode.config import SpeculativeConfig
 from runtime.worker.inputs import ScheduledRequest
+from runtime.worker.model_runner import zero_new_blocks
 
 if TYPE_CHECKING:
     from runtime.worker.model_runner import ModelRunner
@@ -60,18 +61,9 @@ class DraftModelProposer:
         for request_id in request_ids:
             self.probs.pop(request_id, None)
 
-    def _zero_new_blocks(self, reqs: list[ScheduledRequest]) -> None:
-        top = max(max(r.block_ids) for r in reqs) + 1
-        if top <= self.num_zeroed_blocks:
-            return
-        lo = self.num_zeroed_blocks
-        for layer in self.kv_layers:
-            layer.kv_cache.narrow(layer.impl.kv_cache_block_dim, lo, top - lo).zero_()
-        self.num_zeroed_blocks = top
-
     def _forward(self, reqs: list[ScheduledRequest], runner: "ModelRunner") -> torch.Tensor:
         """Logits at the last position of each request (in `reqs` order, decodes first)."""
-        self._zero_new_blocks(reqs)
+        self.num_zeroed_blocks = zero_new_blocks(self.kv_layers, reqs, self.num_zeroed_blocks)
         input_ids, positions, metadata, cu = runner._prepare(reqs)
         with forward_context(metadata):
             hidden = self.model(input_ids, positions)

@@ -16,6 +16,18 @@ from runtime.spec_decode.rejection import Verification, rejection_sample
 from runtime.worker.inputs import ScheduledRequest, StepInput, StepOutput, TokenLogprobs
 
 
+def zero_new_blocks(kv_layers: list[Attention], reqs: list[ScheduledRequest],
+                    num_zeroed: int) -> int:
+    """Zero the blocks `reqs` reach beyond the first `num_zeroed` of every layer's cache;
+    returns the new count. The block pool hands out never-used blocks in increasing id order."""
+    top = max(max(r.block_ids) for r in reqs) + 1
+    if top <= num_zeroed:
+        return num_zeroed
+    for layer in kv_layers:
+        layer.kv_cache.narrow(layer.impl.kv_cache_block_dim, num_zeroed, top - num_zeroed).zero_()
+    return top
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device, block_size: int,
                  vocab_size: int, graph_runner: GraphRunner | None = None) -> None:
@@ -77,14 +89,7 @@ class ModelRunner:
             layer.kv_cache = torch.empty(0)
 
     def _zero_new_blocks(self, reqs: list[ScheduledRequest]) -> None:
-        # The block pool hands out never-used blocks in increasing id order.
-        top = max(max(r.block_ids) for r in reqs) + 1
-        if top <= self.num_zeroed_blocks:
-            return
-        lo = self.num_zeroed_blocks
-        for layer in self.kv_layers:
-            layer.kv_cache.narrow(layer.impl.kv_cache_block_dim, lo, top - lo).zero_()
-        self.num_zeroed_blocks = top
+        self.num_zeroed_blocks = zero_new_blocks(self.kv_layers, reqs, self.num_zeroed_blocks)
 
     def _generator(self, req: ScheduledRequest) -> torch.Generator | None:
         if req.params.seed is None:
