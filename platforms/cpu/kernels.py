@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 from functools import lru_cache
 from pathlib import Path
 
@@ -21,7 +22,10 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp"]
 HEADERS = [CSRC / "simd.h"]
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp-simd"]
+# The host's own ISA; on x86 GCC would otherwise keep znver/AVX2 code at 128-bit vectors.
+X86 = platform.machine() in ("x86_64", "AMD64")
+CFLAGS = (["-O3", "-march=native", "-mprefer-vector-width=256"] if X86
+          else ["-O3", "-mcpu=native"]) + ["-fopenmp-simd"]
 DISABLE_ENV = "RUNTIME_CPU_KERNELS"  # "0" turns the native kernels off
 
 
