@@ -31,17 +31,23 @@ def runtime_detect_platforms() -> list[PlatformCandidate]:
     return [PlatformCandidate("cpu", CpuPlatform(), CPU_PRIORITY)]
 
 
+def kernel_build_error(platform: Platform) -> str | None:
+    """Why the CPU kernels are not loaded for this host (building them the first time), or
+    None when they are."""
+    from platforms.cpu import kernels
+    info = getattr(platform, "info", None)
+    return kernels.load(info.model_name if info else platform.name)
+
+
 def attention_candidates(platform: Platform, model: ModelInfo) -> list[BackendCandidate]:
     """The native-kernel backend first (when this host can build its kernels), then the
     portable one, which runs everywhere."""
     from attention_backends.cpu_paged import CpuPagedAttention  # imported when first needed
     from attention_backends.torch_paged import TorchPagedAttention
-    from platforms.cpu import kernels
-    info = getattr(platform, "info", None)
     native = []
     if CpuPagedAttention.supports(model.head_size, model.dtype, model.kv_cache_dtype,
                                   model.sliding_window, platform.device_type)[0]:
-        failed = kernels.load(info.model_name if info else platform.name)
+        failed = kernel_build_error(platform)
         native = [f"the CPU kernels did not build: {failed}"] if failed else []
     return [
         offer_backend("cpu_paged", CpuPagedAttention, 10, model, "cpu", PLUGIN, native),
@@ -75,14 +81,12 @@ def runtime_custom_op(platform: Platform, name: str):
     when they built, and dense layers through oneDNN for decode-sized inputs."""
     if platform.device_type != "cpu":
         return None
-    from platforms.cpu import kernels, ops
+    from platforms.cpu import ops
     if name == "linear":
         return ops.linear  # torch's own oneDNN, no build needed
     if name not in ops.OPS:
         return None
-    info = getattr(platform, "info", None)
-    return ops.OPS[name] if kernels.load(info.model_name if info else platform.name) is None \
-        else None
+    return ops.OPS[name] if kernel_build_error(platform) is None else None
 
 
 @hookimpl

@@ -75,5 +75,6 @@ def linear(weight: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor | None]
     return apply
 
 
+# The ops that need the built kernels (`linear` is torch's own oneDNN and needs no build).
 OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul,
-       "rotary_embedding": rotary_embedding, "linear": linear}
+       "rotary_embedding": rotary_embedding}
