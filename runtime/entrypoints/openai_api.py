@@ -202,29 +202,40 @@ class Reply:
                                 "stop_reason": sample.stop_reason})
         return self._envelope(sorted(choices, key=lambda c: c["index"]), self._usage())
 
-    async def completion_chunks(self, body: CompletionRequest) -> AsyncIterator[str]:
+    def completion_chunks(self, body: CompletionRequest) -> AsyncIterator[str]:
+        return self._events(self._completion_choices(body), body.include_usage)
+
+    async def _completion_choices(self, body: CompletionRequest) -> AsyncIterator[list[dict]]:
         offsets: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
+        async for index, output in merge(self.streams):
+            choices = []
+            for sample in output.outputs:
+                choice = index * self.n + sample.index
+                text, logprobs = sample.text, None
+                if body.logprobs is not None:
+                    logprobs = self._completion_logprobs(sample.logprobs, sample.token_ids,
+                                                         offsets.get(choice, 0))
+                if body.echo and choice not in offsets:
+                    text = self._prompt_text(output) + text
+                    if logprobs is not None:
+                        logprobs = self._echo_logprobs(output, logprobs)
+                offsets[choice] = offsets.get(choice, 0) + len(text)
+                if text or sample.token_ids or sample.finished:
+                    choices.append({"index": choice, "text": text, "logprobs": logprobs,
+                                    "finish_reason": _finish_reason(sample),
+                                    "stop_reason": sample.stop_reason})
+            yield choices
+
+    async def _events(self, batches: AsyncIterator[list[dict]],
+                      include_usage: bool) -> AsyncIterator[str]:
+        """A stream's server-sent events: one chunk per non-empty batch of choices, the usage
+        chunk when asked, then [DONE]; an error event in place of the rest if anything fails.
+        The engine streams are closed however the stream ends."""
         try:
-            async for index, output in merge(self.streams):
-                choices = []
-                for sample in output.outputs:
-                    choice = index * self.n + sample.index
-                    text, logprobs = sample.text, None
-                    if body.logprobs is not None:
-                        logprobs = self._completion_logprobs(sample.logprobs, sample.token_ids,
-                                                             offsets.get(choice, 0))
-                    if body.echo and choice not in offsets:
-                        text = self._prompt_text(output) + text
-                        if logprobs is not None:
-                            logprobs = self._echo_logprobs(output, logprobs)
-                    offsets[choice] = offsets.get(choice, 0) + len(text)
-                    if text or sample.token_ids or sample.finished:
-                        choices.append({"index": choice, "text": text, "logprobs": logprobs,
-                                        "finish_reason": _finish_reason(sample),
-                                        "stop_reason": sample.stop_reason})
+            async for choices in batches:
                 if choices:
                     yield sse(self._envelope(choices, chunk=True))
-            if body.include_usage:
+            if include_usage:
                 yield sse(self._envelope([], self._usage(), chunk=True))
             yield sse("[DONE]")
         except Exception as e:
@@ -271,35 +282,27 @@ class Reply:
                    for sample in output.outputs]
         return self._envelope(choices, self._usage())
 
-    async def chat_chunks(self, body: ChatCompletionRequest) -> AsyncIterator[str]:
+    def chat_chunks(self, body: ChatCompletionRequest) -> AsyncIterator[str]:
+        return self._events(self._chat_choices(body), body.include_usage)
+
+    async def _chat_choices(self, body: ChatCompletionRequest) -> AsyncIterator[list[dict]]:
         started: set[int] = set()
-        try:
-            async for _, output in merge(self.streams):
-                choices = []
-                for sample in output.outputs:
-                    delta: dict[str, str] = {}
-                    if sample.index not in started:
-                        started.add(sample.index)
-                        delta["role"] = "assistant"
-                    if sample.text or "role" in delta:
-                        delta["content"] = sample.text
-                    logprobs = self._chat_logprobs(sample, body.top_logprobs or 0) \
-                        if body.logprobs and sample.token_ids else None
-                    if delta or logprobs or sample.finished:
-                        choices.append({"index": sample.index, "delta": delta,
-                                        "logprobs": logprobs,
-                                        "finish_reason": _finish_reason(sample),
-                                        "stop_reason": sample.stop_reason})
-                if choices:
-                    yield sse(self._envelope(choices, chunk=True))
-            if body.include_usage:
-                yield sse(self._envelope([], self._usage(), chunk=True))
-            yield sse("[DONE]")
-        except Exception as e:
-            yield sse(stream_error(e, self.request_id).body())
-        finally:
-            for s in self.streams:
-                s.close()
+        async for _, output in merge(self.streams):
+            choices = []
+            for sample in output.outputs:
+                delta: dict[str, str] = {}
+                if sample.index not in started:
+                    started.add(sample.index)
+                    delta["role"] = "assistant"
+                if sample.text or "role" in delta:
+                    delta["content"] = sample.text
+                logprobs = self._chat_logprobs(sample, body.top_logprobs or 0) \
+                    if body.logprobs and sample.token_ids else None
+                if delta or logprobs or sample.finished:
+                    choices.append({"index": sample.index, "delta": delta, "logprobs": logprobs,
+                                    "finish_reason": _finish_reason(sample),
+                                    "stop_reason": sample.stop_reason})
+            yield choices
 
     def _chat_logprobs(self, sample: CompletionOutput, top: int) -> dict:
         def entry(token: str, logprob: float) -> dict:
