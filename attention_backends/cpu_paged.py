@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from attention_backends.base import AttentionMetadata
-from attention_backends.torch_paged import TorchPagedAttention
+from runtime.attention_backends.base import AttentionMetadata
+from runtime.attention_backends.torch_paged import TorchPagedAttention
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attention_backends.base import AttentionBackend, AttentionMetadata
+from runtime.attention_backends.base import AttentionBackend, AttentionMetadata
 
 PAGE_MULTIPLE = 256
 
@@ -36,7 +36,7 @@ class FlashAttentionBackend(AttentionBackend):
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         from flash_attn import flash_attn_varlen_func
 
-        from attention_backends.triton_ops import write_kv
+        from runtime.attention_backends.triton_ops import write_kv
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
         cu_seqlens_k = F.pad(metadata.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))

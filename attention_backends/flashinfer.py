@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from attention_backends.base import AttentionBackend, AttentionMetadata
+from runtime.attention_backends.base import AttentionBackend, AttentionMetadata
 
 WORKSPACE_BYTES = 128 << 20
 

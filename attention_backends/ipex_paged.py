@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attention_backends.base import AttentionBackend, AttentionMetadata
+from runtime.attention_backends.base import AttentionBackend, AttentionMetadata
 
 
 class IpexPagedAttention(AttentionBackend):

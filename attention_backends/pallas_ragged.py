@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from attention_backends.base import AttentionBackend, AttentionMetadata
+from runtime.attention_backends.base import AttentionBackend, AttentionMetadata
 
 
 class PallasRaggedAttention(AttentionBackend):

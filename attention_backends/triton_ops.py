@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention_backends.base import AttentionMetadata
+from runtime.attention_backends.base import AttentionMetadata
 
 # Rows of one attention tile (query tokens x heads of a GQA group): 16 is the smallest tile
 # tensor cores take, used for decode-only batches; prefill tiles are larger.

@@ -3,14 +3,14 @@
 It runs wherever Triton compiles (NVIDIA, AMD, Intel GPUs), so accelerator platforms offer it
 as the backend that is always there. It reads nothing per step on the host beyond the batch's
 request count and longest query, so decode steps can be recorded as device graphs. The kernels
-live in `attention_backends.triton_ops`, imported on the first forward pass so that choosing
+live in `runtime.attention_backends.triton_ops`, imported on the first forward pass so that choosing
 this backend never needs Triton to be importable.
 """
 from __future__ import annotations
 
 import torch
 
-from attention_backends.base import AttentionBackend, AttentionMetadata
+from runtime.attention_backends.base import AttentionBackend, AttentionMetadata
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -32,7 +32,7 @@ class TritonPagedAttention(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        from attention_backends.triton_ops import paged_attention, write_kv
+        from runtime.attention_backends.triton_ops import paged_attention, write_kv
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
         out = torch.empty_like(query)

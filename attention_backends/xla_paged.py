@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from attention_backends.base import AttentionBackend, AttentionMetadata
+from runtime.attention_backends.base import AttentionBackend, AttentionMetadata
 
 MASKED = -1e30  # finite, so rows with nothing visible (padding) stay free of NaN
 

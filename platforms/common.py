@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from attention_backends.base import AttentionBackend
-from plugins.interfaces import BackendCandidate, ModelInfo
+from runtime.attention_backends.base import AttentionBackend
+from runtime.plugins.interfaces import BackendCandidate, ModelInfo
 
 
 def module_available(name: str) -> bool:

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plugins.interfaces import Communicator, CommunicatorSpec
+from runtime.plugins.interfaces import Communicator, CommunicatorSpec
 
 
 class TorchDistCommunicator(Communicator):

@@ -1,4 +1,4 @@
 """The plugin contract: hook specs, the plugin manager and entry-point discovery."""
-from plugins.hookspecs import HOOK_API_VERSION, hookimpl, hookspec
+from runtime.plugins.hookspecs import HOOK_API_VERSION, hookimpl, hookspec
 
 __all__ = ["HOOK_API_VERSION", "hookimpl", "hookspec"]

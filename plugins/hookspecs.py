@@ -31,7 +31,7 @@ def runtime_detect_platforms() -> list[Any]:
     """Say which devices this plugin can drive here.
 
     Called once, when the engine picks its platform (and by `runtime plugins`).
-    Receives nothing. Returns a list of `plugins.interfaces.PlatformCandidate`: for each device
+    Receives nothing. Returns a list of `runtime.plugins.interfaces.PlatformCandidate`: for each device
     family the plugin knows, the `Platform` object (or None, with `reason`, when the device or its
     libraries are absent) and a priority. All answers are collected; the usable candidate with the
     highest priority wins unless the user forces one with `--device` / `RUNTIME_DEVICE`.
@@ -43,9 +43,9 @@ def runtime_attention_backend(platform: Any, model: Any, requested: str | None) 
     """Choose the attention backend for this platform, model and KV-cache dtype.
 
     Called once per engine, after the model config is known and before the KV cache is allocated.
-    `platform` is the chosen `Platform`; `model` is a `plugins.interfaces.ModelInfo` (head sizes,
+    `platform` is the chosen `Platform`; `model` is a `runtime.plugins.interfaces.ModelInfo` (head sizes,
     dtypes, sliding window); `requested` is the user's `--attention-backend` name or None.
-    Returns an `attention_backends.base.AttentionBackend` subclass, or None to let the next plugin
+    Returns an `runtime.attention_backends.base.AttentionBackend` subclass, or None to let the next plugin
     answer. A plugin that cannot honour `requested` for its own platform raises ValueError saying why.
     First non-None answer wins.
     """
@@ -57,8 +57,8 @@ def runtime_attention_backend_candidates(platform: Any, model: Any) -> list[Any]
 
     Called by `runtime plugins` and whenever selection is explained; a platform plugin usually
     decides `runtime_attention_backend` from the same list with
-    `plugins.selection.choose_attention_backend`. Receives what `runtime_attention_backend`
-    receives, less `requested`. Returns a list of `plugins.interfaces.BackendCandidate` — the
+    `runtime.plugins.selection.choose_attention_backend`. Receives what `runtime_attention_backend`
+    receives, less `requested`. Returns a list of `runtime.plugins.interfaces.BackendCandidate` — the
     unusable ones too, each with its reason — or None for platforms the plugin does not serve.
     All answers are collected.
     """
@@ -68,9 +68,9 @@ def runtime_attention_backend_candidates(platform: Any, model: Any) -> list[Any]
 def runtime_graph_runner(platform: Any, model: Any, enforce_eager: bool) -> Any:
     """Choose how the forward pass is executed (eager, torch.compile, CUDA/HIP graphs, XLA).
 
-    Called once per worker after the model is loaded. Returns a `plugins.interfaces.GraphRunner`
+    Called once per worker after the model is loaded. Returns a `runtime.plugins.interfaces.GraphRunner`
     instance, or None (the engine then runs eagerly). The engine calls the runner's `capture`
-    with the model's forward, its `capture_graphs` with a `plugins.interfaces.CaptureSpec` once
+    with the model's forward, its `capture_graphs` with a `runtime.plugins.interfaces.CaptureSpec` once
     the KV cache exists, then `run` every step. First non-None answer wins.
     """
 
@@ -80,7 +80,7 @@ def runtime_communicator(platform: Any, spec: Any) -> Any:
     """Supply collectives for one process group.
 
     Called once per group (tensor, pipeline, data parallel) on every rank, when the worker starts.
-    `spec` is a `plugins.interfaces.CommunicatorSpec`. Returns a `plugins.interfaces.Communicator`
+    `spec` is a `runtime.plugins.interfaces.CommunicatorSpec`. Returns a `runtime.plugins.interfaces.Communicator`
     (gloo, NCCL, RCCL, oneCCL, XLA …). First non-None answer wins.
     """
 

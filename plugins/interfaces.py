@@ -122,7 +122,7 @@ class CommunicatorSpec:
 class CaptureSpec:
     """What a graph-recording runner needs once the KV cache exists (`GraphRunner.capture_graphs`).
 
-    The model reads the step's attention metadata (an `attention_backends.base.AttentionMetadata`)
+    The model reads the step's attention metadata (an `runtime.attention_backends.base.AttentionMetadata`)
     from the engine's forward context; recording a graph means running the forward under metadata
     whose tensors are static buffers, and replaying it means copying the step's metadata into them.
     `forward_context(metadata)` sets that context; `current_metadata()` returns the metadata of the
@@ -196,7 +196,7 @@ class ModelInfo:
 class BackendCandidate:
     """One attention backend a plugin can offer for a platform and model, usable or not.
 
-    `backend` is the `attention_backends.base.AttentionBackend` subclass, or None when it cannot
+    `backend` is the `runtime.attention_backends.base.AttentionBackend` subclass, or None when it cannot
     run here; `reason` then says why (missing library, compute capability, head size …). Among
     the usable candidates the highest `priority` wins unless the user forces one by name.
     """

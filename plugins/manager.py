@@ -17,18 +17,18 @@ from typing import Any, Callable
 
 import pluggy
 
-from plugins import hookspecs
-from plugins.hookspecs import ENTRY_POINT_GROUP, HOOK_API_VERSION, PROJECT
+from runtime.plugins import hookspecs
+from runtime.plugins.hookspecs import ENTRY_POINT_GROUP, HOOK_API_VERSION, PROJECT
 
 logger = logging.getLogger(__name__)
 
 # One line per built-in platform; the plugin's name is the module's last component ("cpu").
 BUILTIN_PLUGINS = [
-    "platforms.cpu",
-    "platforms.cuda",
-    "platforms.rocm",
-    "platforms.xpu",
-    "platforms.tpu",
+    "runtime.platforms.cpu",
+    "runtime.platforms.cuda",
+    "runtime.platforms.rocm",
+    "runtime.platforms.xpu",
+    "runtime.platforms.tpu",
 ]
 
 PLUGINS_ENV = "RUNTIME_PLUGINS"

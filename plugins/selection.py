@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from plugins.interfaces import BackendCandidate, ModelInfo, Platform, PlatformCandidate
-from plugins.manager import PLUGINS_ENV, discovered_plugins, get_plugin_manager
+from runtime.plugins.interfaces import BackendCandidate, ModelInfo, Platform, PlatformCandidate
+from runtime.plugins.manager import PLUGINS_ENV, discovered_plugins, get_plugin_manager
 
 logger = logging.getLogger(__name__)
 

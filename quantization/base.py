@@ -39,7 +39,7 @@ class QuantizationConfig(ABC):
     `fast_kernel_platforms` names the platforms whose plugin answers the
     `runtime_quantization_kernel` hook with a fast kernel for this method; everywhere else the
     method runs its portable torch reference kernel (`reference_kernel()`). The engine sets
-    `kernel` once, before the model is built (`quantization.registry.build_quant_config`).
+    `kernel` once, before the model is built (`runtime.quantization.registry.build_quant_config`).
     `kernel_method` is the method name the hook is asked with: a method that repacks its
     checkpoint into another method's layout (GPTQ and AWQ into int4) takes that method's kernels.
     `weights_from` says, for `runtime plugins`, which checkpoints the method reads.

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantization.base import LinearMethod
+from runtime.quantization.base import LinearMethod
 
 SHARD_ORDER = {"q": 0, "k": 1, "v": 2}
 # Our fused layers and the checkpoint projections they are made of.

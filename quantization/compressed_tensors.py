@@ -12,9 +12,9 @@ One config group targeting `Linear` layers is read, and its weight scheme picks 
 """
 from __future__ import annotations
 
-from quantization.base import QuantizationConfig
-from quantization.fp4 import Mxfp4Config, Nvfp4Config
-from quantization.fp8 import Fp8Config
+from runtime.quantization.base import QuantizationConfig
+from runtime.quantization.fp4 import Mxfp4Config, Nvfp4Config
+from runtime.quantization.fp8 import Fp8Config
 
 SUPPORTED = ("fp8 (float, 8 bits, strategy tensor or channel), nvfp4 (float, 4 bits, group 16), "
              "mxfp4 (float, 4 bits, group 32)")

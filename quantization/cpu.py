@@ -1,6 +1,6 @@
 """Weight-only int8/int4 kernels from torch's own CPU ops (`aten::_weight_int8pack_mm`,
 `aten::_weight_int4pack_mm_for_cpu`). The CPU platform answers the quantization-kernel hook with
-these. Same interface as the reference kernels in `quantization.weight_only`.
+these. Same interface as the reference kernels in `runtime.quantization.weight_only`.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import torch
 from torch import nn
 
-from quantization.weight_only import QuantizedWeight
+from runtime.quantization.weight_only import QuantizedWeight
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:

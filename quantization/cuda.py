@@ -1,7 +1,7 @@
 """The quantization kernels the CUDA platform supplies through the quantization-kernel hook."""
 from __future__ import annotations
 
-from quantization.fp8 import Fp8ScaledMMKernel
+from runtime.quantization.fp8 import Fp8ScaledMMKernel
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: hardware e4m3 matmuls behind torch._scaled_mm
 

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
-from quantization.checkpoint import CheckpointLinearMethod, is_ignored, param
-from quantization.registry import register_method
+from runtime.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
+from runtime.quantization.checkpoint import CheckpointLinearMethod, is_ignored, param
+from runtime.quantization.registry import register_method
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                      -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])

@@ -6,7 +6,7 @@ Where the weights come from:
 - a checkpoint with `{"quant_method": "fp8", "activation_scheme": "static"|"dynamic"}`:
   `*.weight` float8_e4m3fn [out, in], `*.weight_scale` fp32 scalar (per tensor), and with the
   static scheme `*.input_scale` fp32 scalar;
-- a compressed-tensors checkpoint (`quantization.compressed_tensors`) whose weights are
+- a compressed-tensors checkpoint (`runtime.quantization.compressed_tensors`) whose weights are
   `{"type": "float", "num_bits": 8, "strategy": "tensor"|"channel"}`: the same tensor names,
   `weight_scale` [1] or [out, 1].
 
@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
-from quantization.checkpoint import CheckpointLinearMethod, is_ignored, param
-from quantization.registry import register_method
+from runtime.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
+from runtime.quantization.checkpoint import CheckpointLinearMethod, is_ignored, param
+from runtime.quantization.registry import register_method
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448

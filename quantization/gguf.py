@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantization.base import LinearMethod, QuantizationConfig
-from quantization.registry import register_method
+from runtime.quantization.base import LinearMethod, QuantizationConfig
+from runtime.quantization.registry import register_method
 
 QK_K = 256
 # ggml type id -> (name, elements per block, bytes per block)

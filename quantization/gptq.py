@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from quantization.base import LinearMethod, QuantizationConfig
-from quantization.packed_int4 import (Int4Shard, PackedInt4LinearMethod, canonical,
+from runtime.quantization.base import LinearMethod, QuantizationConfig
+from runtime.quantization.packed_int4 import (Int4Shard, PackedInt4LinearMethod, canonical,
                                       check_group_size, group_size_for, unpack_int32)
-from quantization.registry import register_method
-from quantization.weight_only import Int4ReferenceKernel
+from runtime.quantization.registry import register_method
+from runtime.quantization.weight_only import Int4ReferenceKernel
 
 FORMATS = ("gptq", "gptq_v2")
 

@@ -1,4 +1,4 @@
-"""GPTQ and AWQ checkpoints repacked at load into our int4 layout (`quantization.weight_only`),
+"""GPTQ and AWQ checkpoints repacked at load into our int4 layout (`runtime.quantization.weight_only`),
 so that they run through the int4 kernels.
 
 Both store 4-bit weights packed eight to an int32, a scale and a zero point per group of input
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from quantization.checkpoint import CheckpointLinearMethod, param
-from quantization.weight_only import INT4_GROUP_SIZES, QuantizedWeight
+from runtime.quantization.checkpoint import CheckpointLinearMethod, param
+from runtime.quantization.weight_only import INT4_GROUP_SIZES, QuantizedWeight
 
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from quantization.base import QuantizationConfig
+from runtime.quantization.base import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -27,18 +27,18 @@ def register_method(cls: type[QuantizationConfig]) -> type[QuantizationConfig]:
 
 def quantization_methods() -> dict[str, type[QuantizationConfig]]:
     """Every registered method, by name (built-ins imported on first call)."""
-    import quantization.awq
-    import quantization.fp4
-    import quantization.fp8
-    import quantization.gguf
-    import quantization.gptq
-    import quantization.weight_only  # noqa: F401  (each registers its methods)
+    import runtime.quantization.awq
+    import runtime.quantization.fp4
+    import runtime.quantization.fp8
+    import runtime.quantization.gguf
+    import runtime.quantization.gptq
+    import runtime.quantization.weight_only  # noqa: F401  (each registers its methods)
     return dict(_METHODS)
 
 
 def _checkpoint_formats() -> dict[str, Any]:
     """`quant_method` values that are checkpoint formats, not methods: format -> config parser."""
-    from quantization.compressed_tensors import from_compressed_tensors
+    from runtime.quantization.compressed_tensors import from_compressed_tensors
     return {"compressed-tensors": from_compressed_tensors}
 
 

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantization.base import LinearMethod, QuantizationConfig
-from quantization.registry import register_method
+from runtime.quantization.base import LinearMethod, QuantizationConfig
+from runtime.quantization.registry import register_method
 
 INT4_GROUP_SIZES = (32, 64, 128)
 

@@ -59,7 +59,7 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     trust_remote_code: bool = False
-    quantization: str | None = None  # a method in quantization.registry; None: the checkpoint's
+    quantization: str | None = None  # a method in runtime.quantization.registry; None: the checkpoint's
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1  # engine-core replicas behind the server (AsyncLLM)

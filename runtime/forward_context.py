@@ -4,7 +4,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from attention_backends.base import AttentionMetadata
+from runtime.attention_backends.base import AttentionMetadata
 
 _metadata: AttentionMetadata | None = None
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import os
 
-from attention_backends.base import AttentionBackend
-from plugins.hookspecs import hookimpl
-from plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec, EagerRunner,
+from runtime.attention_backends.base import AttentionBackend
+from runtime.plugins.hookspecs import hookimpl
+from runtime.plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec, EagerRunner,
                                 GraphRunner, ModelInfo, Platform, PlatformCandidate)
-from plugins.selection import choose_attention_backend
-from platforms.common import offer_backend
-from platforms.cpu.communicator import GlooCommunicator
-from platforms.cpu.compile_runner import CompileRunner
-from platforms.cpu.platform import CpuPlatform
+from runtime.plugins.selection import choose_attention_backend
+from runtime.platforms.common import offer_backend
+from runtime.platforms.cpu.communicator import GlooCommunicator
+from runtime.platforms.cpu.compile_runner import CompileRunner
+from runtime.platforms.cpu.platform import CpuPlatform
 
 CPU_PRIORITY = 0
 PLUGIN = "cpu"
@@ -34,7 +34,7 @@ def runtime_detect_platforms() -> list[PlatformCandidate]:
 def kernel_build_error(platform: Platform) -> str | None:
     """Why the CPU kernels are not loaded for this host (building them the first time), or
     None when they are."""
-    from platforms.cpu import kernels
+    from runtime.platforms.cpu import kernels
     info = getattr(platform, "info", None)
     return kernels.load(info.model_name if info else platform.name)
 
@@ -42,8 +42,8 @@ def kernel_build_error(platform: Platform) -> str | None:
 def attention_candidates(platform: Platform, model: ModelInfo) -> list[BackendCandidate]:
     """The native-kernel backend first (when this host can build its kernels), then the
     portable one, which runs everywhere."""
-    from attention_backends.cpu_paged import CpuPagedAttention  # imported when first needed
-    from attention_backends.torch_paged import TorchPagedAttention
+    from runtime.attention_backends.cpu_paged import CpuPagedAttention  # imported when first needed
+    from runtime.attention_backends.torch_paged import TorchPagedAttention
     native = []
     if CpuPagedAttention.supports(model.head_size, model.dtype, model.kv_cache_dtype,
                                   model.sliding_window, platform.device_type)[0]:
@@ -81,7 +81,7 @@ def runtime_custom_op(platform: Platform, name: str):
     when they built, and dense layers through oneDNN for decode-sized inputs."""
     if platform.device_type != "cpu":
         return None
-    from platforms.cpu import ops
+    from runtime.platforms.cpu import ops
     if name == "linear":
         return ops.linear  # torch's own oneDNN, no build needed
     if name not in ops.OPS:
@@ -112,5 +112,5 @@ def runtime_quantization_kernel(platform: Platform, method: str, params: dict):
     """torch's native weight-only int8/int4 CPU kernels; None (the reference) for the rest."""
     if platform.device_type != "cpu":
         return None
-    from quantization.cpu import cpu_quantization_kernel
+    from runtime.quantization.cpu import cpu_quantization_kernel
     return cpu_quantization_kernel(method, params)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from plugins.interfaces import CommunicatorSpec
-from platforms.distributed import TorchDistCommunicator
+from runtime.plugins.interfaces import CommunicatorSpec
+from runtime.platforms.distributed import TorchDistCommunicator
 
 
 class GlooCommunicator(TorchDistCommunicator):

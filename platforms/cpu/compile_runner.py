@@ -5,7 +5,7 @@ from typing import Any, Callable
 
 import torch
 
-from plugins.interfaces import GraphRunner
+from runtime.plugins.interfaces import GraphRunner
 
 
 class CompileRunner(GraphRunner):

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from plugins.interfaces import Platform
+from runtime.plugins.interfaces import Platform
 
 logger = logging.getLogger(__name__)
 

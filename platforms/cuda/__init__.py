@@ -9,25 +9,25 @@ answer only for the platform named "cuda":
 - graph runner: decode steps recorded as CUDA graphs, eager with `--enforce-eager`;
 - communicator: NCCL;
 - quantization kernels: fp8 w8a8 through torch._scaled_mm on compute capability 8.9+
-  (`quantization.cuda`); every other method runs its portable reference kernel.
+  (`runtime.quantization.cuda`); every other method runs its portable reference kernel.
 """
 from __future__ import annotations
 
 import torch
 
-from attention_backends.base import AttentionBackend
-from attention_backends.flash_attention import PAGE_MULTIPLE, FlashAttentionBackend
-from attention_backends.flashinfer import FlashInferBackend
-from attention_backends.torch_paged import TorchPagedAttention
-from attention_backends.triton_paged import TritonPagedAttention
-from platforms.common import module_available, offer_backend
-from platforms.cuda.graph_runner import CudaGraphRunner
-from platforms.cuda.platform import CudaPlatform, detect_cuda
-from platforms.distributed import TorchDistCommunicator
-from plugins.hookspecs import hookimpl
-from plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec, EagerRunner,
+from runtime.attention_backends.base import AttentionBackend
+from runtime.attention_backends.flash_attention import PAGE_MULTIPLE, FlashAttentionBackend
+from runtime.attention_backends.flashinfer import FlashInferBackend
+from runtime.attention_backends.torch_paged import TorchPagedAttention
+from runtime.attention_backends.triton_paged import TritonPagedAttention
+from runtime.platforms.common import module_available, offer_backend
+from runtime.platforms.cuda.graph_runner import CudaGraphRunner
+from runtime.platforms.cuda.platform import CudaPlatform, detect_cuda
+from runtime.platforms.distributed import TorchDistCommunicator
+from runtime.plugins.hookspecs import hookimpl
+from runtime.plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec, EagerRunner,
                                 GraphRunner, ModelInfo, Platform, PlatformCandidate)
-from plugins.selection import choose_attention_backend
+from runtime.plugins.selection import choose_attention_backend
 
 CUDA_PRIORITY = 100
 PLUGIN = "cuda"
@@ -102,5 +102,5 @@ def runtime_communicator(platform: Platform, spec: CommunicatorSpec) -> Communic
 def runtime_quantization_kernel(platform: Platform, method: str, params: dict):
     if platform.name != "cuda":
         return None
-    from quantization.cuda import cuda_quantization_kernel
+    from runtime.quantization.cuda import cuda_quantization_kernel
     return cuda_quantization_kernel(method, params, platform.capability)

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from attention_backends.base import AttentionMetadata
-from plugins.interfaces import CaptureSpec, GraphRunner
+from runtime.attention_backends.base import AttentionMetadata
+from runtime.plugins.interfaces import CaptureSpec, GraphRunner
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from plugins.interfaces import Platform
+from runtime.plugins.interfaces import Platform
 
 logger = logging.getLogger(__name__)
 

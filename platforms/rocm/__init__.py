@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from attention_backends.base import AttentionBackend
-from attention_backends.torch_paged import TorchPagedAttention
-from attention_backends.triton_paged import TritonPagedAttention
-from platforms.common import module_available, offer_backend
-from platforms.cuda.graph_runner import CudaGraphRunner
-from platforms.distributed import TorchDistCommunicator
-from platforms.rocm.platform import RocmPlatform, detect_rocm
-from plugins.hookspecs import hookimpl
-from plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec, EagerRunner,
+from runtime.attention_backends.base import AttentionBackend
+from runtime.attention_backends.torch_paged import TorchPagedAttention
+from runtime.attention_backends.triton_paged import TritonPagedAttention
+from runtime.platforms.common import module_available, offer_backend
+from runtime.platforms.cuda.graph_runner import CudaGraphRunner
+from runtime.platforms.distributed import TorchDistCommunicator
+from runtime.platforms.rocm.platform import RocmPlatform, detect_rocm
+from runtime.plugins.hookspecs import hookimpl
+from runtime.plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec, EagerRunner,
                                 GraphRunner, ModelInfo, Platform, PlatformCandidate)
-from plugins.selection import choose_attention_backend
+from runtime.plugins.selection import choose_attention_backend
 
 ROCM_PRIORITY = 100
 PLUGIN = "rocm"

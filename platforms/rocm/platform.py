@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from platforms.cuda.platform import GiB, CudaPlatform, GpuDevice, visible_devices
+from runtime.platforms.cuda.platform import GiB, CudaPlatform, GpuDevice, visible_devices
 
 FNUZ_ARCHS = ("gfx940", "gfx941", "gfx942")
 

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import inspect
 
-from attention_backends.base import AttentionBackend
-from attention_backends.pallas_ragged import PallasRaggedAttention
-from attention_backends.xla_paged import XlaPagedAttention
-from platforms.common import module_available, offer_backend
-from platforms.distributed import TorchDistCommunicator
-from platforms.tpu.graph_runner import XlaGraphRunner
-from platforms.tpu.platform import TpuPlatform, detect_tpu
-from plugins.hookspecs import hookimpl
-from plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec, EagerRunner,
+from runtime.attention_backends.base import AttentionBackend
+from runtime.attention_backends.pallas_ragged import PallasRaggedAttention
+from runtime.attention_backends.xla_paged import XlaPagedAttention
+from runtime.platforms.common import module_available, offer_backend
+from runtime.platforms.distributed import TorchDistCommunicator
+from runtime.platforms.tpu.graph_runner import XlaGraphRunner
+from runtime.platforms.tpu.platform import TpuPlatform, detect_tpu
+from runtime.plugins.hookspecs import hookimpl
+from runtime.plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec, EagerRunner,
                                 GraphRunner, ModelInfo, Platform, PlatformCandidate)
-from plugins.selection import choose_attention_backend
+from runtime.plugins.selection import choose_attention_backend
 
 TPU_PRIORITY = 100
 PLUGIN = "tpu"

@@ -16,8 +16,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from attention_backends.base import AttentionMetadata
-from plugins.interfaces import CaptureSpec, GraphRunner
+from runtime.attention_backends.base import AttentionMetadata
+from runtime.plugins.interfaces import CaptureSpec, GraphRunner
 
 MIN_TOKEN_BUCKET = 16
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from platforms.common import module_available
-from plugins.interfaces import Platform
+from runtime.platforms.common import module_available
+from runtime.plugins.interfaces import Platform
 
 GiB = 1 << 30
 DEFAULT_MEMORY_UTILIZATION = 0.9

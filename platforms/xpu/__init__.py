@@ -13,17 +13,17 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from attention_backends.base import AttentionBackend
-from attention_backends.ipex_paged import IpexPagedAttention
-from attention_backends.torch_paged import TorchPagedAttention
-from attention_backends.triton_paged import TritonPagedAttention
-from platforms.common import module_available, offer_backend
-from platforms.distributed import TorchDistCommunicator
-from platforms.xpu.platform import XpuPlatform, detect_xpu
-from plugins.hookspecs import hookimpl
-from plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec, EagerRunner,
+from runtime.attention_backends.base import AttentionBackend
+from runtime.attention_backends.ipex_paged import IpexPagedAttention
+from runtime.attention_backends.torch_paged import TorchPagedAttention
+from runtime.attention_backends.triton_paged import TritonPagedAttention
+from runtime.platforms.common import module_available, offer_backend
+from runtime.platforms.distributed import TorchDistCommunicator
+from runtime.platforms.xpu.platform import XpuPlatform, detect_xpu
+from runtime.plugins.hookspecs import hookimpl
+from runtime.plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec, EagerRunner,
                                 GraphRunner, ModelInfo, Platform, PlatformCandidate)
-from plugins.selection import choose_attention_backend
+from runtime.plugins.selection import choose_attention_backend
 
 XPU_PRIORITY = 100
 PLUGIN = "xpu"

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from platforms.cuda.platform import GiB, CudaPlatform, GpuDevice
+from runtime.platforms.cuda.platform import GiB, CudaPlatform, GpuDevice
 
 
 def detect_xpu() -> tuple[list[GpuDevice], str]:

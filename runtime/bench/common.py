@@ -30,7 +30,7 @@ def resolve_dtype(dtype: str | None, device: str | None = None) -> str:
     from runtime.config import parse_dtype
     value = parse_dtype(dtype)
     if value is None:
-        from plugins.selection import select_platform
+        from runtime.plugins.selection import select_platform
         value = select_platform(device).default_dtype()
     return str(value).removeprefix("torch.")
 
@@ -69,7 +69,7 @@ def hf_folder(gguf: str, cache_dir: str = MODEL_CACHE) -> str:
 def machine_info(num_threads: int) -> dict[str, Any]:
     """The facts a reader needs to compare figures from two runs."""
     import torch
-    from platforms.cpu.platform import read_cpuinfo
+    from runtime.platforms.cpu.platform import read_cpuinfo
     cpu = read_cpuinfo()
     return {"cpu": cpu.model_name, "features": sorted(cpu.features), "cores": usable_cores(),
             "threads": num_threads, "allocator": allocator(), "torch": torch.__version__,

@@ -6,9 +6,9 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from plugins.interfaces import ModelInfo, Platform
-from plugins.manager import discovered_plugins, get_plugin_manager
-from plugins.selection import (PlatformError, explain_attention_backends, explain_platforms,
+from runtime.plugins.interfaces import ModelInfo, Platform
+from runtime.plugins.manager import discovered_plugins, get_plugin_manager
+from runtime.plugins.selection import (PlatformError, explain_attention_backends, explain_platforms,
                                select_platform)
 
 # The model shape used to ask which attention backend the active platform would choose.
@@ -82,7 +82,7 @@ def _active(platform: Platform, requested: str | None = None) -> dict[str, Any]:
 
 def _quantization(hook: Any, platform: Platform) -> list[dict[str, Any]]:
     """Each quantization method: the kernel this platform's plugins supply, else the reference."""
-    from quantization.registry import quantization_methods
+    from runtime.quantization.registry import quantization_methods
     rows = []
     for name, cls in sorted(quantization_methods().items()):
         try:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plugins.interfaces import CommunicatorSpec, Platform
+from runtime.plugins.interfaces import CommunicatorSpec, Platform
 from runtime.distributed.layout import ParallelLayout
 
 

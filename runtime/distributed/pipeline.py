@@ -18,7 +18,7 @@ class PipelineStage:
 
     rank: int = 0
     size: int = 1
-    group: Any = None  # a plugins.interfaces.Communicator
+    group: Any = None  # a runtime.plugins.interfaces.Communicator
 
     @property
     def is_first(self) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from plugins.interfaces import Platform
+from runtime.plugins.interfaces import Platform
 from runtime.config import EngineConfig
 from runtime.core.kv_cache_manager import KVCacheManager
 from runtime.core.scheduler import Scheduler, SchedulerOutput

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from plugins.selection import select_platform
+from runtime.plugins.selection import select_platform
 from runtime.config import EngineConfig
 from runtime.engine.core import EngineCore
 from runtime.engine.input_processor import PromptType

@@ -1,7 +1,7 @@
 """Executors: how the engine reaches its workers (in-process, one process per rank, Ray)."""
 from __future__ import annotations
 
-from plugins.interfaces import Platform
+from runtime.plugins.interfaces import Platform
 from runtime.config import EngineConfig
 from runtime.distributed.layout import ParallelLayout, check_model_fits
 from runtime.executor.base import Executor

@@ -19,7 +19,7 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn
 
-from plugins.interfaces import Platform
+from runtime.plugins.interfaces import Platform
 from runtime.config import EngineConfig
 from runtime.distributed.layout import ParallelLayout
 from runtime.executor.base import Executor, WorkerError

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from plugins.interfaces import Platform
+from runtime.plugins.interfaces import Platform
 from runtime.config import EngineConfig
 from runtime.distributed.layout import ParallelLayout
 from runtime.executor.base import Executor, WorkerError

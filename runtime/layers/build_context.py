@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-from quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
+from runtime.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
 from runtime.distributed.pipeline import PipelineStage
 
 
@@ -16,7 +16,7 @@ class BuildContext:
 
     `attention_backend` is the class chosen by the `runtime_attention_backend` hook;
     `custom_op(name)` asks the `runtime_custom_op` hook once per op name;
-    `tp_rank`/`tp_size` and `tp_group` (a `plugins.interfaces.Communicator`) shard the layers;
+    `tp_rank`/`tp_size` and `tp_group` (a `runtime.plugins.interfaces.Communicator`) shard the layers;
     `pp` says which layers this pipeline stage builds and how it reaches its neighbours.
     """
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantization.base import UnquantizedLinearMethod
+from runtime.quantization.base import UnquantizedLinearMethod
 from runtime.layers.build_context import BuildContext
 
 

@@ -73,7 +73,7 @@ def iterate_gguf_weights(
     """Yield (transformers parameter name, dequantized tensor in `dtype`) for every weight.
 
     With `raw_linear`, the quantized weights of linear layers come as
-    `quantization.gguf.GGUFWeight` (the file's blocks, one row per output feature) instead.
+    `runtime.quantization.gguf.GGUFWeight` (the file's blocks, one row per output feature) instead.
 
     A model with tied embeddings has no `output.weight`, so nothing comes for `lm_head.weight`.
     The tensors are read from the memory-mapped file at the offsets the cached index gives.
@@ -101,7 +101,7 @@ def iterate_gguf_weights(
 
 def _raw_weight(raw: np.ndarray, entry: dict, arch: str, hf_config: PretrainedConfig):
     """The file's blocks as [rows, bytes per row], q/k rows put back in transformers' order."""
-    from quantization.gguf import GGUFWeight
+    from runtime.quantization.gguf import GGUFWeight
     rows = np.array(raw, dtype=np.uint8).reshape(entry["shape"][0], -1)
     if arch == "llama" and ".attn_q." in entry["gguf_name"]:
         rows = _unpermute(rows, hf_config.num_attention_heads)

@@ -56,7 +56,7 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
 def iterate_weights(source: ModelSource, hf_config, dtype: torch.dtype,
                     raw_gguf: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF parameter name, tensor) pairs, one shard file at a time. `raw_gguf`: a GGUF file's
-    quantized linear weights come as `quantization.gguf.GGUFWeight` (GGUF-native method)."""
+    quantized linear weights come as `runtime.quantization.gguf.GGUFWeight` (GGUF-native method)."""
     if source.format == "gguf":
         from runtime.model_loader.gguf_loader import iterate_gguf_weights
         yield from iterate_gguf_weights(source.path, hf_config, dtype, raw_linear=raw_gguf)

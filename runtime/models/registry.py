@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from plugins.manager import get_plugin_manager
+from runtime.plugins.manager import get_plugin_manager
 
 _BUILTIN: dict[str, str] = {
     "LlamaForCausalLM": "runtime.models.llama:LlamaForCausalLM",

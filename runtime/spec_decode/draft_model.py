@@ -130,7 +130,7 @@ class DraftModelProposer:
 
 def load_draft_proposer(worker: "Worker", config: SpeculativeConfig) -> DraftModelProposer:
     """Build and load the draft model on the worker's device, unsharded, unquantized."""
-    from plugins.interfaces import ModelInfo
+    from runtime.plugins.interfaces import ModelInfo
     from runtime.layers.build_context import BuildContext
     from runtime.model_config import ModelConfig
     from runtime.model_loader.source import iterate_weights, load_config, resolve_model

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from attention_backends.base import AttentionMetadata
+from runtime.attention_backends.base import AttentionMetadata
 
 
 def make_batch(query_lens: list[int], seq_lens: list[int], block_size: int, num_heads: int,

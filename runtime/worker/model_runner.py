@@ -5,8 +5,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from attention_backends.base import AttentionMetadata
-from plugins.interfaces import EagerRunner, GraphRunner
+from runtime.attention_backends.base import AttentionMetadata
+from runtime.plugins.interfaces import EagerRunner, GraphRunner
 from runtime.forward_context import forward_context
 from runtime.layers.attention import Attention
 from runtime.sampling.penalties import apply_penalties

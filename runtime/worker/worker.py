@@ -5,9 +5,9 @@ import logging
 
 import torch
 
-from plugins.interfaces import CaptureSpec, ModelInfo, Platform
-from plugins.manager import get_plugin_manager
-from plugins.selection import select_platform
+from runtime.plugins.interfaces import CaptureSpec, ModelInfo, Platform
+from runtime.plugins.manager import get_plugin_manager
+from runtime.plugins.selection import select_platform
 from runtime.config import EngineConfig
 from runtime.distributed.groups import init_groups
 from runtime.distributed.layout import ParallelLayout, threads_per_rank
@@ -74,7 +74,7 @@ class Worker:
             raise RuntimeError(f"no plugin supplies an attention backend for platform "
                                f"{self.platform.name!r}")
         self.attention_backend = backend
-        from quantization.registry import build_quant_config
+        from runtime.quantization.registry import build_quant_config
         quant_config = build_quant_config(self.config.quantization, mc.hf_config,
                                           self.platform, self.hook)
         ctx = self._build_context(backend, quant_config)

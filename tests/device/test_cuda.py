@@ -5,12 +5,12 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from attention_backends.torch_paged import TorchPagedAttention  # noqa: E402
-from platforms.cuda import graph_runner  # noqa: E402
-from platforms.cuda.graph_runner import replay_size  # noqa: E402
-from plugins.interfaces import ModelInfo  # noqa: E402
-from plugins.manager import reset_plugin_manager  # noqa: E402
-from plugins.selection import explain_attention_backends, select_platform  # noqa: E402
+from runtime.attention_backends.torch_paged import TorchPagedAttention  # noqa: E402
+from runtime.platforms.cuda import graph_runner  # noqa: E402
+from runtime.platforms.cuda.graph_runner import replay_size  # noqa: E402
+from runtime.plugins.interfaces import ModelInfo  # noqa: E402
+from runtime.plugins.manager import reset_plugin_manager  # noqa: E402
+from runtime.plugins.selection import explain_attention_backends, select_platform  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 from runtime.testing.paged_batch import run_two_steps  # noqa: E402
 from runtime.testing.tiny_model import build_tiny_llama  # noqa: E402
@@ -35,7 +35,7 @@ def _tokens(llm):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_every_usable_backend_matches_the_portable_one(dtype, block_size):
-    from platforms.cuda import attention_candidates
+    from runtime.platforms.cuda import attention_candidates
     cuda = select_platform("cuda")
     model = ModelInfo("LlamaForCausalLM", dtype, dtype, 128, 16, 4, None, block_size)
     print({r["name"]: r["why"] for r in explain_attention_backends(cuda, model)["backends"]})

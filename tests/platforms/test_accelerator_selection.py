@@ -9,19 +9,19 @@ import json
 import pytest
 import torch
 
-from attention_backends.flash_attention import FlashAttentionBackend
-from attention_backends.flashinfer import FlashInferBackend
-from attention_backends.ipex_paged import IpexPagedAttention
-from attention_backends.pallas_ragged import PallasRaggedAttention
-from attention_backends.torch_paged import TorchPagedAttention
-from attention_backends.triton_paged import TritonPagedAttention
-from attention_backends.xla_paged import XlaPagedAttention
-from plugins.interfaces import EagerRunner, ModelInfo
-from plugins.manager import get_plugin_manager, reset_plugin_manager
-from plugins.selection import (AttentionBackendError, PlatformError, explain_attention_backends,
+from runtime.attention_backends.flash_attention import FlashAttentionBackend
+from runtime.attention_backends.flashinfer import FlashInferBackend
+from runtime.attention_backends.ipex_paged import IpexPagedAttention
+from runtime.attention_backends.pallas_ragged import PallasRaggedAttention
+from runtime.attention_backends.torch_paged import TorchPagedAttention
+from runtime.attention_backends.triton_paged import TritonPagedAttention
+from runtime.attention_backends.xla_paged import XlaPagedAttention
+from runtime.plugins.interfaces import EagerRunner, ModelInfo
+from runtime.plugins.manager import get_plugin_manager, reset_plugin_manager
+from runtime.plugins.selection import (AttentionBackendError, PlatformError, explain_attention_backends,
                                explain_platforms, select_platform)
-from platforms.cuda.graph_runner import CudaGraphRunner
-from platforms.tpu.graph_runner import XlaGraphRunner
+from runtime.platforms.cuda.graph_runner import CudaGraphRunner
+from runtime.platforms.tpu.graph_runner import XlaGraphRunner
 from runtime.cli.plugins_cmd import add_plugins_parser, plugins_command
 from tests.platforms.fakes import (A100, H100, MAX1550, MI300X, MI355X, T4, fake_gpus,
                                    fake_libraries, fake_torch_xla, fake_xpus)

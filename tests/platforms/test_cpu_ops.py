@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from platforms.cpu import kernels, ops
-from platforms.cpu.platform import CpuPlatform
+from runtime.platforms.cpu import kernels, ops
+from runtime.platforms.cpu.platform import CpuPlatform
 from runtime.layers.activation import silu_and_mul
 from runtime.layers.layernorm import add_rms_norm, rms_norm
 from runtime.layers.rotary import rotary_embedding

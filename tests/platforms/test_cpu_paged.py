@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from attention_backends.cpu_paged import CpuPagedAttention
-from attention_backends.torch_paged import TorchPagedAttention
-from plugins.manager import get_plugin_manager
-from plugins.interfaces import ModelInfo
-from platforms.cpu import kernels
-from platforms.cpu.platform import CpuPlatform
+from runtime.attention_backends.cpu_paged import CpuPagedAttention
+from runtime.attention_backends.torch_paged import TorchPagedAttention
+from runtime.plugins.manager import get_plugin_manager
+from runtime.plugins.interfaces import ModelInfo
+from runtime.platforms.cpu import kernels
+from runtime.platforms.cpu.platform import CpuPlatform
 from runtime.testing.paged_batch import make_batch, run_backend
 
 PLATFORM = CpuPlatform()

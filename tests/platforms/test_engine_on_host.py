@@ -3,13 +3,13 @@ the XLA runner (bucketed shapes, padding, scratch-block writes) with the shape-s
 the Triton backend through Triton's interpreter, must produce the CPU platform's tokens."""
 import pytest
 
-from attention_backends.triton_paged import TritonPagedAttention
-from attention_backends.xla_paged import XlaPagedAttention
-from platforms.cpu.platform import CpuPlatform
-from platforms.tpu.graph_runner import XlaGraphRunner
-from plugins.hookspecs import hookimpl
-from plugins.interfaces import EagerRunner, PlatformCandidate
-from plugins.manager import get_plugin_manager, reset_plugin_manager
+from runtime.attention_backends.triton_paged import TritonPagedAttention
+from runtime.attention_backends.xla_paged import XlaPagedAttention
+from runtime.platforms.cpu.platform import CpuPlatform
+from runtime.platforms.tpu.graph_runner import XlaGraphRunner
+from runtime.plugins.hookspecs import hookimpl
+from runtime.plugins.interfaces import EagerRunner, PlatformCandidate
+from runtime.plugins.manager import get_plugin_manager, reset_plugin_manager
 from runtime import LLM, SamplingParams
 from tests.parity import PROMPTS
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 import transformers
 
-from plugins.manager import discovered_plugins, get_plugin_manager, reset_plugin_manager
-from platforms.cpu.platform import CpuPlatform
+from runtime.plugins.manager import discovered_plugins, get_plugin_manager, reset_plugin_manager
+from runtime.platforms.cpu.platform import CpuPlatform
 from runtime import LLM, SamplingParams
 from runtime.layers.layernorm import RMSNorm, rms_norm
 from tests.parity import PROMPTS, assert_matches_hf, hf_greedy
@@ -73,7 +73,7 @@ def test_discovered_and_answers_for_the_cpu_only(example_plugin):
     from runtime_example_plugin import fused_rms_norm
     assert hook.runtime_custom_op(platform=CpuPlatform(), name="rms_norm") is fused_rms_norm
     # Ops the example does not replace stay with the CPU platform (its kernels, or portable).
-    from platforms.cpu import ops
+    from runtime.platforms.cpu import ops
     assert hook.runtime_custom_op(platform=CpuPlatform(), name="silu_and_mul") in (
         ops.silu_and_mul, None)
     x, w = torch.randn(5, 64), torch.randn(64)

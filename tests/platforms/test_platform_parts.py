@@ -5,13 +5,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from platforms.cuda.graph_runner import capture_sizes, replay_size
-from platforms.cuda.platform import GiB, CudaPlatform, GpuDevice, kv_cache_budget
-from platforms.distributed import TorchDistCommunicator
-from platforms.tpu.graph_runner import bucket, buckets, pad_metadata
-from platforms.tpu.platform import memory_info
-from platforms.xpu import collective_backend
-from plugins.interfaces import CommunicatorSpec
+from runtime.platforms.cuda.graph_runner import capture_sizes, replay_size
+from runtime.platforms.cuda.platform import GiB, CudaPlatform, GpuDevice, kv_cache_budget
+from runtime.platforms.distributed import TorchDistCommunicator
+from runtime.platforms.tpu.graph_runner import bucket, buckets, pad_metadata
+from runtime.platforms.tpu.platform import memory_info
+from runtime.platforms.xpu import collective_backend
+from runtime.plugins.interfaces import CommunicatorSpec
 from tests.platforms.fakes import fake_libraries
 from runtime.testing.paged_batch import make_batch
 

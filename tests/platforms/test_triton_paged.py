@@ -13,8 +13,8 @@ if DEVICE == "cpu" and not triton.knobs.runtime.interpret:
     pytest.skip("no GPU, and Triton was imported before TRITON_INTERPRET=1 was set",
                 allow_module_level=True)
 
-from attention_backends.torch_paged import TorchPagedAttention  # noqa: E402
-from attention_backends.triton_paged import TritonPagedAttention  # noqa: E402
+from runtime.attention_backends.torch_paged import TorchPagedAttention  # noqa: E402
+from runtime.attention_backends.triton_paged import TritonPagedAttention  # noqa: E402
 from runtime.testing.paged_batch import make_batch, run_backend  # noqa: E402
 
 # (query_lens, seq_lens): decodes first, then prefill chunks with and without earlier context.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from plugins.manager import reset_plugin_manager
+from runtime.plugins.manager import reset_plugin_manager
 
 FAKE_DIST = Path(__file__).parent / "fake_plugin_dist"
 ENV_VARS = ("RUNTIME_PLUGINS", "RUNTIME_DEVICE", "RUNTIME_CPU_COMPILE",

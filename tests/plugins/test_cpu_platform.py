@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from plugins.interfaces import CommunicatorSpec, EagerRunner, ModelInfo, Platform
-from plugins.manager import get_plugin_manager
-from platforms.cpu.compile_runner import CompileRunner
-from platforms.cpu.platform import (GiB, CpuPlatform, kv_cache_budget, normalize_arch,
+from runtime.plugins.interfaces import CommunicatorSpec, EagerRunner, ModelInfo, Platform
+from runtime.plugins.manager import get_plugin_manager
+from runtime.platforms.cpu.compile_runner import CompileRunner
+from runtime.platforms.cpu.platform import (GiB, CpuPlatform, kv_cache_budget, normalize_arch,
                                     parse_cpuinfo, parse_meminfo_available)
 
 EPYC = """processor\t: 0
@@ -124,7 +124,7 @@ def test_unknown_attention_backend_is_refused():
 
 
 def test_cpu_attention_backend_can_be_forced_to_the_portable_one():
-    from attention_backends.torch_paged import TorchPagedAttention
+    from runtime.attention_backends.torch_paged import TorchPagedAttention
     backend = get_plugin_manager().hook.runtime_attention_backend(
         platform=CpuPlatform(), model=MODEL, requested="torch_paged")
     assert backend is TorchPagedAttention

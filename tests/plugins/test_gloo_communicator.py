@@ -3,9 +3,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from plugins.interfaces import CommunicatorSpec
-from plugins.manager import get_plugin_manager
-from platforms.cpu.platform import CpuInfo, CpuPlatform
+from runtime.plugins.interfaces import CommunicatorSpec
+from runtime.plugins.manager import get_plugin_manager
+from runtime.platforms.cpu.platform import CpuInfo, CpuPlatform
 
 WORLD = 3
 

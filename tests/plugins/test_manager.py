@@ -1,17 +1,17 @@
 """The plugin manager with only the built-in platforms installed."""
-from plugins import hookspecs
-from plugins.manager import (BUILTIN_PLUGINS, discovered_plugins, get_plugin_manager,
+from runtime.plugins import hookspecs
+from runtime.plugins.manager import (BUILTIN_PLUGINS, discovered_plugins, get_plugin_manager,
                              reset_plugin_manager)
 
 
 def test_builtins_are_registered():
-    assert "platforms.cpu" in BUILTIN_PLUGINS
+    assert "runtime.platforms.cpu" in BUILTIN_PLUGINS
     records = {r.name: r for r in discovered_plugins()}
     assert records["cpu"].loaded and records["cpu"].source == "builtin"
     assert "fake" not in records  # the test plugin is only visible through its fixture
     pm = get_plugin_manager()
     assert pm.project_name == hookspecs.PROJECT
-    assert pm.get_plugin("cpu").__name__ == "platforms.cpu"
+    assert pm.get_plugin("cpu").__name__ == "runtime.platforms.cpu"
 
 
 def test_manager_is_cached_until_reset():

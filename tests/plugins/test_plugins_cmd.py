@@ -18,7 +18,7 @@ def test_text_report(capsys):
     assert args.func is plugins_command
     assert plugins_command(args) == 0
     out = capsys.readouterr().out
-    assert "Plugins:" in out and "platforms.cpu" in out
+    assert "Plugins:" in out and "runtime.platforms.cpu" in out
     assert "ACTIVE: highest priority (0) among usable candidates" in out
     assert "Active platform: cpu" in out
     for fact in ("features:", "default dtype:", "attention backend:", "graph runner:      eager"):
@@ -29,7 +29,7 @@ def test_json_report(capsys):
     assert plugins_command(_args("--json")) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["plugins"][0] == {"name": "cpu", "source": "builtin", "loaded": True,
-                                    "reason": "", "target": "platforms.cpu"}
+                                    "reason": "", "target": "runtime.platforms.cpu"}
     assert report["active"]["name"] == "cpu" and report["error"] is None
     assert report["active"]["facts"]["default dtype"] in ("float32", "bfloat16")
 

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from plugins.hookspecs import hookimpl
-from plugins.interfaces import Platform, PlatformCandidate
-from plugins.manager import get_plugin_manager
-from plugins.selection import PlatformError, detect_platforms, explain_platforms, select_platform
+from runtime.plugins.hookspecs import hookimpl
+from runtime.plugins.interfaces import Platform, PlatformCandidate
+from runtime.plugins.manager import get_plugin_manager
+from runtime.plugins.selection import PlatformError, detect_platforms, explain_platforms, select_platform
 
 
 @pytest.fixture(autouse=True)

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from plugins.manager import discovered_plugins, get_plugin_manager
-from plugins.selection import PlatformError, explain_platforms, select_platform
-from platforms.cpu.platform import CpuPlatform
+from runtime.plugins.manager import discovered_plugins, get_plugin_manager
+from runtime.plugins.selection import PlatformError, explain_platforms, select_platform
+from runtime.platforms.cpu.platform import CpuPlatform
 
 pytestmark = pytest.mark.usefixtures("fake_plugin")
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from plugins.manager import get_plugin_manager
-from quantization.awq import unpack_awq
-from quantization.fp4 import unpack_e2m1
-from quantization.fp8 import Fp8ReferenceKernel, Fp8ScaledMMKernel, quantize_fp8
-from quantization.packed_int4 import unpack_int32
-from quantization.registry import build_quant_config
+from runtime.plugins.manager import get_plugin_manager
+from runtime.quantization.awq import unpack_awq
+from runtime.quantization.fp4 import unpack_e2m1
+from runtime.quantization.fp8 import Fp8ReferenceKernel, Fp8ScaledMMKernel, quantize_fp8
+from runtime.quantization.packed_int4 import unpack_int32
+from runtime.quantization.registry import build_quant_config
 from runtime import LLM, SamplingParams
 from runtime.layers.linear import LinearBase
 from tests.parity import PROMPTS
@@ -63,7 +63,7 @@ def test_fp8_kernels_match_dequantized_matmul():
 
 
 def test_cuda_plugin_offers_scaled_mm_from_sm89():
-    from platforms import cuda as cuda_plugin
+    from runtime.platforms import cuda as cuda_plugin
 
     class FakeCuda:
         name = "cuda"
@@ -165,7 +165,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_checkpoint_matches_dequantized_model(case, tiny_model_factory, tmp_path, monkeypatch):
-    from quantization.cpu import KERNEL_ENV
+    from runtime.quantization.cpu import KERNEL_ENV
     monkeypatch.setenv(KERNEL_ENV, "native" if case == "gptq-sym-group32" else "reference")
     quantize, qconfig, flag, layer_bytes = CASES[case]
     src = tiny_model_factory("LlamaForCausalLM", intermediate_size=256)
@@ -270,7 +270,7 @@ def test_runtime_plugins_lists_every_method(capsys):
         assert row in out
     assert "cuda (sm89+)" in out and "fp4_reference (reference)" in out
     hook = get_plugin_manager().hook
-    from platforms.cpu.platform import CpuPlatform
+    from runtime.platforms.cpu.platform import CpuPlatform
     assert hook.runtime_quantization_kernel(platform=CpuPlatform(), method="fp8", params={}) is None
 
 
@@ -287,7 +287,7 @@ TP_CASES = {  # name: (writer, quantization_config)
 def test_tensor_parallel_ranks_take_their_slices(case):
     """Each of two ranks loads the full checkpoint tensors; their outputs put together (columns
     concatenated per q/k/v, row-parallel partial sums added) equal the dequantized layers."""
-    from quantization.registry import from_checkpoint
+    from runtime.quantization.registry import from_checkpoint
     from runtime.layers.build_context import BuildContext
     from runtime.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                        RowParallelLinear)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantization.fp8 import Fp8ReferenceKernel, Fp8ScaledMMKernel, Fp8Weight, quantize_fp8
+from runtime.quantization.fp8 import Fp8ReferenceKernel, Fp8ScaledMMKernel, Fp8Weight, quantize_fp8
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from quantization.gguf import (
+from runtime.quantization.gguf import (
     GGML_TYPES,
     GGUFConfig,
     GGUFWeight,

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from plugins.manager import get_plugin_manager
-from quantization.cpu import Int4PackKernel, Int8PackKernel
-from quantization.registry import build_quant_config, parse_spec, quantization_methods
-from quantization.weight_only import (
+from runtime.plugins.manager import get_plugin_manager
+from runtime.quantization.cpu import Int4PackKernel, Int8PackKernel
+from runtime.quantization.registry import build_quant_config, parse_spec, quantization_methods
+from runtime.quantization.weight_only import (
     Int4Config,
     Int4ReferenceKernel,
     Int8Config,
@@ -121,8 +121,8 @@ def test_registry_and_spec_parsing():
 
 
 def test_platform_hook_supplies_the_kernel(monkeypatch):
-    from platforms.cpu.platform import CpuPlatform
-    from quantization.cpu import KERNEL_ENV
+    from runtime.platforms.cpu.platform import CpuPlatform
+    from runtime.quantization.cpu import KERNEL_ENV
     hook = get_plugin_manager().hook
     cpu = CpuPlatform()
     monkeypatch.setenv(KERNEL_ENV, "native")
@@ -171,7 +171,7 @@ def _linear_shapes(llm) -> list[tuple[int, int]]:
                                          ("int4:group_size=64,symmetric=0", "reference")])
 def test_quantized_model_matches_dequantized_model(spec, kernel, tiny_model_factory, tmp_path,
                                                    monkeypatch):
-    from quantization.cpu import KERNEL_ENV
+    from runtime.quantization.cpu import KERNEL_ENV
     monkeypatch.setenv(KERNEL_ENV, kernel)
     path = tiny_model_factory("LlamaForCausalLM", intermediate_size=256)
     config = build_quant_config(spec, object())
@@ -217,7 +217,7 @@ def test_checkpoint_quantization_config_must_agree(tiny_model_factory, tmp_path)
 def test_runtime_plugins_lists_quantization_kernels(capsys, monkeypatch):
     import argparse
 
-    from quantization.cpu import KERNEL_ENV
+    from runtime.quantization.cpu import KERNEL_ENV
     from runtime.cli.plugins_cmd import plugins_command
     monkeypatch.setenv(KERNEL_ENV, "native")
     assert plugins_command(argparse.Namespace(device="cpu", json=False)) == 0

@@ -10,8 +10,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from plugins.hookspecs import HOOK_API_VERSION, hookimpl
-from plugins.interfaces import Platform
+from runtime.plugins.hookspecs import HOOK_API_VERSION, hookimpl
+from runtime.plugins.interfaces import Platform
 
 RUNTIME_HOOK_API_VERSION = HOOK_API_VERSION
 

@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from plugins.interfaces import ModelInfo, Platform
-from plugins.manager import get_plugin_manager
-from plugins.selection import select_platform
+from runtime.plugins.interfaces import ModelInfo, Platform
+from runtime.plugins.manager import get_plugin_manager
+from runtime.plugins.selection import select_platform
 from runtime.testing.tiny_model import build_tiny_llama
 
 DEVICE_ENV = "RUNTIME_DEVICE"

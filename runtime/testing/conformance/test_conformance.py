@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from attention_backends.base import AttentionBackend
-from attention_backends.torch_paged import TorchPagedAttention
-from plugins.interfaces import CommunicatorSpec, GraphRunner, Platform
-from plugins.selection import explain_attention_backends, explain_platforms
+from runtime.attention_backends.base import AttentionBackend
+from runtime.attention_backends.torch_paged import TorchPagedAttention
+from runtime.plugins.interfaces import CommunicatorSpec, GraphRunner, Platform
+from runtime.plugins.selection import explain_attention_backends, explain_platforms
 from runtime.layers.activation import silu_and_mul
 from runtime.layers.layernorm import add_rms_norm, rms_norm
 from runtime.layers.rotary import rotary_embedding
@@ -156,7 +156,7 @@ def test_quantization_kernel_hook_answers(hook, platform):
     if all(a is None for a in answers.values()):
         pytest.skip(f"{platform.name} supplies no quantization kernel (portable ones run)")
     # A weight-only int8/int4 kernel computes the same product as the method's reference.
-    from quantization.weight_only import Int4Config, Int8Config
+    from runtime.quantization.weight_only import Int4Config, Int8Config
     device = platform.device(0)
     for config in (Int8Config(), Int4Config(group_size=32, symmetric=False)):
         kernel = hook.runtime_quantization_kernel(platform=platform, method=config.name,

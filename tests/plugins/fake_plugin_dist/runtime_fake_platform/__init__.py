@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from plugins.hookspecs import HOOK_API_VERSION, hookimpl
-from plugins.interfaces import Platform, PlatformCandidate
+from runtime.plugins.hookspecs import HOOK_API_VERSION, hookimpl
+from runtime.plugins.interfaces import Platform, PlatformCandidate
 
 RUNTIME_HOOK_API_VERSION = HOOK_API_VERSION
 

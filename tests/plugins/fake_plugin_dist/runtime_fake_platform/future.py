@@ -1,5 +1,5 @@
 """A plugin written for a hook API this runtime does not provide: must be refused."""
-from plugins.hookspecs import hookimpl
+from runtime.plugins.hookspecs import hookimpl
 
 RUNTIME_HOOK_API_VERSION = 999
 

@@ -1,5 +1,5 @@
 """A plugin implementing a hook that does not exist (a typo): must be refused."""
-from plugins.hookspecs import hookimpl
+from runtime.plugins.hookspecs import hookimpl
 
 
 @hookimpl
