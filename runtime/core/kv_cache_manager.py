@@ -1,4 +1,8 @@
-"""Per-request block tables on top of the block pool, with prefix caching by chained hashes."""
+"""Per-request block tables on top of the block pool, with prefix caching by chained hashes.
+
+The manager is the only writer of `Request.block_ids`, and it records where each table changed,
+so the engine can send the workers only the new part (`take_block_changes`).
+"""
 from __future__ import annotations
 
 from runtime.core.block_pool import BlockPool, hash_block
@@ -16,6 +20,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.num_cache_queries = 0  # prompt tokens looked up, for the hit rate
         self.num_cache_hits = 0
+        # request id -> the first index of its block table changed since `take_block_changes`
+        self._changed_from: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -23,6 +29,17 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
+
+    def _changed(self, request: Request, index: int) -> None:
+        rid = request.request_id
+        self._changed_from[rid] = min(self._changed_from.get(rid, index), index)
+
+    def take_block_changes(self, request: Request) -> tuple[int, list[int]]:
+        """How the request's block table changed since the last call: the number of leading
+        blocks that stayed, and the ids after them. Tables only grow at the end (new slots)
+        and shrink at the end (`trim`), so these two describe any change."""
+        start = self._changed_from.pop(request.request_id, len(request.block_ids))
+        return start, request.block_ids[start:]
 
     def _update_hashes(self, request: Request, num_tokens: int) -> None:
         """Extend the request's hash chain over its full blocks within the first `num_tokens`."""
@@ -70,6 +87,8 @@ class KVCacheManager:
         num_revived = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
         if num_needed + num_revived > self.pool.num_free_blocks:
             return False
+        if cached_blocks or num_needed > 0:
+            self._changed(request, len(request.block_ids))
         if cached_blocks:
             self.pool.touch(cached_blocks)
             request.block_ids.extend(cached_blocks)
@@ -91,6 +110,7 @@ class KVCacheManager:
         front of the free list."""
         keep = cdiv(request.num_tokens, self.block_size)
         if len(request.block_ids) > keep:
+            self._changed(request, keep)
             self.pool.release(request.block_ids[keep:], evict_first=True)
             del request.block_ids[keep:]
 
@@ -104,6 +124,7 @@ class KVCacheManager:
         self.pool.uncache(request.block_ids[num_valid:request.num_indexed_blocks])
         del request.block_hashes[num_valid:]
         self.pool.release(list(reversed(request.block_ids)))
+        self._changed_from.pop(request.request_id, None)
         request.block_ids = []
         request.num_computed_tokens = 0
         request.num_indexed_blocks = 0

@@ -2,13 +2,13 @@
 stage before and sends to the stage after, and the micro-batches a step is cut into."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from runtime.distributed.layout import layer_range
-from runtime.worker.inputs import StepInput, StepOutput
+from runtime.worker.inputs import ScheduledRequest, StepOutput
 
 
 @dataclass
@@ -55,22 +55,21 @@ class PipelineStage:
         return buf[0], buf[1]
 
 
-def micro_batches(step: StepInput, n: int) -> list[StepInput]:
-    """Split a step into up to `n` consecutive runs of requests with about equal token counts,
+def micro_batches(requests: list[ScheduledRequest], n: int) -> list[list[ScheduledRequest]]:
+    """Split a step's requests into up to `n` consecutive runs with about equal token counts,
     so that stage k can work on one while stage k+1 works on the one before. Every rank splits
     the same step the same way."""
-    total = sum(len(r.token_ids) for r in step.requests)
-    parts: list[list] = [[]]
+    total = sum(len(r.token_ids) for r in requests)
+    parts: list[list[ScheduledRequest]] = [[]]
     done = 0
-    for r in step.requests:
+    for r in requests:
         # a new part once this request would sit mostly past the current part's share
         past_share = done + len(r.token_ids) / 2 > total * len(parts) / n
         if parts[-1] and len(parts) < n and past_share:
             parts.append([])
         parts[-1].append(r)
         done += len(r.token_ids)
-    return [replace(step, requests=p, finished_ids=step.finished_ids if i == 0 else [])
-            for i, p in enumerate(parts)]
+    return parts
 
 
 def merge_outputs(outputs: list[StepOutput]) -> StepOutput:

@@ -7,12 +7,13 @@ from dataclasses import dataclass
 from runtime.plugins.interfaces import Platform
 from runtime.config import EngineConfig
 from runtime.core.kv_cache_manager import KVCacheManager
-from runtime.core.scheduler import Scheduler, SchedulerOutput
+from runtime.core.scheduler import Scheduler
+from runtime.core.step_input import StepInputBuilder
 from runtime.executor import build_executor
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource
 from runtime.request import Request, RequestStatus
-from runtime.worker.inputs import ScheduledRequest, StepInput, TokenLogprobs
+from runtime.worker.inputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,9 @@ class EngineCore:
         self._fit_max_model_len(num_blocks * config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, model_config.max_model_len)
-        self._finished_ids: list[str] = []
+        spec = config.speculative_config
+        self.step_inputs = StepInputBuilder(self.kv, model_config.max_model_len,
+                                            spec is not None and spec.method == "draft_model")
 
     def _fit_max_model_len(self, cache_tokens: int) -> None:
         """Every request must fit the cache alone, or preemption could never make room for it."""
@@ -83,34 +86,19 @@ class EngineCore:
                        stop_reason: int | str | None = None) -> None:
         """End a request early (a stop string matched, or the caller aborted it)."""
         if self.scheduler.finish_request(request_id, status, stop_reason) is not None:
-            self._finished_ids.append(request_id)
+            self.step_inputs.finished([request_id])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def _step_input(self, sched: SchedulerOutput) -> StepInput:
-        requests = []
-        bs, max_len = self.config.block_size, self.scheduler.max_model_len
-        for r, n in sched.scheduled:
-            start = r.num_computed_tokens
-            requests.append(ScheduledRequest(
-                request_id=r.request_id,
-                token_ids=r.all_token_ids[start:start + n] + r.spec_token_ids,
-                start_pos=start, block_ids=r.block_ids, sample=start + n >= r.num_tokens,
-                params=r.params, sample_index=r.sample_index,
-                num_prompt_tokens=r.num_prompt_tokens, all_token_ids=r.all_token_ids,
-                spec_token_ids=list(r.spec_token_ids),
-                num_lookahead=min(len(r.block_ids) * bs, max_len) - (start + n)))
-        finished, self._finished_ids = self._finished_ids, []
-        return StepInput(requests, finished)
-
     def step(self) -> list[CoreOutput]:
         sched = self.scheduler.schedule()
+        self.step_inputs.preempted(sched.preempted)
         if sched.is_empty:
             return []
-        result = self.executor.execute(self._step_input(sched))
+        result = self.executor.execute(self.step_inputs.build(sched))
         finished = self.scheduler.update(sched, result.sampled, result.draft_token_ids)
-        self._finished_ids.extend(r.request_id for r in finished)
+        self.step_inputs.finished(r.request_id for r in finished)
         outputs = []
         for r, _ in sched.scheduled:
             new = result.sampled.get(r.request_id, [])

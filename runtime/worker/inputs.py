@@ -1,4 +1,10 @@
-"""What crosses from the engine to the workers each step, and back. Plain data, picklable."""
+"""What crosses from the engine to the workers each step, and back. Plain data, picklable.
+
+The engine sends each request whole once (`NewRequestData`), then, while the workers hold it,
+only what changed (`CachedRequestData`): so a step's message grows with the number of requests
+scheduled, never with how long they have run. Each worker keeps the requests in a table
+(`runtime.worker.request_states`) and builds its `ScheduledRequest`s from it.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,8 +13,50 @@ from runtime.sampling_params import SamplingParams
 
 
 @dataclass
+class NewRequestData:
+    """A request the workers do not hold: first scheduled, or resumed after a preemption."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated before a preemption; [] for a new request
+    params: SamplingParams
+    sample_index: int
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hits and blocks shared with an n > 1 sibling
+
+
+@dataclass
+class CachedRequestData:
+    """What changed in a request the workers hold since they last saw it."""
+
+    request_id: str
+    new_token_ids: list[int]  # appended to its sequence (the tokens sampled since)
+    # Its block table is cut to `num_kept_blocks` (blocks freed when proposals were rejected),
+    # then `new_block_ids` are appended.
+    num_kept_blocks: int
+    new_block_ids: list[int]
+    num_computed_tokens: int  # lowered when proposals were rejected
+
+
+@dataclass
+class StepInput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # request id -> tokens to compute this step (proposals included), in schedule order
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # request id -> proposed tokens to verify, scheduled after its own (absent: none)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> slots reserved past the step's tokens, for a draft model (absent: none)
+    num_lookahead: dict[str, int] = field(default_factory=dict)
+    # The workers drop these requests' state: preempted ones keep their sampling generator
+    # (they come back whole, as new requests); finished or aborted ones keep nothing.
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
 class ScheduledRequest:
-    """One request's share of a step."""
+    """One request's share of a step, as a worker builds it from its request table."""
 
     request_id: str
     token_ids: list[int]  # the tokens whose KV is computed this step
@@ -22,12 +70,6 @@ class ScheduledRequest:
     # proposed tokens to verify: the tail of token_ids, past all_token_ids
     spec_token_ids: list[int] = field(default_factory=list)
     num_lookahead: int = 0  # slots reserved past token_ids (a draft model writes its KV there)
-
-
-@dataclass
-class StepInput:
-    requests: list[ScheduledRequest]
-    finished_ids: list[str] = field(default_factory=list)  # the worker may drop their state
 
 
 @dataclass

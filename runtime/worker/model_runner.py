@@ -1,4 +1,5 @@
-"""Runs one step: builds the flat batch on the host, runs the model, samples."""
+"""Runs one step: brings its request table up to date with the step's message, builds the flat
+batch from it on the host, runs the model, samples."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,6 +15,7 @@ from runtime.sampling.sampler import Sampler, SamplingBatch, gather_logprobs
 from runtime.sampling_params import SamplingParams
 from runtime.spec_decode.rejection import Verification, rejection_sample
 from runtime.worker.inputs import ScheduledRequest, StepInput, StepOutput, TokenLogprobs
+from runtime.worker.request_states import RequestStates
 
 
 def zero_new_blocks(kv_layers: list[Attention], reqs: list[ScheduledRequest],
@@ -36,6 +38,8 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.sampler = Sampler()
+        self.states = RequestStates()
+        # seeded requests' generators: kept through a preemption, dropped when they finish
         self.generators: dict[str, torch.Generator] = {}
         self.graph_runner = graph_runner or EagerRunner()
         self.graph_runner.capture(self.model.forward, {})
@@ -133,17 +137,22 @@ class ModelRunner:
         return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev),
                 metadata, cu)
 
-    @torch.inference_mode()
-    def execute(self, step: StepInput) -> StepOutput:
+    def update_states(self, step: StepInput) -> list[ScheduledRequest]:
+        """Apply the step's message to the request table; the step's requests, in schedule
+        order. Every rank calls this with every message, whatever part of the step it runs."""
         for request_id in step.finished_ids:
             self.generators.pop(request_id, None)
         if self.proposer is not None:
-            self.proposer.drop(step.finished_ids)
+            self.proposer.drop(step.preempted_ids + step.finished_ids)
+        return self.states.apply(step)
+
+    @torch.inference_mode()
+    def execute(self, reqs: list[ScheduledRequest]) -> StepOutput:
         out = StepOutput()
-        if not step.requests:
+        if not reqs:
             return out
         # Decodes first: the attention backend batches them.
-        reqs = sorted(step.requests, key=lambda r: len(r.token_ids) > 1)
+        reqs = sorted(reqs, key=lambda r: len(r.token_ids) > 1)
         self._zero_new_blocks(reqs)
         input_ids, positions, metadata, cu = self._prepare(reqs)
         with forward_context(metadata):

@@ -154,11 +154,12 @@ class Worker:
         self.kv_bytes_per_block += self.runner.proposer.kv_bytes_per_block
 
     def execute(self, step: StepInput) -> StepOutput:
+        reqs = self.runner.update_states(step)
         if self.layout.pp_size == 1:
-            return self.runner.execute(step)
+            return self.runner.execute(reqs)
         # Micro-batches: the stages work on different parts of the step at the same time.
         return merge_outputs([self.runner.execute(part)
-                              for part in micro_batches(step, self.layout.pp_size)])
+                              for part in micro_batches(reqs, self.layout.pp_size)])
 
 
 def start_worker(config: EngineConfig, platform_name: str, source: ModelSource,

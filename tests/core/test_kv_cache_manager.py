@@ -248,3 +248,23 @@ def test_free_unindexes_blocks_scheduled_but_never_computed():
     cached = kv.find_cached_blocks(a)
     assert len(cached) == 1 and kv.allocate_slots(a, 8, cached)
     assert a.num_computed_tokens == 4
+
+
+def test_block_changes_say_what_was_kept_and_what_is_new():
+    kv = KVCacheManager(10, BS)
+    r = req("a", range(6))
+    compute(kv, r)
+    assert kv.take_block_changes(r) == (0, r.block_ids) and len(r.block_ids) == 2
+    assert kv.take_block_changes(r) == (2, [])  # nothing changed since
+    r.all_token_ids += [7, 8, 9]
+    assert kv.allocate_slots(r, 3, num_lookahead_tokens=4)  # positions 6..8, then 4 slots
+    del r.all_token_ids[7:]  # proposals rejected: 7 tokens fit in two blocks
+    kv.trim(r)
+    assert kv.take_block_changes(r) == (2, []) and len(r.block_ids) == 2
+    assert kv.allocate_slots(r, 5)
+    kept, new = kv.take_block_changes(r)
+    assert kept == 2 and new == r.block_ids[2:] and len(new) == 1
+    assert kv.allocate_slots(r, 1, num_lookahead_tokens=8)
+    del r.all_token_ids[4:]
+    kv.trim(r)  # grown, then cut below the length last taken: the cut shows
+    assert kv.take_block_changes(r) == (1, []) and len(r.block_ids) == 1

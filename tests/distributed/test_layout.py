@@ -4,7 +4,7 @@ from __future__ import annotations
 from runtime.distributed.layout import ParallelLayout, layer_range
 from runtime.distributed.pipeline import PipelineStage, merge_outputs, micro_batches
 from runtime.sampling_params import SamplingParams
-from runtime.worker.inputs import ScheduledRequest, StepInput, StepOutput
+from runtime.worker.inputs import ScheduledRequest, StepOutput
 
 
 def test_groups_of_tp2_by_pp2():
@@ -31,11 +31,10 @@ def request(i: int, num_tokens: int) -> ScheduledRequest:
 
 def test_micro_batches_balance_tokens_and_keep_order():
     def split(sizes, n):
-        step = StepInput([request(i, k) for i, k in enumerate(sizes)], ["gone"])
-        parts = micro_batches(step, n)
-        assert [r for p in parts for r in p.requests] == step.requests
-        assert parts[0].finished_ids == ["gone"] and all(not p.finished_ids for p in parts[1:])
-        return [[len(r.token_ids) for r in p.requests] for p in parts]
+        requests = [request(i, k) for i, k in enumerate(sizes)]
+        parts = micro_batches(requests, n)
+        assert [r for p in parts for r in p] == requests
+        return [[len(r.token_ids) for r in p] for p in parts]
 
     assert split([1, 1, 1, 1], 2) == [[1, 1], [1, 1]]
     assert split([10, 1, 1], 2) == [[10], [1, 1]]
