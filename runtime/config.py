@@ -59,6 +59,7 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     trust_remote_code: bool = False
+    model_impl: str = "auto"  # auto | native | transformers (runtime.models.registry)
     quantization: str | None = None  # a method in runtime.quantization.registry; None: the checkpoint's
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -82,6 +83,10 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
+        from runtime.models.registry import MODEL_IMPLS
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, "
+                             f"got {self.model_impl!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")

@@ -5,6 +5,7 @@ import argparse
 from typing import Any
 
 from runtime.config import EXECUTOR_BACKENDS, SCHEDULING_POLICIES
+from runtime.models.registry import MODEL_IMPLS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -13,6 +14,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="a Hugging Face folder or a .gguf file (default: the embedded "
                         "SmolLM2-135M-Instruct)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder, if not the model's")
+    g.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto",
+                   help="native: our model classes; transformers: the transformers fallback; "
+                        "auto: native when the architecture has a class (default)")
     g.add_argument("--device", default=None,
                    help="force a platform by name (default: RUNTIME_DEVICE, else detection)")
     g.add_argument("--dtype", default=None,
@@ -60,7 +64,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("model", "tokenizer", "device", "dtype", "kv_cache_memory",
+    names = ("model", "tokenizer", "model_impl", "device", "dtype", "kv_cache_memory",
              "gpu_memory_utilization", "block_size",
              "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
              "enable_chunked_prefill", "scheduling_policy", "attention_backend", "enforce_eager",

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(package).setLevel(args.log_level.upper())
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -29,7 +29,9 @@ def build_core(config: EngineConfig, source: ModelSource, hf_config: Any) -> Eng
     if dtype not in platform.supported_dtypes():
         raise ValueError(f"dtype {dtype} is not supported on {platform.name}; "
                          f"supported: {platform.supported_dtypes()}")
-    model_config = ModelConfig.from_hf(hf_config, dtype, config.max_model_len)
+    model_config = ModelConfig.from_hf(
+        hf_config, dtype, config.max_model_len, config.model_impl,
+        config.tensor_parallel_size * config.pipeline_parallel_size)
     logger.info("platform %s, model %s, dtype %s", platform.name, source.path,
                 str(dtype).replace("torch.", ""))
     return EngineCore(config, platform, source, model_config)

@@ -29,6 +29,7 @@ from transformers import (
 
 from runtime.layers.rotary import compute_inv_freq, rope_parameters
 from runtime.model_loader.gguf_cache import cached_part
+from runtime.model_loader.gguf_header import gguf_architecture
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # GGUF files carry no `architectures` list; the engine's model registry needs one.
@@ -52,8 +53,10 @@ def load_gguf_config(path: str) -> PretrainedConfig:
 
     transformers reads neither `{arch}.rope.scaling.*` nor the `rope_freqs` tensor in which
     llama.cpp stores Llama 3's "llama3" rope (both become the config's rope parameters
-    here), nor sets a llama model's `attention_bias` from its tensors.
+    here), nor sets a llama model's `attention_bias` from its tensors. An unsupported
+    architecture is refused from the header alone, before anything is parsed or cached.
     """
+    _check_architecture(gguf_architecture(path))
     return AutoConfig.from_pretrained(cached_part(path, "model", _build_model))
 
 
@@ -176,10 +179,14 @@ def _dequantize(raw: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray
 
 
 def _architecture(reader: gguf.GGUFReader) -> str:
-    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    return _check_architecture(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+
+
+def _check_architecture(arch: str) -> str:
     if arch not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(SUPPORTED_ARCHITECTURES)
-        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported; supported: {supported}")
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)} (other architectures run from a "
+                         f"Hugging Face folder, natively or through the transformers fallback)")
     return arch
 
 

@@ -1,10 +1,14 @@
-"""Maps a Hugging Face architecture name to our implementation, plugins' additions included."""
+"""Maps a Hugging Face architecture name to our implementation, plugins' additions included,
+and decides between a native class and the transformers fallback (`model_impl`)."""
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Any
 
 from runtime.plugins.manager import get_plugin_manager
+
+MODEL_IMPLS = ("auto", "native", "transformers")
 
 _BUILTIN: dict[str, str] = {
     "LlamaForCausalLM": "runtime.models.llama:LlamaForCausalLM",
@@ -12,6 +16,8 @@ _BUILTIN: dict[str, str] = {
     "Qwen2ForCausalLM": "runtime.models.qwen:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "runtime.models.qwen:Qwen3ForCausalLM",
 }
+
+_FALLBACK = "runtime.models.transformers_fallback:TransformersForCausalLM"
 
 
 def supported_architectures() -> dict[str, Any]:
@@ -22,15 +28,58 @@ def supported_architectures() -> dict[str, Any]:
     return table
 
 
-def resolve_model_class(architectures: list[str] | None) -> type:
-    """The class for the first supported name in config.json's `architectures`."""
+@dataclass(frozen=True)
+class ModelChoice:
+    """The implementation chosen for a model, and why."""
+
+    architecture: str
+    impl: str  # "native" or "transformers"
+    model_class: type
+    reason: str
+
+
+def _load(entry: Any) -> type:
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        return getattr(importlib.import_module(module), attr)
+    return entry
+
+
+def choose_model(architectures: list[str] | None, model_impl: str = "auto") -> ModelChoice:
+    """The class for config.json's `architectures`: a registered native class when there is
+    one (and `model_impl` is not "transformers"), else the transformers fallback (unless
+    `model_impl` is "native"). Raises ValueError naming what is supported when neither fits."""
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, "
+                         f"got {model_impl!r}")
+    from runtime.models.transformers_fallback import transformers_class
     table = supported_architectures()
-    for name in architectures or []:
-        if name in table:
-            entry = table[name]
-            if isinstance(entry, str):
-                module, _, attr = entry.partition(":")
-                entry = getattr(importlib.import_module(module), attr)
-            return entry
-    raise ValueError(f"model architecture {architectures} is not supported; "
-                     f"supported: {', '.join(sorted(table))}")
+    names = list(architectures or [])
+    if model_impl != "transformers":
+        for name in names:
+            if name in table:
+                return ModelChoice(name, "native", _load(table[name]),
+                                   "a native class is registered" if model_impl == "auto"
+                                   else "model_impl='native'")
+    if model_impl != "native":
+        for name in names:
+            if transformers_class(name) is not None:
+                reason = ("model_impl='transformers'" if model_impl == "transformers"
+                          else "no native class is registered")
+                return ModelChoice(name, "transformers", _load(_FALLBACK), reason)
+    raise ValueError(unsupported_message(names, model_impl, sorted(table)))
+
+
+def unsupported_message(architectures: list[str], model_impl: str, native: list[str]) -> str:
+    what = ", ".join(architectures) or "a config without `architectures`"
+    fallback = ("" if model_impl == "native" else
+                "; the transformers fallback runs any transformers causal LM whose "
+                "attention goes through AttentionInterface, and this one does not")
+    hint = " (try --model-impl transformers)" if model_impl == "native" else ""
+    return (f"model architecture {what} is not supported with model_impl={model_impl!r}: "
+            f"native classes: {', '.join(native)}{fallback}{hint}")
+
+
+def resolve_model_class(architectures: list[str] | None, model_impl: str = "auto") -> type:
+    """The class `choose_model` picks."""
+    return choose_model(architectures, model_impl).model_class

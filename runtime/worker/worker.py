@@ -17,7 +17,6 @@ from runtime.layers.attention import Attention
 from runtime.layers.build_context import BuildContext
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource, iterate_weights
-from runtime.models.registry import resolve_model_class
 from runtime.worker.inputs import StepInput, StepOutput
 from runtime.worker.model_runner import ModelRunner
 
@@ -78,7 +77,7 @@ class Worker:
         quant_config = build_quant_config(self.config.quantization, mc.hf_config,
                                           self.platform, self.hook)
         ctx = self._build_context(backend, quant_config)
-        model_cls = resolve_model_class(getattr(mc.hf_config, "architectures", None))
+        model_cls = mc.choice.model_class
         with torch.device(self.device):
             model = model_cls(mc.hf_config, ctx)
         raw_gguf = bool(getattr(quant_config, "raw_gguf_weights", False))

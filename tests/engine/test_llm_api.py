@@ -152,7 +152,7 @@ def test_unknown_architecture_lists_the_supported_ones(model_path, tmp_path):
     for name in os.listdir(model_path):
         (tmp_path / name).write_bytes((open(os.path.join(model_path, name), "rb")).read())
     config = json.loads((tmp_path / "config.json").read_text())
-    config["architectures"] = ["GPT2LMHeadModel"]
+    config["architectures"] = ["FalconForCausalLM"]  # no native class, no fallback
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="not supported; supported: .*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="not supported .*: native classes: .*LlamaForCausalLM"):
         LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB")
