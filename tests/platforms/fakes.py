@@ -70,3 +70,75 @@ def fake_torch_xla(monkeypatch, device_type: str = "TPU", count: int = 4,
         "torch_xla.experimental.custom_kernel"]
     if ragged_kernel is not None:
         modules["torch_xla.experimental.custom_kernel"].ragged_paged_attention = ragged_kernel
+
+
+class FakeDeviceState:
+    """torch.cuda's (or torch.xpu's) current device for fake GPUs: `set_device` switches it,
+    `current_device` reads it, and each memory query is logged with the device it asked about
+    (`calls`), so a test sees which device each rank used."""
+
+    def __init__(self, monkeypatch, module=torch.cuda, free: int = 60 * GiB,
+                 total: int = 80 * GiB) -> None:
+        self.current = 0
+        self.calls: list[tuple[str, int]] = []
+        self.memory = (free, total)
+        for name, fn in (("set_device", self.set_device), ("current_device", lambda: self.current),
+                         ("mem_get_info", self.mem_get_info), ("memory_reserved", lambda d: 0)):
+            monkeypatch.setattr(module, name, fn, raising=False)
+
+    def set_device(self, device) -> None:
+        self.current = torch.device(device).index
+        self.calls.append(("set_device", self.current))
+
+    def mem_get_info(self, device: int) -> tuple[int, int]:
+        self.calls.append(("mem_get_info", device))
+        return self.memory
+
+
+def fake_flashinfer(monkeypatch) -> list[dict]:
+    """An importable `flashinfer` whose paged prefill wrapper runs FlashInfer's documented
+    semantics in plain torch (pages through indptr/indices/last-page lengths, causal mask
+    aligned to each sequence's end, `window_left`, `sm_scale`, `logits_soft_cap`) from its
+    last plan. Returns the list every `plan` call's arguments are appended to."""
+    plans: list[dict] = []
+
+    class BatchPrefillWithPagedKVCacheWrapper:
+        def __init__(self, workspace: torch.Tensor, kv_layout: str) -> None:
+            assert kv_layout == "NHD" and workspace.dtype == torch.uint8
+            self.args: dict = {}
+
+        def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads,
+                 num_kv_heads, head_dim, page_size, **kw) -> None:
+            self.args = dict(qo_indptr=qo_indptr.tolist(), kv_indptr=kv_indptr.tolist(),
+                             kv_indices=kv_indices.tolist(), last=last_page_len.tolist(),
+                             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                             page_size=page_size, **kw)
+            plans.append(self.args)
+
+        def run(self, q: torch.Tensor, paged_kv: tuple[torch.Tensor, torch.Tensor]):
+            a, (k_cache, v_cache) = self.args, paged_kv
+            group = a["num_qo_heads"] // a["num_kv_heads"]
+            out = torch.empty_like(q)
+            for i in range(len(a["qo_indptr"]) - 1):
+                pages = a["kv_indices"][a["kv_indptr"][i]:a["kv_indptr"][i + 1]]
+                kv_len = (len(pages) - 1) * a["page_size"] + a["last"][i]
+                k, v = (c[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, 1).float()
+                        for c in (k_cache, v_cache))
+                lo, hi = a["qo_indptr"][i], a["qo_indptr"][i + 1]
+                scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k) * a["sm_scale"]
+                if a["logits_soft_cap"]:
+                    scores = a["logits_soft_cap"] * torch.tanh(scores / a["logits_soft_cap"])
+                q_pos = torch.arange(kv_len - (hi - lo), kv_len)[:, None]
+                k_pos = torch.arange(kv_len)[None, :]
+                visible = k_pos <= q_pos
+                if a["window_left"] >= 0:
+                    visible &= k_pos >= q_pos - a["window_left"]
+                probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+                out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+            return out
+
+    module = types.ModuleType("flashinfer")
+    module.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)
+    module.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    return plans

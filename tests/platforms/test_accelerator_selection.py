@@ -38,8 +38,10 @@ def fresh_plugins(monkeypatch):
     reset_plugin_manager()
 
 
-def model(dtype=torch.bfloat16, head_size=128, block_size=16, window=None) -> ModelInfo:
-    return ModelInfo("LlamaForCausalLM", dtype, dtype, head_size, 32, 8, window, block_size)
+def model(dtype=torch.bfloat16, head_size=128, block_size=16, window=None,
+          eager=False) -> ModelInfo:
+    return ModelInfo("LlamaForCausalLM", dtype, dtype, head_size, 32, 8, window, block_size,
+                     enforce_eager=eager)
 
 
 def choose(platform, requested=None, **kw):
@@ -47,8 +49,8 @@ def choose(platform, requested=None, **kw):
         platform=platform, model=model(**kw), requested=requested)
 
 
-def reasons(platform, **kw) -> dict[str, str]:
-    rows = explain_attention_backends(platform, model(**kw))["backends"]
+def reasons(platform, requested=None, **kw) -> dict[str, str]:
+    rows = explain_attention_backends(platform, model(**kw), requested)["backends"]
     return {r["name"]: r["why"] for r in rows}
 
 
@@ -82,14 +84,27 @@ def test_hopper_with_every_library(monkeypatch):
     fake_libraries(monkeypatch, installed=GPU_LIBS)
     cuda = select_platform()
     assert choose(cuda, block_size=256) is FlashAttentionBackend
-    # upstream FlashAttention's paged KV needs blocks of 256: at 16, FlashInfer is next
-    assert choose(cuda) is FlashInferBackend
+    # upstream FlashAttention's paged KV needs blocks of 256; at 16 it says so, and how
+    assert ("multiple of 256 (got 16); run with --block-size 256 to use it"
+            in reasons(cuda)["flash_attn"])
+    # With CUDA graphs on (the default) installing FlashInfer changes nothing: its host-side
+    # plan cannot be recorded, so Triton, whose decode steps are recorded, stays first.
+    assert choose(cuda) is TritonPagedAttention
     why = reasons(cuda)
-    assert "multiple of 256 (got 16)" in why["flash_attn"]
-    assert why["flashinfer"] == "highest priority (20) among usable backends"
-    assert why["triton_paged"] == "lower priority (10 < 20)"
-    # FlashInfer's head sizes: 96 is not one of them, Triton takes it
-    assert choose(cuda, head_size=96) is TritonPagedAttention
+    assert why["triton_paged"] == "highest priority (10) among usable backends"
+    assert why["flashinfer"].startswith("lower priority (5 < 10): ranked below triton_paged "
+                                        "while CUDA graphs are on")
+    # eager, FlashInfer leads; forced, it runs with graphs on too
+    assert choose(cuda, eager=True) is FlashInferBackend
+    assert reasons(cuda, eager=True)["flashinfer"] == (
+        "highest priority (20) among usable backends: ranked above triton_paged: execution "
+        "is eager, nothing is recorded")
+    assert choose(cuda, "flashinfer") is FlashInferBackend
+    assert reasons(cuda, "flashinfer")["flashinfer"].startswith(
+        "forced (--attention-backend flashinfer): ranked below triton_paged")
+    # FlashInfer's head sizes: 96 is not one of them
+    assert "head size 96 is not 64, 128 or 256" in reasons(cuda, head_size=96,
+                                                             eager=True)["flashinfer"]
 
 
 def test_turing_with_triton_only(monkeypatch):
@@ -154,9 +169,14 @@ def test_xpu(monkeypatch):
     fake_libraries(monkeypatch, installed=("intel_extension_for_pytorch", "triton"))
     xpu = select_platform()
     assert xpu.name == "xpu" and xpu.device(0) == torch.device("xpu", 0)
-    assert choose(xpu) is IpexPagedAttention
-    assert choose(xpu, window=4096) is TritonPagedAttention  # IPEX is not wired for windows
+    # Triton and torch's own XPU support first; IPEX (maintained until March 2026) is optional
+    assert choose(xpu) is TritonPagedAttention
+    assert reasons(xpu)["ipex_paged"].startswith("lower priority (5 < 10): ranked below "
+                                                 "triton_paged: IPEX is maintained only until")
+    assert choose(xpu, "ipex_paged") is IpexPagedAttention
     assert "sliding-window" in reasons(xpu, window=4096)["ipex_paged"]
+    fake_libraries(monkeypatch, installed=("intel_extension_for_pytorch",), missing=("triton",))
+    assert choose(xpu) is IpexPagedAttention
     fake_libraries(monkeypatch, missing=("intel_extension_for_pytorch", "triton"))
     assert choose(xpu) is TorchPagedAttention
     assert "intel_extension_for_pytorch is not installed" in reasons(xpu)["ipex_paged"]
@@ -222,3 +242,15 @@ def test_runtime_plugins_explains_backends(monkeypatch, capsys):
     active = json.loads(capsys.readouterr().out)["active"]
     assert active["attention_backend"].startswith("unavailable: AttentionBackendError: "
                                                   "attention backend 'flashinfer'")
+
+
+def test_runtime_plugins_says_why_flash_attn_and_flashinfer_wait(monkeypatch, capsys):
+    fake_gpus(monkeypatch, [H100])
+    fake_libraries(monkeypatch, installed=GPU_LIBS)
+    parser = argparse.ArgumentParser()
+    add_plugins_parser(parser.add_subparsers())
+    assert plugins_command(parser.parse_args(["plugins"])) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[-5:]}
+    assert "CHOSEN: highest priority (10)" in lines["triton_paged"]
+    assert "run with --block-size 256 to use it" in lines["flash_attn"]
+    assert "ranked below triton_paged while CUDA graphs are on" in lines["flashinfer"]

@@ -1,19 +1,28 @@
-"""The accelerator platforms' host-side parts: memory budgets, graph sizes, padding, collectives."""
+"""The accelerator platforms' host-side parts: device binding, memory budgets, graph sizes,
+padding, collectives, FlashInfer's plans and the Triton kernel under AMD's dot precisions."""
+import dataclasses
 import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from runtime.attention_backends import flashinfer
+from runtime.attention_backends.flashinfer import FlashInferBackend
+from runtime.attention_backends.torch_paged import TorchPagedAttention
+from runtime.config import EngineConfig
 from runtime.platforms.cuda.graph_runner import capture_sizes, replay_size
 from runtime.platforms.cuda.platform import GiB, CudaPlatform, GpuDevice, kv_cache_budget
 from runtime.platforms.distributed import TorchDistCommunicator
 from runtime.platforms.tpu.graph_runner import bucket, buckets, pad_metadata
 from runtime.platforms.tpu.platform import memory_info
-from runtime.platforms.xpu import collective_backend
+from runtime.platforms.xpu.platform import collective_backend
 from runtime.plugins.interfaces import CommunicatorSpec
-from tests.platforms.fakes import fake_libraries
-from runtime.testing.paged_batch import make_batch
+from runtime.plugins.manager import reset_plugin_manager
+from runtime.testing.paged_batch import make_batch, run_backend
+from runtime.worker.worker import Worker, start_worker
+from tests.platforms.fakes import (H100 as H100_PROPS, MAX1550, FakeDeviceState,
+                                   fake_flashinfer, fake_gpus, fake_libraries, fake_xpus)
 
 H100 = GpuDevice(0, "H100", (9, 0), 80 * GiB)
 
@@ -97,3 +106,89 @@ def test_torch_dist_communicator_on_gloo():
         assert (comm.rank, comm.world_size) == (0, 1)
     finally:
         dist.destroy_process_group()
+
+
+def test_every_rank_binds_its_own_gpu(monkeypatch):
+    """Four ranks on a 4-GPU machine, each started as the mp executor starts it: every rank
+    makes its GPU current before anything touches a device, so its memory query (like its
+    kernels, graphs and NCCL communicator) goes to its own GPU, not GPU 0."""
+    reset_plugin_manager()
+    fake_gpus(monkeypatch, [H100_PROPS] * 4)
+    state = FakeDeviceState(monkeypatch)
+    # Model loading is left out; what it does first on a GPU is ask the device for memory.
+    monkeypatch.setattr(Worker, "load_model",
+                        lambda self: self.platform.kv_cache_memory_bytes(None, 0))
+    config = EngineConfig(tensor_parallel_size=4)
+    for rank in range(4):
+        worker = start_worker(config, "cuda", None, None, rank, rank, 4, "tcp://127.0.0.1:1")
+        assert worker.device == torch.device("cuda", rank)
+    assert state.calls == [(call, rank) for rank in range(4)
+                           for call in ("set_device", "mem_get_info")]
+    reset_plugin_manager()
+
+
+def test_xpu_ranks_bind_through_torch_xpu(monkeypatch):
+    reset_plugin_manager()
+    fake_xpus(monkeypatch, [MAX1550, MAX1550])
+    state = FakeDeviceState(monkeypatch, module=torch.xpu)
+    from runtime.plugins.selection import select_platform
+    xpu = select_platform("xpu")
+    assert Worker(EngineConfig(), xpu, None, None, 1, 1).device == torch.device("xpu", 1)
+    assert state.calls == [("set_device", 1)]
+    reset_plugin_manager()
+
+
+@pytest.fixture
+def flashinfer_plans(monkeypatch):
+    monkeypatch.setattr(flashinfer, "_PLANS", {})
+    monkeypatch.setattr(flashinfer, "_WORKSPACES", {})
+    return fake_flashinfer(monkeypatch)
+
+
+def test_flashinfer_plans_per_layer_kind(flashinfer_plans):
+    """A model mixing global and sliding-window layers with their own scales (Gemma 2/3): each
+    layer attends with its own window and scale, one plan per kind of layer and step."""
+    batch = make_batch([1, 1, 6, 9], [5, 21, 6, 30], 4, 4, 2, 64)
+    query, key, value, kv_cache, metadata = batch
+    layers = [(None, 0.125), (5, 0.2), (None, 0.125), (5, 0.2)]  # (window, scale)
+    for window, scale in layers:
+        args = (4, 64, scale, 2, window)
+        got = FlashInferBackend(*args).forward(query, key, value, kv_cache.clone(), metadata)
+        want = TorchPagedAttention(*args).forward(query, key, value, kv_cache.clone(), metadata)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert [(p["window_left"], p["sm_scale"]) for p in flashinfer_plans] == [(-1, 0.125),
+                                                                            (4, 0.2)]
+    next_step = dataclasses.replace(metadata)
+    FlashInferBackend(4, 64, 0.125, 2).forward(query, key, value, kv_cache.clone(), next_step)
+    assert len(flashinfer_plans) == 3  # a new step's metadata is planned again
+    assert len(flashinfer._WORKSPACES) == 1  # the wrappers share one workspace
+
+
+def test_flashinfer_soft_cap_is_part_of_the_plan(flashinfer_plans):
+    batch = make_batch([1, 7], [9, 7], 4, 4, 2, 64)
+    capped = FlashInferBackend(4, 64, 0.125, 2)
+    capped.logits_soft_cap = 0.5
+    plain_out, _ = run_backend(FlashInferBackend, batch)
+    capped_out = capped.forward(*batch[:3], batch[3].clone(), batch[4])
+    assert [p["logits_soft_cap"] for p in flashinfer_plans] == [None, 0.5]
+    assert not torch.allclose(plain_out, capped_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # the interpreter has no bf16
+def test_triton_kernel_under_amds_dot_precisions(monkeypatch, dtype):
+    """Triton's AMD backend allows "tf32" on gfx942 only; the kernel must build elsewhere too."""
+    triton = pytest.importorskip("triton")
+    if not triton.knobs.runtime.interpret:
+        pytest.skip("Triton was imported before TRITON_INTERPRET=1 was set")
+    from triton.runtime import interpreter
+
+    from runtime.attention_backends.triton_paged import TritonPagedAttention
+    builder = interpreter.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(
+        builder.options, default_dot_input_precision="ieee",
+        allowed_dot_input_precisions=("ieee", "bf16x3", "bf16x6")))
+    batch = make_batch([1, 5], [9, 12], 4, 4, 2, 16, dtype)
+    reference = make_batch([1, 5], [9, 12], 4, 4, 2, 16)
+    got, _ = run_backend(TritonPagedAttention, batch)
+    want, _ = run_backend(TorchPagedAttention, reference)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
