@@ -8,16 +8,26 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from runtime.attention_backends.base import AttentionBackend
 
 
 class Platform(ABC):
     """One device family (cpu, cuda, rocm, xpu, tpu, or a third party's).
 
     The engine asks a platform everything that depends on the hardware: which torch device to put
-    tensors on, which dtype is native, how much memory the KV cache may take.
+    tensors on, which dtype is native, how much memory the KV cache may take, and, through the
+    hooks, its own attention backends, graph runner, communicator, quantization kernels and
+    custom ops. Those last answers are the methods under "Per-platform answers": the hooks'
+    default implementation (`runtime.plugins.platform_answers`) returns what the chosen
+    platform's method returns, so one platform's answers never reach another platform, and a
+    plugin can still override any of them with a `tryfirst` hook implementation. A platform
+    that wants another's answers says so by subclassing it (a CPU-backed device subclasses
+    `runtime.platforms.cpu.platform.CpuPlatform` to get the CPU kernels).
     """
 
     name: str = ""
@@ -65,6 +75,49 @@ class Platform(ABC):
         peak; the default runs nothing and returns 0 (the CPU sizes its cache from free RAM).
         """
         return 0
+
+    # Per-platform answers (what the hooks of the same name return by default).
+
+    def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
+        """Every attention backend this platform considers for `model`, the unusable ones with
+        their reason. Default: the portable torch backend, which runs wherever torch does."""
+        from runtime.attention_backends.torch_paged import TorchPagedAttention
+        ok, why = TorchPagedAttention.supports(model.head_size, model.dtype, model.kv_cache_dtype,
+                                               model.sliding_window, self.device_type)
+        return [BackendCandidate("torch_paged", TorchPagedAttention if ok else None, 0, why)]
+
+    def attention_backend(self, model: ModelInfo,
+                          requested: str | None) -> type[AttentionBackend]:
+        """The backend for `model`: the usable candidate of highest priority, or the one the
+        user forced by name (`requested`). Raises ValueError, listing every candidate, when
+        none can serve."""
+        from runtime.plugins.selection import choose_attention_backend
+        return choose_attention_backend(self.attention_backend_candidates(model), requested,
+                                        self.name)
+
+    def graph_runner(self, model: ModelInfo, enforce_eager: bool) -> GraphRunner:
+        """How the forward pass runs. Default: eagerly."""
+        return EagerRunner()
+
+    def communicator(self, spec: CommunicatorSpec) -> Communicator | None:
+        """Collectives for one process group. Default: None (the platform runs one rank only;
+        the engine refuses a parallel layout with a message naming the platform)."""
+        return None
+
+    def quantization_kernel(self, method: str, params: dict[str, Any]) -> Any | None:
+        """A fast kernel for quantization `method` (see `runtime.quantization`), or None for the
+        method's portable reference kernel (the default)."""
+        return None
+
+    def custom_op(self, name: str) -> Callable | None:
+        """A replacement for the layer op `name` (the names are listed at the
+        `runtime_custom_op` hook), or None for the portable op (the default)."""
+        return None
+
+    def ray_resource(self) -> str:
+        """The Ray resource one rank of this platform takes ("GPU" by default; "CPU", "TPU" or
+        a custom resource name otherwise)."""
+        return "GPU"
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import pluggy
 
-from runtime.plugins import hookspecs
+from runtime.plugins import hookspecs, platform_answers
 from runtime.plugins.hookspecs import ENTRY_POINT_GROUP, HOOK_API_VERSION, PROJECT
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ def _load() -> tuple[pluggy.PluginManager, list[PluginRecord]]:
 def _build() -> tuple[pluggy.PluginManager, list[PluginRecord]]:
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(hookspecs)
+    pm.register(platform_answers, name=platform_answers.NAME)  # part of the contract, always on
     allowed = allowed_plugin_names()
     records = []
     for module in BUILTIN_PLUGINS:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, replace
+from collections.abc import Iterator
 from typing import Any
 
+from runtime.plugins import platform_answers
 from runtime.plugins.interfaces import BackendCandidate, ModelInfo, Platform, PlatformCandidate
 from runtime.plugins.manager import PLUGINS_ENV, discovered_plugins, get_plugin_manager
 
@@ -195,6 +197,9 @@ def decide_attention_backend(candidates: list[BackendCandidate], requested: str 
         v.why = (f"lower priority ({v.candidate.priority} < {winner.candidate.priority})"
                  if v.candidate.priority < winner.candidate.priority
                  else f"listed after {winner.candidate.name} at the same priority")
+    for v in usable:
+        if v.candidate.reason:  # the platform's note on why it ranked this backend so
+            v.why += f": {v.candidate.reason}"
     return verdicts, None
 
 
@@ -222,30 +227,25 @@ def explain_attention_backends(platform: Platform, model: ModelInfo,
     kwargs = {"platform": platform, "model": model, "requested": requested}
     candidates = []
     for impl in pm.hook.runtime_attention_backend_candidates.get_hookimpls():
+        label = _label(impl, kwargs)
         answers = _call(impl, kwargs) or []
-        candidates += [c if c.plugin else replace(c, plugin=impl.plugin_name) for c in answers]
+        candidates += [c if c.plugin and label == impl.plugin_name else replace(c, plugin=label)
+                       for c in answers]
     verdicts, _ = decide_attention_backend(candidates, requested, platform.name)
     answer, answered_by, error = None, None, None
-    for impl in reversed(pm.hook.runtime_attention_backend.get_hookimpls()):
-        if impl.hookwrapper or impl.wrapper:
-            continue
-        try:
-            answer = _call(impl, kwargs)
-        except Exception as e:  # the explanation must survive a plugin refusing the request
-            error = f"plugin {impl.plugin_name}: {e}"
-            break
-        if answer is not None:
-            answered_by = impl.plugin_name
-            break
+    try:
+        answer, answered_by = hook_answer("runtime_attention_backend", **kwargs)
+    except HookAnswerError as e:  # the explanation must survive a plugin refusing the request
+        error = str(e)
     rows = []
     for v in verdicts:
         c = v.candidate
         chosen = answer is not None and c.backend is answer and c.plugin == answered_by
         why = v.why
         if chosen and not v.chosen:
-            why = f"chosen by plugin {answered_by}"
+            why = f"chosen by {answered_by}"
         elif v.chosen and not chosen:
-            why = (f"usable, but plugin {answered_by} answered first with {answer.name}"
+            why = (f"usable, but {answered_by} answered first with {answer.name}"
                    if answer is not None else "usable, but no plugin chose it")
         rows.append({"name": c.name, "plugin": c.plugin, "priority": c.priority,
                      "usable": c.backend is not None, "reason": c.reason, "chosen": chosen,
@@ -253,9 +253,44 @@ def explain_attention_backends(platform: Platform, model: ModelInfo,
     if answer is not None and not any(r["chosen"] for r in rows):
         rows.insert(0, {"name": answer.name, "plugin": answered_by, "priority": None,
                         "usable": True, "reason": "", "chosen": True,
-                        "why": f"answered runtime_attention_backend (plugin {answered_by})"})
+                        "why": f"answered runtime_attention_backend ({answered_by})"})
     return {"backends": rows, "chosen": answer.name if answer is not None else None,
             "answered_by": answered_by, "error": error}
+
+
+class HookAnswerError(Exception):
+    """A plugin raised while answering a hook; the message names the plugin."""
+
+
+def hook_answers(hook_name: str, **kwargs: Any) -> Iterator[tuple[str, Any]]:
+    """Each implementation's answer to a hook (None included) with who gave it, asked lazily in
+    pluggy's own call order: tryfirst ones, then the latest registered, the hooks' default
+    implementation last. Who: the plugin's name, or "<name> platform" when the platform's own
+    method answered. A plugin that raises becomes a HookAnswerError naming it."""
+    caller = getattr(get_plugin_manager().hook, hook_name)
+    for impl in reversed(caller.get_hookimpls()):
+        if impl.hookwrapper or impl.wrapper:
+            continue
+        who = _label(impl, kwargs)
+        try:
+            yield who, _call(impl, kwargs)
+        except Exception as e:
+            raise HookAnswerError(f"{who}: {e}") from e
+
+
+def hook_answer(hook_name: str, **kwargs: Any) -> tuple[Any, str | None]:
+    """The first non-None answer to a firstresult hook (what pluggy returns) and who gave it;
+    (None, None) when nobody answers."""
+    for who, answer in hook_answers(hook_name, **kwargs):
+        if answer is not None:
+            return answer, who
+    return None, None
+
+
+def _label(impl: Any, kwargs: dict[str, Any]) -> str:
+    if impl.plugin_name == platform_answers.NAME and "platform" in kwargs:
+        return f"{kwargs['platform'].name} platform"
+    return impl.plugin_name
 
 
 def _call(impl: Any, kwargs: dict[str, Any]) -> Any:

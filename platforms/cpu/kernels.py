@@ -1,17 +1,25 @@
 """The CPU platform's native kernels: C++ built on this host at first use, then cached.
 
 The sources in `csrc/` are compiled with torch's extension tooling for the host's own ISA
-(`-march=native`), into a cache folder keyed by the torch version, the compiler flags, the
-sources and the CPU, and loaded as a library of torch ops under `torch.ops.runtime_cpu`. A host
-without a C++ compiler (or ninja) keeps running: `load()` reports why, and the platform picks the
-portable kernels instead.
+(`-march=native`) into a library of torch ops under `torch.ops.runtime_cpu`. Each build lives in
+its own folder named by a content key (sources, compiler flags, CPU model, torch version, Python
+ABI), so virtual environments on one host never rebuild each other's library; a file lock makes
+the first build happen once even when several processes start together, and the library is
+published by an atomic rename, so a reader sees a complete file or none. A host without a C++
+compiler (or ninja) keeps running: `load()` reports why, and the platform picks the portable
+kernels instead.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
+import sys
+import sysconfig
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -22,6 +30,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp"]
 HEADERS = [CSRC / "simd.h"]
+LIBRARY = "runtime_cpu_kernels"
 # The host's own ISA; on x86 GCC would otherwise keep znver/AVX2 code at 128-bit vectors.
 X86 = platform.machine() in ("x86_64", "AMD64")
 CFLAGS = (["-O3", "-march=native", "-mprefer-vector-width=256"] if X86
@@ -29,15 +38,55 @@ CFLAGS = (["-O3", "-march=native", "-mprefer-vector-width=256"] if X86
 DISABLE_ENV = "RUNTIME_CPU_KERNELS"  # "0" turns the native kernels off
 
 
-def cache_dir(cpu_model: str) -> Path:
-    """Where this host's build lives: ~/.cache/runtime/cpu_kernels/<torch>-<key>."""
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "runtime" / "cpu_kernels"
+
+
+def content_key(files: list[Path], cflags: list[str], cpu_model: str) -> str:
+    """What the built library depends on: the sources, the flags (and the CPU `-march=native`
+    resolves to), torch's version and the Python ABI."""
     key = hashlib.sha256()
-    for source in SOURCES + HEADERS:
-        key.update(source.read_bytes())
-    key.update(" ".join(CFLAGS).encode())
-    key.update(cpu_model.encode())
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "runtime"
-    return root / "cpu_kernels" / f"torch{torch.__version__}-{key.hexdigest()[:16]}"
+    for path in files:
+        key.update(path.name.encode() + b"\0" + path.read_bytes())
+    abi = f"{sys.implementation.cache_tag} {sysconfig.get_config_var('EXT_SUFFIX')}"
+    for part in (" ".join(cflags), cpu_model, torch.__version__, abi):
+        key.update(b"\0" + part.encode())
+    return key.hexdigest()[:20]
+
+
+def cache_dir(cpu_model: str) -> Path:
+    """Where this host's build lives: ~/.cache/runtime/cpu_kernels/<content key>."""
+    return cache_root() / content_key(SOURCES + HEADERS, CFLAGS, cpu_model)
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on `path` (created if missing), held for the block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_once(folder: Path, name: str, sources: list[Path], cflags: list[str]) -> tuple[Path, bool]:
+    """The library `folder/<name>.so`, built first if absent; returns it and whether this call
+    built it. The build runs under a lock beside the folder, in `folder/build`, and the library
+    appears only once complete. Loading it is the caller's job."""
+    library = folder / f"{name}.so"
+    with file_lock(folder.with_name(folder.name + ".lock")):
+        if library.exists():
+            return library, False
+        from torch.utils.cpp_extension import load as build_and_load
+        staging = folder / "build"
+        staging.mkdir(parents=True, exist_ok=True)
+        logger.info("building the CPU kernels into %s (once per host, about a minute)", folder)
+        build_and_load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
+                       build_directory=str(staging), is_python_module=False, verbose=False)
+        os.replace(staging / f"{name}.so", library)
+        return library, True
 
 
 def loaded() -> bool:
@@ -46,21 +95,16 @@ def loaded() -> bool:
 
 @lru_cache(maxsize=1)
 def load(cpu_model: str) -> str | None:
-    """Build (first time on this host) and load the kernels. Returns None when they are
-    loaded, else the reason they are not."""
+    """Build (first time for this content key) and load the kernels. Returns None when they
+    are loaded, else the reason they are not."""
     if os.environ.get(DISABLE_ENV) == "0":
         return f"{DISABLE_ENV}=0"
     if loaded():  # a second library registering the same ops would abort the process
         return None
-    from torch.utils.cpp_extension import load as build_and_load
-    build_dir = cache_dir(cpu_model)
-    build_dir.mkdir(parents=True, exist_ok=True)
-    if not any(build_dir.glob("*.so")):
-        logger.info("building the CPU kernels into %s (once per host, about a minute)", build_dir)
     try:
-        build_and_load(name="runtime_cpu_kernels", sources=[str(s) for s in SOURCES],
-                       extra_cflags=CFLAGS, build_directory=str(build_dir),
-                       is_python_module=False, verbose=False)
+        library, _ = build_once(cache_dir(cpu_model), LIBRARY, SOURCES, CFLAGS)
+        if not loaded():  # building loads the library it built
+            torch.ops.load_library(str(library))
     except (RuntimeError, OSError, ImportError) as exc:
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         logger.warning("CPU kernels unavailable, using the portable ones: %s", reason)

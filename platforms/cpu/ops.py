@@ -10,10 +10,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from runtime.layers.activation import silu_and_mul as portable_silu_and_mul
-from runtime.layers.layernorm import add_rms_norm as portable_add_rms_norm
-from runtime.layers.layernorm import rms_norm as portable_rms_norm
-from runtime.layers.rotary import rotary_embedding as portable_rotary_embedding
+from runtime.plugins.ops import add_rms_norm as portable_add_rms_norm
+from runtime.plugins.ops import rms_norm as portable_rms_norm
+from runtime.plugins.ops import rotary_embedding as portable_rotary_embedding
+from runtime.plugins.ops import silu_and_mul as portable_silu_and_mul
 
 
 def _fits(x: torch.Tensor, multiple: int) -> bool:

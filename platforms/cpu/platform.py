@@ -1,15 +1,18 @@
-"""The CPU platform: torch's cpu device, with dtype and memory choices read from the host."""
+"""The CPU platform: torch's cpu device, with dtype and memory choices read from the host, and
+its own answers: the native-kernel attention backend and fused ops (when the kernels build),
+torch.compile on request, gloo collectives and torch's native int8/int4 kernels."""
 from __future__ import annotations
 
 import logging
 import os
 import platform as pyplatform
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from runtime.plugins.interfaces import Platform
+from runtime.plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec,
+                                        EagerRunner, GraphRunner, ModelInfo, Platform)
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +24,8 @@ KV_CACHE_SHARE = 0.4
 KV_CACHE_CAP = 8 * GiB
 
 # Features worth knowing for kernels and dtype choice (x86 "flags", ARM "Features").
+COMPILE_ENV = "RUNTIME_CPU_COMPILE"  # "1": torch.compile the forward unless eager is enforced
+
 X86_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
                 "amx_tile", "amx_bf16", "amx_int8")
 ARM_FEATURES = ("asimd", "asimddp", "sve", "sve2", "bf16", "i8mm")
@@ -127,7 +132,11 @@ def kv_cache_budget(requested: int | None, available: int) -> int:
 
 
 class CpuPlatform(Platform):
-    """Runs on torch's cpu device: bf16 by default only where the ISA computes it natively."""
+    """Runs on torch's cpu device: bf16 by default only where the ISA computes it natively.
+
+    A third-party platform that computes on the host gets these answers (the CPU kernels
+    included) by subclassing this class; sharing `device_type` "cpu" gives it nothing.
+    """
 
     name = "cpu"
     device_type = "cpu"
@@ -167,3 +176,55 @@ class CpuPlatform(Platform):
             "memory available": f"{available / GiB:.1f} GiB",
             "default KV cache": f"{kv_cache_budget(None, available) / GiB:.1f} GiB",
         }
+
+    def kernel_build_error(self) -> str | None:
+        """Why the CPU kernels are not loaded (building them the first time), or None when
+        they are."""
+        from runtime.platforms.cpu import kernels
+        return kernels.load(self.info.model_name)
+
+    def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
+        """The native-kernel backend first (when this host can build its kernels), then the
+        portable one, which runs everywhere."""
+        from runtime.attention_backends.cpu_paged import CpuPagedAttention
+        from runtime.attention_backends.torch_paged import TorchPagedAttention
+        from runtime.platforms.common import offer_backend
+        native = []
+        if CpuPagedAttention.supports(model.head_size, model.dtype, model.kv_cache_dtype,
+                                      model.sliding_window, "cpu")[0]:
+            failed = self.kernel_build_error()
+            native = [f"the CPU kernels did not build: {failed}"] if failed else []
+        return [
+            offer_backend("cpu_paged", CpuPagedAttention, 10, model, "cpu", self.name, native),
+            offer_backend("torch_paged", TorchPagedAttention, 0, model, "cpu", self.name, []),
+        ]
+
+    def graph_runner(self, model: ModelInfo, enforce_eager: bool) -> GraphRunner:
+        """Eager by default; torch.compile when RUNTIME_CPU_COMPILE=1 and eager is not enforced."""
+        if os.environ.get(COMPILE_ENV) == "1" and not enforce_eager:
+            from runtime.platforms.cpu.compile_runner import CompileRunner
+            return CompileRunner()
+        return EagerRunner()
+
+    def communicator(self, spec: CommunicatorSpec) -> Communicator:
+        """gloo collectives between host processes."""
+        from runtime.platforms.cpu.communicator import GlooCommunicator
+        return GlooCommunicator(spec)
+
+    def quantization_kernel(self, method: str, params: dict[str, Any]) -> Any | None:
+        """torch's native weight-only int8/int4 CPU kernels; None (the reference) for the rest."""
+        from runtime.quantization.cpu import cpu_quantization_kernel
+        return cpu_quantization_kernel(method, params)
+
+    def custom_op(self, name: str) -> Callable | None:
+        """Fused rms_norm, add_rms_norm, silu_and_mul and rotary_embedding from the CPU kernels,
+        when they built, and dense layers through oneDNN for decode-sized inputs."""
+        from runtime.platforms.cpu import ops
+        if name == "linear":
+            return ops.linear  # torch's own oneDNN, no build needed
+        if name not in ops.OPS:
+            return None
+        return ops.OPS[name] if self.kernel_build_error() is None else None
+
+    def ray_resource(self) -> str:
+        return "CPU"

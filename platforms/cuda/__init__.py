@@ -1,7 +1,8 @@
 """The built-in CUDA platform plugin (NVIDIA GPUs; `pip install runtime[cuda]`).
 
-Detection asks torch.cuda; nothing CUDA-specific is imported until a hook needs it. Its hooks
-answer only for the platform named "cuda":
+Detection asks torch.cuda; nothing CUDA-specific is imported until a hook needs it. The plugin's
+one hook is detection; what the CUDA platform answers are methods of `CudaPlatform` (which ROCm
+and XPU subclass, overriding what differs):
 
 - attention: FlashAttention 2 (priority 30), FlashInfer (20), our Triton paged kernel (10, the
   backend that is always there), the portable torch backend (0); each offered or refused by
@@ -15,19 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from runtime.attention_backends.base import AttentionBackend
 from runtime.attention_backends.flash_attention import PAGE_MULTIPLE, FlashAttentionBackend
 from runtime.attention_backends.flashinfer import FlashInferBackend
 from runtime.attention_backends.torch_paged import TorchPagedAttention
 from runtime.attention_backends.triton_paged import TritonPagedAttention
 from runtime.platforms.common import module_available, offer_backend
-from runtime.platforms.cuda.graph_runner import CudaGraphRunner
 from runtime.platforms.cuda.platform import CudaPlatform, detect_cuda
-from runtime.platforms.distributed import TorchDistCommunicator
 from runtime.plugins.hookspecs import hookimpl
-from runtime.plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec, EagerRunner,
-                                GraphRunner, ModelInfo, Platform, PlatformCandidate)
-from runtime.plugins.selection import choose_attention_backend
+from runtime.plugins.interfaces import BackendCandidate, ModelInfo, PlatformCandidate
 
 CUDA_PRIORITY = 100
 PLUGIN = "cuda"
@@ -66,41 +62,3 @@ def attention_candidates(platform: CudaPlatform, model: ModelInfo) -> list[Backe
         offer_backend("triton_paged", TritonPagedAttention, 10, model, "cuda", PLUGIN, triton),
         offer_backend("torch_paged", TorchPagedAttention, 0, model, "cuda", PLUGIN, []),
     ]
-
-
-@hookimpl
-def runtime_attention_backend_candidates(platform: Platform,
-                                         model: ModelInfo) -> list[BackendCandidate] | None:
-    if platform.name != "cuda":
-        return None
-    return attention_candidates(platform, model)
-
-
-@hookimpl
-def runtime_attention_backend(platform: Platform, model: ModelInfo,
-                              requested: str | None) -> type[AttentionBackend] | None:
-    if platform.name != "cuda":
-        return None
-    return choose_attention_backend(attention_candidates(platform, model), requested, "cuda")
-
-
-@hookimpl
-def runtime_graph_runner(platform: Platform, enforce_eager: bool) -> GraphRunner | None:
-    if platform.name != "cuda":
-        return None
-    return EagerRunner() if enforce_eager else CudaGraphRunner()
-
-
-@hookimpl
-def runtime_communicator(platform: Platform, spec: CommunicatorSpec) -> Communicator | None:
-    if platform.name != "cuda":
-        return None
-    return TorchDistCommunicator(spec, "nccl", torch.device("cuda", torch.cuda.current_device()))
-
-
-@hookimpl
-def runtime_quantization_kernel(platform: Platform, method: str, params: dict):
-    if platform.name != "cuda":
-        return None
-    from runtime.quantization.cuda import cuda_quantization_kernel
-    return cuda_quantization_kernel(method, params, platform.capability)

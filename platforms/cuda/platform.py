@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from runtime.plugins.interfaces import Platform
+from runtime.plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec,
+                                        EagerRunner, GraphRunner, ModelInfo, Platform)
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,25 @@ class CudaPlatform(Platform):
         free, total = accel.mem_get_info(device)
         return kv_cache_budget(requested, free, total, accel.memory_reserved(device),
                                model_bytes, self.memory_utilization, self.devices[device].name)
+
+    def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
+        from runtime.platforms.cuda import attention_candidates
+        return attention_candidates(self, model)
+
+    def graph_runner(self, model: ModelInfo, enforce_eager: bool) -> GraphRunner:
+        """Decode steps recorded as CUDA graphs; eager with `--enforce-eager`."""
+        from runtime.platforms.cuda.graph_runner import CudaGraphRunner
+        return EagerRunner() if enforce_eager else CudaGraphRunner()
+
+    def communicator(self, spec: CommunicatorSpec) -> Communicator:
+        """NCCL (RCCL on ROCm, through torch's "nccl" backend)."""
+        from runtime.platforms.distributed import TorchDistCommunicator
+        return TorchDistCommunicator(spec, "nccl", torch.device("cuda", torch.cuda.current_device()))
+
+    def quantization_kernel(self, method: str, params: dict[str, Any]) -> Any | None:
+        """fp8 w8a8 through torch._scaled_mm on compute capability 8.9+."""
+        from runtime.quantization.cuda import cuda_quantization_kernel
+        return cuda_quantization_kernel(method, params, self.capability)
 
     def describe(self) -> dict[str, Any]:
         first = self.devices[0]

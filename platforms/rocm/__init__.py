@@ -4,23 +4,16 @@ It reuses the CUDA plugin's machinery where HIP mirrors CUDA — HIP graphs thro
 graph API, RCCL through torch's "nccl" backend — and makes its own choices where AMD differs:
 attention is our Triton paged kernel (AMD's FlashAttention builds have no paged-KV varlen
 kernel) with the portable torch backend as the last resort, and fp8 is "fnuz" on MI300.
-Hooks answer only for the platform named "rocm".
+The plugin's one hook is detection; the rest are methods of `RocmPlatform`.
 """
 from __future__ import annotations
 
-import torch
-
-from runtime.attention_backends.base import AttentionBackend
 from runtime.attention_backends.torch_paged import TorchPagedAttention
 from runtime.attention_backends.triton_paged import TritonPagedAttention
 from runtime.platforms.common import module_available, offer_backend
-from runtime.platforms.cuda.graph_runner import CudaGraphRunner
-from runtime.platforms.distributed import TorchDistCommunicator
 from runtime.platforms.rocm.platform import RocmPlatform, detect_rocm
 from runtime.plugins.hookspecs import hookimpl
-from runtime.plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec, EagerRunner,
-                                GraphRunner, ModelInfo, Platform, PlatformCandidate)
-from runtime.plugins.selection import choose_attention_backend
+from runtime.plugins.interfaces import BackendCandidate, ModelInfo, PlatformCandidate
 
 ROCM_PRIORITY = 100
 PLUGIN = "rocm"
@@ -39,31 +32,3 @@ def attention_candidates(model: ModelInfo) -> list[BackendCandidate]:
         offer_backend("triton_paged", TritonPagedAttention, 10, model, "cuda", PLUGIN, triton),
         offer_backend("torch_paged", TorchPagedAttention, 0, model, "cuda", PLUGIN, []),
     ]
-
-
-@hookimpl
-def runtime_attention_backend_candidates(platform: Platform,
-                                         model: ModelInfo) -> list[BackendCandidate] | None:
-    return attention_candidates(model) if platform.name == "rocm" else None
-
-
-@hookimpl
-def runtime_attention_backend(platform: Platform, model: ModelInfo,
-                              requested: str | None) -> type[AttentionBackend] | None:
-    if platform.name != "rocm":
-        return None
-    return choose_attention_backend(attention_candidates(model), requested, "rocm")
-
-
-@hookimpl
-def runtime_graph_runner(platform: Platform, enforce_eager: bool) -> GraphRunner | None:
-    if platform.name != "rocm":
-        return None
-    return EagerRunner() if enforce_eager else CudaGraphRunner("hip graphs")
-
-
-@hookimpl
-def runtime_communicator(platform: Platform, spec: CommunicatorSpec) -> Communicator | None:
-    if platform.name != "rocm":
-        return None
-    return TorchDistCommunicator(spec, "nccl", torch.device("cuda", torch.cuda.current_device()))

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from runtime.platforms.cuda.platform import GiB, CudaPlatform, GpuDevice, visible_devices
+from runtime.plugins.interfaces import BackendCandidate, EagerRunner, GraphRunner, ModelInfo
 
 FNUZ_ARCHS = ("gfx940", "gfx941", "gfx942")
 
@@ -50,6 +51,20 @@ class RocmPlatform(CudaPlatform):
     def fp8_dtype(self) -> torch.dtype:
         """The fp8 format this GPU's matrix cores compute (for the quantization kernels)."""
         return torch.float8_e4m3fnuz if self.arch in FNUZ_ARCHS else torch.float8_e4m3fn
+
+    def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
+        from runtime.platforms.rocm import attention_candidates
+        return attention_candidates(model)
+
+    def graph_runner(self, model: ModelInfo, enforce_eager: bool) -> GraphRunner:
+        """HIP graphs through torch's CUDA graph API; eager with `--enforce-eager`."""
+        from runtime.platforms.cuda.graph_runner import CudaGraphRunner
+        return EagerRunner() if enforce_eager else CudaGraphRunner("hip graphs")
+
+    def quantization_kernel(self, method: str, params: dict[str, Any]) -> Any | None:
+        """None: every method runs its reference kernel (CUDA's fp8 kernel assumes NVIDIA's
+        fp8 format and compute capabilities)."""
+        return None
 
     def describe(self) -> dict[str, Any]:
         first = self.devices[0]

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from runtime.platforms.common import module_available
-from runtime.plugins.interfaces import Platform
+from runtime.plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec,
+                                        EagerRunner, GraphRunner, ModelInfo, Platform)
 
 GiB = 1 << 30
 DEFAULT_MEMORY_UTILIZATION = 0.9
@@ -75,6 +76,24 @@ class TpuPlatform(Platform):
             raise ValueError(f"no TPU memory left for the KV cache: {used / GiB:.2f} GiB of "
                              f"{limit / GiB:.2f} GiB in use; raise --gpu-memory-utilization")
         return budget
+
+    def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
+        from runtime.platforms.tpu import attention_candidates
+        return attention_candidates(model)
+
+    def graph_runner(self, model: ModelInfo, enforce_eager: bool) -> GraphRunner:
+        """XLA with bucketed shapes; eager with `--enforce-eager`."""
+        from runtime.platforms.tpu.graph_runner import XlaGraphRunner
+        return EagerRunner() if enforce_eager else XlaGraphRunner()
+
+    def communicator(self, spec: CommunicatorSpec) -> Communicator:
+        """torch_xla's "xla" process-group backend."""
+        import torch_xla.distributed.xla_backend  # noqa: F401  (registers the "xla" backend)
+        from runtime.platforms.distributed import TorchDistCommunicator
+        return TorchDistCommunicator(spec, "xla", self.device())
+
+    def ray_resource(self) -> str:
+        return "TPU"
 
     def describe(self) -> dict[str, Any]:
         return {"devices": f"{self.num_devices} TPU cores (PJRT)",

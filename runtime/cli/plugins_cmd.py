@@ -8,12 +8,14 @@ from typing import Any
 
 from runtime.plugins.interfaces import ModelInfo, Platform
 from runtime.plugins.manager import discovered_plugins, get_plugin_manager
+from runtime.plugins.ops import COMPOSITES
 from runtime.plugins.selection import (PlatformError, explain_attention_backends, explain_platforms,
-                               select_platform)
+                                       hook_answer, select_platform)
 
 # The model shape used to ask which attention backend the active platform would choose.
 SAMPLE_HEAD_SIZE = 64
 SAMPLE_HEADS = 8
+CUSTOM_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "linear")
 
 
 def add_plugins_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -64,33 +66,59 @@ def _active(platform: Platform, requested: str | None = None) -> dict[str, Any]:
                      if backend else "none offered")
     except Exception as e:  # the report must still print when a backend is broken
         attention = f"unavailable: {type(e).__name__}: {e}"
-    considered = explain_attention_backends(platform, model, requested)["backends"]
     try:
-        runner = hook.runtime_graph_runner(platform=platform, model=model, enforce_eager=False)
+        runner, runner_by = hook_answer("runtime_graph_runner", platform=platform, model=model,
+                                        enforce_eager=False)
         graph = runner.name if runner else "eager (no plugin answered)"
     except Exception as e:
-        graph = f"unavailable: {type(e).__name__}: {e}"
+        runner_by, graph = None, f"unavailable: {type(e).__name__}: {e}"
+    explained = explain_attention_backends(platform, model, requested)
+    answers = [{"hook": "runtime_attention_backend", "op": "", "answer": explained["chosen"],
+                "answered_by": explained["answered_by"]},
+               {"hook": "runtime_graph_runner", "op": "", "answer": graph,
+                "answered_by": runner_by}]
+    answers += _custom_op_answers(platform)
     return {
         "name": platform.name,
         "facts": platform.describe(),
         "attention_backend": attention,
-        "attention_backends": considered,
+        "attention_backends": explained["backends"],
         "graph_runner": graph,
-        "quantization": _quantization(hook, platform),
+        "quantization": _quantization(platform),
+        "answers": answers,
     }
 
 
-def _quantization(hook: Any, platform: Platform) -> list[dict[str, Any]]:
-    """Each quantization method: the kernel this platform's plugins supply, else the reference."""
+def _custom_op_answers(platform: Platform) -> list[dict[str, Any]]:
+    """Who answers `runtime_custom_op` for each op name (composites as the model builds them)."""
+    from runtime.layers.custom_ops import CustomOps
+    ops = CustomOps(platform)
+    rows = []
+    for name in CUSTOM_OPS:
+        try:
+            op = ops(name)
+            answer = ("composed" if name in COMPOSITES and ops.answered_by[name] else "portable"
+                      ) if op is None else getattr(op, "__qualname__", type(op).__name__)
+        except Exception as e:
+            ops.answered_by[name] = None
+            answer = f"unavailable: {type(e).__name__}: {e}"
+        rows.append({"hook": "runtime_custom_op", "op": name, "answer": answer,
+                     "answered_by": ops.answered_by[name]})
+    return rows
+
+
+def _quantization(platform: Platform) -> list[dict[str, Any]]:
+    """Each quantization method: the kernel a plugin or the platform supplies, else the
+    reference."""
     from runtime.quantization.registry import quantization_methods
     rows = []
     for name, cls in sorted(quantization_methods().items()):
         try:
             config = cls()
-            kernel = hook.runtime_quantization_kernel(
-                platform=platform, method=config.kernel_method or name,
-                params=config.kernel_params())
-            chosen = (f"{kernel.name} (plugin)" if kernel is not None else
+            kernel, who = hook_answer("runtime_quantization_kernel", platform=platform,
+                                      method=config.kernel_method or name,
+                                      params=config.kernel_params())
+            chosen = (f"{kernel.name} ({who})" if kernel is not None else
                       f"{config.reference_kernel().name} (reference)")
         except Exception as e:
             chosen = f"unavailable: {type(e).__name__}: {e}"
@@ -119,6 +147,10 @@ def _render(report: dict[str, Any]) -> str:
              "graph runner": active["graph_runner"]}
     width = max(map(len, facts))
     lines += [f"  {k + ':':<{width + 1}} {v}" for k, v in facts.items()]
+    lines += ["", "Hook answers (who answered, in pluggy's call order):"]
+    lines += _table(["HOOK", "OP", "ANSWER", "ANSWERED BY"],
+                    [[a["hook"], a["op"], str(a["answer"]), a["answered_by"] or "nobody"]
+                     for a in active["answers"]])
     lines += ["", "Quantization methods:"]
     lines += _table(["METHOD", "KERNEL HERE", "FAST KERNEL ON", "WEIGHTS FROM"],
                     [[q["name"], q["kernel"], q["fast_on"], q["weights"]]

@@ -67,10 +67,7 @@ class RayExecutor(Executor):
         self.dead_reason: str | None = None
         if not ray.is_initialized():
             ray.init(address=config.ray_address, include_dashboard=False)
-        # Ray's resource names: "CPU" for host workers, else the platform's key ("GPU" unless
-        # the platform says otherwise, e.g. "TPU").
-        key = ("CPU" if platform.device_type == "cpu"
-               else getattr(platform, "ray_device_key", "GPU"))
+        key = platform.ray_resource()  # "CPU", "GPU", "TPU" or a custom resource name
         self.group = placement_group([{key: 1}] * layout.world_size, strategy="PACK")
         self._remove_group = remove_placement_group
         ready, _ = ray.wait([self.group.ready()], timeout=PLACEMENT_TIMEOUT_S)

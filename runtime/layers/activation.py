@@ -2,16 +2,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runtime.layers.build_context import BuildContext
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x holds [gate | up] on its last dimension; returns silu(gate) * up."""
-    gate, up = x.chunk(2, -1)
-    return F.silu(gate) * up
+from runtime.plugins.ops import silu_and_mul
 
 
 class SiluAndMul(nn.Module):

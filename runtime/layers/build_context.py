@@ -15,7 +15,8 @@ class BuildContext:
     """Handed to every model constructor; layers take from it what they need.
 
     `attention_backend` is the class chosen by the `runtime_attention_backend` hook;
-    `custom_op(name)` asks the `runtime_custom_op` hook once per op name;
+    `custom_op(name)` asks `custom_op_provider` (a `runtime.layers.custom_ops.CustomOps`, which
+    asks the `runtime_custom_op` hook) once per op name;
     `tp_rank`/`tp_size` and `tp_group` (a `runtime.plugins.interfaces.Communicator`) shard the layers;
     `pp` says which layers this pipeline stage builds and how it reaches its neighbours.
     """

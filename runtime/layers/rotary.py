@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime.plugins.ops import rotary_embedding
+
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
 
@@ -182,32 +184,6 @@ class RotaryEmbedding(nn.Module):
         """Rotate `query` [T, num_heads, head_size] and `key` [T, num_kv_heads, head_size]
         (flat [T, heads * head_size] also works) by `positions` [T]; returns new tensors."""
         return rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size)
-
-
-def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     cos_sin_cache: torch.Tensor, head_size: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The portable op: neox-style rotation of the first `cos_sin_cache.size(1)` dims of each
-    head of `query` and `key` by `positions`, through the [max_position, rotary_dim] float32
-    cache of cos | sin. Returns new tensors of the inputs' shapes."""
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    rotary_dim = cos_sin_cache.size(1)
-    return (_rotate(query, cos, sin, head_size, rotary_dim),
-            _rotate(key, cos, sin, head_size, rotary_dim))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int,
-            rotary_dim: int) -> torch.Tensor:
-    shape = x.shape
-    x = x.reshape(shape[0], -1, head_size)
-    cos = cos.unsqueeze(1).to(x.dtype)
-    sin = sin.unsqueeze(1).to(x.dtype)
-    x1, x2 = x[..., :rotary_dim].chunk(2, dim=-1)
-    # Same operations, in the same dtype, as transformers' q * cos + rotate_half(q) * sin.
-    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
-    if rotary_dim < head_size:
-        parts.append(x[..., rotary_dim:])
-    return torch.cat(parts, dim=-1).reshape(shape)
 
 
 def get_rope(head_size: int, max_position: int, hf_config: Any, dtype: torch.dtype) -> RotaryEmbedding:

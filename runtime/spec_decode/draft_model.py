@@ -132,6 +132,7 @@ def load_draft_proposer(worker: "Worker", config: SpeculativeConfig) -> DraftMod
     """Build and load the draft model on the worker's device, unsharded, unquantized."""
     from runtime.plugins.interfaces import ModelInfo
     from runtime.layers.build_context import BuildContext
+    from runtime.layers.custom_ops import CustomOps
     from runtime.model_config import ModelConfig
     from runtime.model_loader.source import iterate_weights, load_config, resolve_model
     from runtime.models.registry import resolve_model_class
@@ -155,8 +156,7 @@ def load_draft_proposer(worker: "Worker", config: SpeculativeConfig) -> DraftMod
     backend = worker.hook.runtime_attention_backend(platform=worker.platform, model=info,
                                                     requested=worker.config.attention_backend)
     ctx = BuildContext(dtype=mc.dtype, device=worker.device, attention_backend=backend,
-                       custom_op_provider=lambda name: worker.hook.runtime_custom_op(
-                           platform=worker.platform, name=name))
+                       custom_op_provider=CustomOps(worker.platform))
     model_cls = resolve_model_class(getattr(hf_config, "architectures", None))
     with torch.device(worker.device):
         model = model_cls(hf_config, ctx)

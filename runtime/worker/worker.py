@@ -15,6 +15,7 @@ from runtime.distributed.pipeline import PipelineStage, merge_outputs, micro_bat
 from runtime.forward_context import forward_context, get_forward_context
 from runtime.layers.attention import Attention
 from runtime.layers.build_context import BuildContext
+from runtime.layers.custom_ops import CustomOps
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource, iterate_weights
 from runtime.worker.inputs import StepInput, StepOutput
@@ -61,8 +62,7 @@ class Worker:
                             tp_rank=layout.tp_rank(rank), tp_size=layout.tp_size,
                             tp_group=tp_group,
                             pp=PipelineStage(layout.pp_rank(rank), layout.pp_size, pp_group),
-                            custom_op_provider=lambda name: self.hook.runtime_custom_op(
-                                platform=self.platform, name=name))
+                            custom_op_provider=CustomOps(self.platform))
 
     def load_model(self) -> None:
         mc = self.model_config

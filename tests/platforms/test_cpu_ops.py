@@ -4,8 +4,7 @@ import torch
 
 from runtime.platforms.cpu import kernels, ops
 from runtime.platforms.cpu.platform import CpuPlatform
-from runtime.layers.activation import silu_and_mul
-from runtime.layers.layernorm import add_rms_norm, rms_norm
+from runtime.plugins.ops import add_rms_norm, rms_norm, silu_and_mul
 from runtime.layers.rotary import rotary_embedding
 
 BUILD_ERROR = kernels.load(CpuPlatform().info.model_name)

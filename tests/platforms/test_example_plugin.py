@@ -16,7 +16,8 @@ import transformers
 from runtime.plugins.manager import discovered_plugins, get_plugin_manager, reset_plugin_manager
 from runtime.platforms.cpu.platform import CpuPlatform
 from runtime import LLM, SamplingParams
-from runtime.layers.layernorm import RMSNorm, rms_norm
+from runtime.layers.layernorm import RMSNorm
+from runtime.plugins.ops import rms_norm
 from tests.parity import PROMPTS, assert_matches_hf, hf_greedy
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "plugin"

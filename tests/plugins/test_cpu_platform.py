@@ -36,85 +36,51 @@ MODEL = ModelInfo(architecture="LlamaForCausalLM", dtype=torch.float32,
                   kv_cache_dtype=torch.float32, head_size=64, num_heads=8, num_kv_heads=2)
 
 
-class Accelerator(Platform):
-    name = "accel"
-    device_type = "accel"
+class HostDevice(Platform):
+    """A third party's platform that computes on the host: device_type "cpu", not a CpuPlatform."""
+
+    name = "hostdev"
+    device_type = "cpu"
 
     def device(self, local_rank=0):
-        return torch.device("meta")
+        return torch.device("cpu")
 
     def default_dtype(self):
-        return torch.bfloat16
+        return torch.float32
 
     def kv_cache_memory_bytes(self, requested, model_bytes):
-        return 0
+        return 1 << 20
 
 
-def test_avx2_only_x86_runs_float32():
-    info = parse_cpuinfo(EPYC, "x86_64")
-    assert info.model_name == "AMD EPYC 7B13"
-    assert info.features == {"avx2", "fma"}  # first processor only, known features only
-    assert not info.native_bf16
-    assert CpuPlatform(info).default_dtype() == torch.float32
+class HostDeviceWithCpuKernels(CpuPlatform):
+    name = "hostdev-cpu"
 
 
-@pytest.mark.parametrize("text", [SAPPHIRE_RAPIDS, COOPER_LAKE])
-def test_x86_with_bf16_instructions_runs_bfloat16(text):
-    assert CpuPlatform(parse_cpuinfo(text, "x86_64")).default_dtype() == torch.bfloat16
-
-
-def test_arm_features():
-    graviton3 = parse_cpuinfo(GRAVITON3, "aarch64")
-    assert graviton3.features == {"asimd", "sve", "bf16", "i8mm"}
-    assert graviton3.model_name == "0xd40"
-    assert CpuPlatform(graviton3).default_dtype() == torch.bfloat16
-    assert CpuPlatform(parse_cpuinfo(GRAVITON2, "aarch64")).default_dtype() == torch.float32
-
-
-def test_missing_cpuinfo_is_safe():
-    info = parse_cpuinfo("", "arm64_unknown")
-    assert info.features == frozenset() and not info.native_bf16
-    assert normalize_arch("AMD64") == "x86_64" and normalize_arch("arm64") == "aarch64"
-
-
-def test_kv_cache_budget():
-    assert parse_meminfo_available(MEMINFO) == 20000000 * 1024
-    assert parse_meminfo_available("MemTotal: 1 kB\n") is None
-    assert kv_cache_budget(None, 10 * GiB) == 4 * GiB  # 40 % of what is available
-    assert kv_cache_budget(None, 100 * GiB) == 8 * GiB  # capped
-    assert kv_cache_budget(3 * GiB, 1 * GiB) == 3 * GiB  # the user's number wins
-    with pytest.raises(ValueError):
-        kv_cache_budget(0, GiB)
-    platform = CpuPlatform()
-    assert 0 < platform.kv_cache_memory_bytes(None, model_bytes=GiB) <= 8 * GiB
-    assert platform.kv_cache_memory_bytes(123, model_bytes=0) == 123
-
-
-def test_host_platform_basics():
-    platform = CpuPlatform()
-    assert (platform.name, platform.device_type) == ("cpu", "cpu")
-    assert platform.device(3) == torch.device("cpu")
-    facts = platform.describe()
-    assert facts["arch"] == normalize_arch(__import__("platform").machine())
-    assert {"cpu", "cores", "features", "native bf16", "memory available"} <= facts.keys()
-    before = torch.get_num_threads()
-    try:
-        platform.set_num_threads(1)
-        assert torch.get_num_threads() == 1
-        platform.set_num_threads(None)
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
-
-
-def test_hooks_ignore_other_platforms():
+def test_a_host_platform_gets_nothing_from_the_cpu_plugin_unless_it_subclasses_it():
+    from runtime.attention_backends.torch_paged import TorchPagedAttention
+    from runtime.platforms.cpu import ops
     hook = get_plugin_manager().hook
-    accel = Accelerator()
-    assert hook.runtime_attention_backend(platform=accel, model=MODEL, requested=None) is None
-    assert hook.runtime_graph_runner(platform=accel, model=MODEL, enforce_eager=False) is None
-    assert hook.runtime_communicator(
-        platform=accel, spec=CommunicatorSpec([0], 0, "tcp://127.0.0.1:1")) is None
-    assert all(c.name == "cpu" and c.priority == 0 for c in hook.runtime_detect_platforms()[0])
+    spec = CommunicatorSpec([0], 0, "tcp://127.0.0.1:1")
+    plain = HostDevice()
+    assert hook.runtime_attention_backend(platform=plain, model=MODEL,
+                                          requested=None) is TorchPagedAttention
+    assert [c.name for c in hook.runtime_attention_backend_candidates(
+        platform=plain, model=MODEL)[0]] == ["torch_paged"]
+    assert type(hook.runtime_graph_runner(platform=plain, model=MODEL,
+                                          enforce_eager=False)) is EagerRunner
+    assert hook.runtime_communicator(platform=plain, spec=spec) is None
+    for name in ("linear", *ops.OPS):
+        assert hook.runtime_custom_op(platform=plain, name=name) is None, name
+    assert hook.runtime_quantization_kernel(platform=plain, method="int8",
+                                            params={"bits": 8}) is None
+    assert plain.ray_resource() == "GPU"
+
+    sub = HostDeviceWithCpuKernels()
+    assert hook.runtime_custom_op(platform=sub, name="linear") is ops.linear
+    names = [c.name for c in hook.runtime_attention_backend_candidates(platform=sub,
+                                                                       model=MODEL)[0]]
+    assert names == ["cpu_paged", "torch_paged"]
+    assert sub.ray_resource() == "CPU"
 
 
 def test_unknown_attention_backend_is_refused():

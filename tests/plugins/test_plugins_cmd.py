@@ -32,6 +32,11 @@ def test_json_report(capsys):
                                     "reason": "", "target": "runtime.platforms.cpu"}
     assert report["active"]["name"] == "cpu" and report["error"] is None
     assert report["active"]["facts"]["default dtype"] in ("float32", "bfloat16")
+    who = {(a["hook"], a["op"]): a["answered_by"] for a in report["active"]["answers"]}
+    assert who[("runtime_graph_runner", "")] == "cpu platform"
+    assert who[("runtime_attention_backend", "")] == "cpu platform"
+    assert who[("runtime_custom_op", "linear")] == "cpu platform"
+    assert set(who) >= {("runtime_custom_op", op) for op in ("rms_norm", "add_rms_norm")}
 
 
 def test_unknown_device_reports_the_error(capsys):

@@ -62,18 +62,16 @@ def test_fp8_kernels_match_dequantized_matmul():
         assert (y.float() - ref).norm() / ref.norm() < tol
 
 
-def test_cuda_plugin_offers_scaled_mm_from_sm89():
-    from runtime.platforms import cuda as cuda_plugin
+def test_cuda_platform_offers_scaled_mm_from_sm89():
+    from runtime.platforms.cuda.platform import CudaPlatform, GpuDevice
 
-    class FakeCuda:
-        name = "cuda"
-        capability = (9, 0)
+    def gpu(capability):
+        return CudaPlatform([GpuDevice(0, "fake", capability, 1 << 34)])
 
-    gpu = FakeCuda()
-    assert isinstance(cuda_plugin.runtime_quantization_kernel(gpu, "fp8", {}), Fp8ScaledMMKernel)
-    gpu.capability = (8, 0)  # Ampere: no fp8 matmuls, the weight-only reference runs
-    assert cuda_plugin.runtime_quantization_kernel(gpu, "fp8", {}) is None
-    assert cuda_plugin.runtime_quantization_kernel(gpu, "int4", {}) is None
+    assert isinstance(gpu((9, 0)).quantization_kernel("fp8", {}), Fp8ScaledMMKernel)
+    # Ampere: no fp8 matmuls, the weight-only reference runs
+    assert gpu((8, 0)).quantization_kernel("fp8", {}) is None
+    assert gpu((9, 0)).quantization_kernel("int4", {}) is None
 
 
 def _run(path, quantization=None):

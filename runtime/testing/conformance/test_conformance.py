@@ -11,9 +11,7 @@ from runtime.attention_backends.base import AttentionBackend
 from runtime.attention_backends.torch_paged import TorchPagedAttention
 from runtime.plugins.interfaces import CommunicatorSpec, GraphRunner, Platform
 from runtime.plugins.selection import explain_attention_backends, explain_platforms
-from runtime.layers.activation import silu_and_mul
-from runtime.layers.layernorm import add_rms_norm, rms_norm
-from runtime.layers.rotary import rotary_embedding
+from runtime.plugins.ops import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 from runtime.testing.paged_batch import run_two_steps
 
 # decodes first, then prefill chunks with and without earlier context

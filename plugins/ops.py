@@ -1,0 +1,69 @@
+"""The named layer ops of the custom-op contract (`runtime_custom_op`), in portable torch.
+
+These are the reference every replacement must match, what the engine runs when no plugin
+replaces an op, and the fallback a replacement may call for shapes its kernel does not take.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in float32, scale in the input dtype (as HF Llama does)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def compose_add_rms_norm(norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+                         ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """add_rms_norm built from an `rms_norm` op: (norm(x + residual), x + residual)."""
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + residual
+        return norm(x, weight, eps), x
+    return add_rms_norm
+
+
+add_rms_norm = compose_add_rms_norm(rms_norm)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x holds [gate | up] on its last dimension; returns silu(gate) * up."""
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate) * up
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotation of the first `cos_sin_cache.size(1)` dims of each head of `query`
+    and `key` by `positions`, through the [max_position, rotary_dim] float32 cache of
+    cos | sin. Returns new tensors of the inputs' shapes."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    rotary_dim = cos_sin_cache.size(1)
+    return (_rotate(query, cos, sin, head_size, rotary_dim),
+            _rotate(key, cos, sin, head_size, rotary_dim))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int,
+            rotary_dim: int) -> torch.Tensor:
+    shape = x.shape
+    x = x.reshape(shape[0], -1, head_size)
+    cos = cos.unsqueeze(1).to(x.dtype)
+    sin = sin.unsqueeze(1).to(x.dtype)
+    x1, x2 = x[..., :rotary_dim].chunk(2, dim=-1)
+    # Same operations, in the same dtype, as transformers' q * cos + rotate_half(q) * sin.
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if rotary_dim < head_size:
+        parts.append(x[..., rotary_dim:])
+    return torch.cat(parts, dim=-1).reshape(shape)
+
+
+# op name -> the op a composite is built from, when no plugin at least as early in the hook's
+# call order supplies the composite itself
+COMPOSITES = {"add_rms_norm": ("rms_norm", compose_add_rms_norm)}
