@@ -19,6 +19,7 @@ from runtime.platforms.tpu.platform import memory_info
 from runtime.platforms.xpu.platform import collective_backend
 from runtime.plugins.interfaces import CommunicatorSpec
 from runtime.plugins.manager import reset_plugin_manager
+from runtime.plugins.selection import select_platform
 from runtime.testing.paged_batch import make_batch, run_backend
 from runtime.worker.worker import Worker, start_worker
 from tests.platforms.fakes import (H100 as H100_PROPS, MAX1550, FakeDeviceState,
@@ -108,11 +109,17 @@ def test_torch_dist_communicator_on_gloo():
         dist.destroy_process_group()
 
 
-def test_every_rank_binds_its_own_gpu(monkeypatch):
+@pytest.fixture
+def fresh_plugins():
+    reset_plugin_manager()
+    yield
+    reset_plugin_manager()
+
+
+def test_every_rank_binds_its_own_gpu(monkeypatch, fresh_plugins):
     """Four ranks on a 4-GPU machine, each started as the mp executor starts it: every rank
     makes its GPU current before anything touches a device, so its memory query (like its
     kernels, graphs and NCCL communicator) goes to its own GPU, not GPU 0."""
-    reset_plugin_manager()
     fake_gpus(monkeypatch, [H100_PROPS] * 4)
     state = FakeDeviceState(monkeypatch)
     # Model loading is left out; what it does first on a GPU is ask the device for memory.
@@ -124,18 +131,14 @@ def test_every_rank_binds_its_own_gpu(monkeypatch):
         assert worker.device == torch.device("cuda", rank)
     assert state.calls == [(call, rank) for rank in range(4)
                            for call in ("set_device", "mem_get_info")]
-    reset_plugin_manager()
 
 
-def test_xpu_ranks_bind_through_torch_xpu(monkeypatch):
-    reset_plugin_manager()
+def test_xpu_ranks_bind_through_torch_xpu(monkeypatch, fresh_plugins):
     fake_xpus(monkeypatch, [MAX1550, MAX1550])
     state = FakeDeviceState(monkeypatch, module=torch.xpu)
-    from runtime.plugins.selection import select_platform
     xpu = select_platform("xpu")
     assert Worker(EngineConfig(), xpu, None, None, 1, 1).device == torch.device("xpu", 1)
     assert state.calls == [("set_device", 1)]
-    reset_plugin_manager()
 
 
 @pytest.fixture
