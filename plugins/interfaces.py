@@ -50,6 +50,11 @@ class Platform(ABC):
         the activation peak that `measure_peak_memory` returned.
         """
 
+    def set_device(self, device: torch.device) -> None:
+        """Make `device` this process's current device. The worker calls it first, before
+        anything touches the device: kernels, graphs, memory queries and collectives that take
+        no device argument use the current one (a no-op where there is none to set)."""
+
     def synchronize(self) -> None:
         """Wait for queued device work (a no-op on the CPU)."""
 
@@ -242,6 +247,9 @@ class ModelInfo:
     num_kv_heads: int
     sliding_window: int | None = None
     block_size: int = 16  # tokens per KV-cache block (some kernels need particular sizes)
+    # Device graphs are off (--enforce-eager, or pipeline stages): a backend that cannot be
+    # recorded as a graph loses nothing then, so a platform may rank it higher.
+    enforce_eager: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -251,7 +259,8 @@ class BackendCandidate:
 
     `backend` is the `runtime.attention_backends.base.AttentionBackend` subclass, or None when it cannot
     run here; `reason` then says why (missing library, compute capability, head size …). Among
-    the usable candidates the highest `priority` wins unless the user forces one by name.
+    the usable candidates the highest `priority` wins unless the user forces one by name; a
+    usable candidate's `reason`, if any, explains its rank and is shown with its verdict.
     """
 
     name: str

@@ -4,15 +4,18 @@ Detection asks torch.cuda; nothing CUDA-specific is imported until a hook needs 
 one hook is detection; what the CUDA platform answers are methods of `CudaPlatform` (which ROCm
 and XPU subclass, overriding what differs):
 
-- attention: FlashAttention 2 (priority 30), FlashInfer (20), our Triton paged kernel (10, the
-  backend that is always there), the portable torch backend (0); each offered or refused by
-  compute capability, installed libraries and the model's shape, with the reason;
+- attention: FlashAttention 2 (priority 30, at --block-size 256), our Triton paged kernel (10,
+  the backend that is always there), FlashInfer (5 while CUDA graphs are on, 20 when eager), the
+  portable torch backend (0); each offered or refused by compute capability, installed libraries
+  and the model's shape, with the reason;
 - graph runner: decode steps recorded as CUDA graphs, eager with `--enforce-eager`;
 - communicator: NCCL;
 - quantization kernels: fp8 w8a8 through torch._scaled_mm on compute capability 8.9+
   (`runtime.quantization.cuda`); every other method runs its portable reference kernel.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -51,14 +54,27 @@ def attention_candidates(platform: CudaPlatform, model: ModelInfo) -> list[Backe
     flash = needs("flash_attn", (8, 0))
     if model.block_size % PAGE_MULTIPLE:
         flash.append(f"its paged KV needs --block-size a multiple of {PAGE_MULTIPLE} "
-                     f"(got {model.block_size})")
+                     f"(got {model.block_size}); run with --block-size {PAGE_MULTIPLE} to use it")
     triton = needs("triton", (7, 5))
     if model.dtype == torch.bfloat16 and cc < (8, 0):
         triton.append(f"bfloat16 needs compute capability 8.0+, this GPU has {cc_text}")
     return [
         offer_backend("flash_attn", FlashAttentionBackend, 30, model, "cuda", PLUGIN, flash),
-        offer_backend("flashinfer", FlashInferBackend, 20, model, "cuda", PLUGIN,
-                      needs("flashinfer", (7, 5))),
+        flashinfer_candidate(model, needs("flashinfer", (7, 5))),
         offer_backend("triton_paged", TritonPagedAttention, 10, model, "cuda", PLUGIN, triton),
         offer_backend("torch_paged", TorchPagedAttention, 0, model, "cuda", PLUGIN, []),
     ]
+
+
+def flashinfer_candidate(model: ModelInfo, problems: list[str]) -> BackendCandidate:
+    """FlashInfer plans each step on the host, which a CUDA graph cannot record: while graphs
+    are on it ranks below triton_paged (whose decode steps are recorded), above it when eager."""
+    if model.enforce_eager:
+        priority, note = 20, "ranked above triton_paged: execution is eager, nothing is recorded"
+    else:
+        priority, note = 5, ("ranked below triton_paged while CUDA graphs are on (its host-side "
+                             "plan cannot be recorded); chosen with --enforce-eager or "
+                             "--attention-backend flashinfer")
+    candidate = offer_backend("flashinfer", FlashInferBackend, priority, model, "cuda", PLUGIN,
+                              problems)
+    return replace(candidate, reason=note) if candidate.backend is not None else candidate

@@ -115,6 +115,9 @@ class CudaPlatform(Platform):
             return (torch.bfloat16, torch.float16, torch.float32)
         return (torch.float16, torch.float32)
 
+    def set_device(self, device: torch.device) -> None:
+        self.accel.set_device(device)
+
     def synchronize(self) -> None:
         self.accel.synchronize()
 
