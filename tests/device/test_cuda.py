@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 from runtime import LLM, SamplingParams  # noqa: E402
 from runtime.attention_backends.torch_paged import TorchPagedAttention  # noqa: E402
-from runtime.platforms.cuda import attention_candidates, graph_runner  # noqa: E402
+from runtime.platforms.cuda import graph_runner  # noqa: E402
 from runtime.platforms.cuda.graph_runner import CudaGraphRunner, replay_size  # noqa: E402
 from runtime.plugins.interfaces import ModelInfo  # noqa: E402
 from runtime.plugins.manager import reset_plugin_manager  # noqa: E402
@@ -98,7 +98,7 @@ def test_every_usable_backend_matches_the_portable_one(dtype, block_size):
     print({r["name"]: r["why"] for r in explain_attention_backends(cuda, model)["backends"]})
     shape = ([1, 1, 1, 9, 300], [17, 600, 257, 9, 700], block_size, 16, 4, 128)
     want = run_two_steps(TorchPagedAttention, *shape, torch.float32, "cpu")
-    usable = [c for c in attention_candidates(cuda, model) if c.backend is not None]
+    usable = [c for c in cuda.attention_backend_candidates(model) if c.backend is not None]
     assert "triton_paged" in {c.name for c in usable}
     for c in usable:
         got = run_two_steps(c.backend, *shape, dtype, "cuda")
