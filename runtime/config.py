@@ -2,16 +2,23 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
+from runtime.sampling_params import MAX_LOGPROBS
+
 _DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+DTYPE_NAMES = tuple(_DTYPES)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 EXECUTOR_BACKENDS = ("uniproc", "mp", "ray")
+# vLLM's names for what we call otherwise; `LLM(...)` and the flags accept both.
+KEYWORD_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
+EXECUTOR_BACKEND_ALIASES = {"uni": "uniproc"}
 
 
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
@@ -23,18 +30,20 @@ def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
     return _DTYPES[value]
 
 
-def parse_memory(value: int | str | None) -> int | None:
-    """`--kv-cache-memory` in bytes, from an int or a string like '4GiB', '512MB', '2G'."""
+def parse_size(value: int | str | None, name: str = "kv_cache_memory") -> int | None:
+    """A byte or token count from an int or a string, as vLLM reads them: '4GiB', '4Gi', '4G'
+    and '512MB' are binary (x1024), a lowercase unit alone is decimal ('32k' = 32000)."""
     if value is None or isinstance(value, int):
         return value
-    text = value.strip().upper().replace("IB", "").rstrip("B")
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    try:
-        if text and text[-1] in units:
-            return int(float(text[:-1]) * units[text[-1]])
-        return int(text)
-    except ValueError:
-        raise ValueError(f"kv_cache_memory must be bytes or a size like '4GiB', got {value!r}") from None
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(?:([kmgtKMGT])(i?)[bB]?)?\s*", value)
+    if match is None:
+        raise ValueError(f"{name} must be a count or a size like '4GiB' or '32k', got {value!r}")
+    number, unit, binary = match.groups()
+    if unit is None:
+        return int(float(number))
+    power = "kmgt".index(unit.lower()) + 1
+    base = 1024 if unit.isupper() or binary else 1000
+    return int(float(number) * base ** power)
 
 
 @dataclass
@@ -47,6 +56,8 @@ class EngineConfig:
     dtype: torch.dtype | None = None  # None: the platform's default
     kv_cache_memory: int | None = None  # bytes; None: the platform's default share
     gpu_memory_utilization: float = 0.9  # accelerators: share of device memory the engine takes
+    kv_cache_dtype: str = "auto"  # auto (the model's) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2
+    calculate_kv_scales: bool = False  # FP8 KV: per-layer k/v scales from the first batch
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -58,8 +69,13 @@ class EngineConfig:
     enforce_eager: bool = False
     num_threads: int | None = None
     seed: int = 0
+    revision: str | None = None  # with a model id: the revision to take from the local HF cache
     trust_remote_code: bool = False
     model_impl: str = "auto"  # auto | native | transformers (runtime.models.registry)
+    max_logprobs: int = MAX_LOGPROBS  # the most logprobs / prompt_logprobs one request may ask for
+    # sampling defaults: "auto" (the model's generation_config.json), "vllm" (none) or a folder
+    generation_config: str = "auto"
+    disable_log_stats: bool = False  # True: no periodic throughput lines in the log
     quantization: str | None = None  # a method in runtime.quantization.registry; None: the checkpoint's
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -77,9 +93,14 @@ class EngineConfig:
             raise ValueError("speculative decoding needs pipeline_parallel_size 1, got "
                              f"{self.pipeline_parallel_size}")
         self.dtype = parse_dtype(self.dtype)
-        self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+        self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
+        self.max_model_len = parse_size(self.max_model_len, "max_model_len")
         if self.device is None:
             self.device = os.environ.get("RUNTIME_DEVICE") or None
+        from runtime.attention_backends.base import KV_CACHE_DTYPES
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
@@ -90,10 +111,14 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
-        backend = self.distributed_executor_backend
+        backend = self.distributed_executor_backend = EXECUTOR_BACKEND_ALIASES.get(
+            self.distributed_executor_backend, self.distributed_executor_backend)
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                              f"got {backend!r}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the most the "
+                             f"sampler returns), got {self.max_logprobs}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
                      "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
@@ -102,6 +127,11 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
         known = {f.name for f in fields(cls)}
+        for alias, name in KEYWORD_ALIASES.items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"give {alias} or {name}, not both")
+                kwargs[name] = kwargs.pop(alias)
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine options {unknown}; known: {sorted(known - {'extra'})}")

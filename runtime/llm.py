@@ -4,13 +4,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from tqdm import tqdm
-
 from runtime.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from runtime.config import EngineConfig
 from runtime.engine.input_processor import PromptType
 from runtime.engine.llm_engine import LLMEngine
 from runtime.outputs import RequestOutput
+from runtime.progress import GenerateProgress
 from runtime.sampling_params import SamplingParams
 
 Messages = list[dict[str, Any]]
@@ -28,6 +27,8 @@ class LLM:
                  **kwargs: Any) -> None:
         if model is not None:
             kwargs["model"] = model
+        if config is None:
+            kwargs.setdefault("disable_log_stats", True)  # as vLLM's LLM: no periodic stats
         engine_config = (EngineConfig.from_yaml(config, **kwargs) if config is not None
                          else EngineConfig.from_kwargs(**kwargs))
         self.engine = LLMEngine(engine_config)
@@ -35,7 +36,7 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None,
+                 use_tqdm: bool = True,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a batch; outputs come back in the prompts' order.
 
@@ -45,7 +46,7 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
@@ -58,7 +59,12 @@ class LLM:
             tokenized.append({"prompt": text, "prompt_token_ids": ids})
         order = {engine.add_request(prompt, p, priority=prio): i
                  for i, (prompt, p, prio) in enumerate(zip(tokenized, params, priorities))}
-        return self._run(order, use_tqdm if use_tqdm is not None else len(prompts) >= 16)
+        return self._run(order, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate(prompts)` uses: the model's generation config defaults
+        (`generation_config="auto"`), else SamplingParams' own."""
+        return self.engine.processor.default_sampling_params()
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -95,7 +101,7 @@ class LLM:
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate replies to conversations, rendered with the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.apply_chat_template(c, chat_template,
@@ -114,13 +120,11 @@ class LLM:
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
-        bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm)
-        try:
+        with GenerateProgress(len(order), enabled=use_tqdm) as progress:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    if output.finished and output.request_id in order:
-                        results[order[output.request_id]] = output
-                        bar.update(1)
-        finally:
-            bar.close()
+                    if output.request_id in order:
+                        progress.update(output)
+                        if output.finished:
+                            results[order[output.request_id]] = output
         return results

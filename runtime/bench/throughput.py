@@ -15,7 +15,7 @@ from runtime.bench.backends import BACKENDS, run_in_subprocess
 from runtime.bench.datasets import SampleRequest, add_dataset_args, build_requests, describe
 from runtime.bench.metrics import format_table, throughput, write_json
 from runtime.cli.engine_args import add_engine_args, engine_kwargs
-from runtime.config import parse_memory
+from runtime.config import parse_size
 from runtime.spec_decode.stats import SpecDecodeStats
 
 SHARED = ("model", "tokenizer", "dtype", "num_threads")  # given to every backend
@@ -60,7 +60,7 @@ def make_spec(backend: str, model: str, args: argparse.Namespace, dtype: str, th
     return {"backend": backend, "model": model, "tokenizer": args.tokenizer, "dtype": dtype,
             "num_threads": threads,
             "requests": [(r.prompt_token_ids, r.output_len) for r in requests],
-            "engine": engine, "kv_cache_memory": parse_memory(engine.get("kv_cache_memory")),
+            "engine": engine, "kv_cache_memory": parse_size(engine.get("kv_cache_memory")),
             "hf_batch_size": args.hf_batch_size,
             "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None
             else (tokenizer.eos_token_id or 0),

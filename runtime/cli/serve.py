@@ -78,12 +78,15 @@ def serve_command(args: argparse.Namespace) -> int:
                          "pip install 'runtime[serve]'") from None
     from runtime.config import EngineConfig
     from runtime.default_model import DEFAULT_MODEL_NAME
+    from runtime.stat_logger import StatLogger
 
     kwargs = engine_kwargs(args)
     kwargs["model"] = args.model_tag or kwargs["model"]
     names = args.served_model_name or [kwargs["model"] or DEFAULT_MODEL_NAME]
     metrics = Metrics(names[0])
-    engine = AsyncLLM(EngineConfig.from_kwargs(**kwargs), args.max_queue_len, metrics)
+    config = EngineConfig.from_kwargs(**kwargs)
+    engine = AsyncLLM(config, args.max_queue_len,
+                      metrics if config.disable_log_stats else StatLogger(metrics))
     app = create_app(engine, metrics, names, load_chat_template(args.chat_template),
                      args.api_key or os.environ.get("RUNTIME_API_KEY"))
     return 0 if run_server(app, args.host, args.port, args.shutdown_timeout) else 1

@@ -101,7 +101,7 @@ class AsyncLLM:
         self.config = config
         self.max_queue_len = max_queue_len
         self.listener = listener
-        self.source = resolve_model(config.model, config.tokenizer)
+        self.source = resolve_model(config.model, config.tokenizer, config.revision)
         self.hf_config = load_config(self.source, config.trust_remote_code)
         self.processor: Processor | None = None
         self.streams: dict[str, RequestStream] = {}

@@ -11,8 +11,9 @@ PromptType = Union[str, list[int], dict]
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
-                 eos_token_ids: list[int]) -> None:
+                 eos_token_ids: list[int], max_logprobs: int = 20) -> None:
         self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -40,10 +41,18 @@ class InputProcessor:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), "
                              f"got {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt is {len(token_ids)} tokens long, but the model's "
                              f"context (max_model_len) is {self.max_model_len} tokens, which "
                              "must hold the prompt and at least one generated token")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise ValueError(f"{name} asks for {asked} logprobs, but this engine returns "
+                                 f"at most {self.max_logprobs} (--max-logprobs)")
         primary = self.eos_token_ids[0] if self.eos_token_ids else None
         extra = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
         if extra and not params.ignore_eos:

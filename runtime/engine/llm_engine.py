@@ -40,7 +40,7 @@ def build_core(config: EngineConfig, source: ModelSource, hf_config: Any) -> Eng
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.source = resolve_model(config.model, config.tokenizer)
+        self.source = resolve_model(config.model, config.tokenizer, config.revision)
         hf_config = load_config(self.source, config.trust_remote_code)
         self.core = build_core(config, self.source, hf_config)
         self.model_config = self.core.model_config

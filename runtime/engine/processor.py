@@ -14,6 +14,7 @@ from runtime.config import EngineConfig
 from runtime.engine.core import CoreOutput
 from runtime.engine.input_processor import InputProcessor, PromptType
 from runtime.engine.output_processor import OutputKind, OutputProcessor
+from runtime.generation_config import generation_defaults
 from runtime.model_loader.source import ModelSource, load_tokenizer
 from runtime.outputs import RequestOutput
 from runtime.request import Request
@@ -45,7 +46,10 @@ class Processor:
                  max_model_len: int) -> None:
         self.tokenizer = load_tokenizer(source, config.trust_remote_code)
         self.inputs = InputProcessor(self.tokenizer, hf_config.vocab_size, max_model_len,
-                                     eos_token_ids(source, hf_config, self.tokenizer))
+                                     eos_token_ids(source, hf_config, self.tokenizer),
+                                     config.max_logprobs)
+        # --generation-config: SamplingParams fields a request that leaves them out gets
+        self.sampling_defaults = generation_defaults(config.generation_config, source)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -54,7 +58,7 @@ class Processor:
                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> list[Request]:
         """Validate one prompt and register it; returns the core requests to queue (one per
         sample). Raises ValueError, registering nothing, on bad input."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -76,6 +80,10 @@ class Processor:
                         parent_id=request_id, sample_index=k,
                         leader_id=sample_ids[0] if k else None)
                 for k, sample_id in enumerate(sample_ids)]
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without sampling params gets: the --generation-config defaults."""
+        return SamplingParams(**self.sampling_defaults)
 
     def abort_request(self, request_id: str) -> tuple[list[str], RequestOutput | None]:
         """Forget a request; returns the core ids of its samples (the caller finishes them in

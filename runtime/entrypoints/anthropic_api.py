@@ -27,7 +27,8 @@ async def create_message(body: MessagesRequest, raw: Request) -> Any:
     prompt = render_chat(state.engine.tokenizer, messages, state.chat_template)
     message_id = new_id("msg", raw)
     streams = open_streams(state, message_id, [{"prompt_token_ids": prompt}],
-                           body.sampling_params(), body.stream)
+                           body.sampling_params(state.engine.processor.sampling_defaults),
+                                 body.stream)
     if body.stream:
         return StreamingResponse(_events(message_id, body.model, streams[0]),
                                  media_type="text/event-stream",

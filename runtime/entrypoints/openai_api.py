@@ -52,7 +52,8 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Any:
         work = _beam_search_completion(state, body, model, new_id("cmpl", raw), prompts)
         return await unless_disconnected(raw, work, [])
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-    params = body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs)
+    params = body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs,
+                                  state.engine.processor.sampling_defaults)
     request_id = new_id("cmpl", raw)
     streams = open_streams(state, request_id, prompts, params, body.stream, body.priority)
     reply = Reply(request_id, model, "text_completion", state, params.n, streams)
@@ -71,7 +72,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
     prompt = render_chat(state.engine.tokenizer, messages, state.chat_template,
                          body.add_generation_prompt)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs)
+    params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs,
+                                  defaults=state.engine.processor.sampling_defaults)
     request_id = new_id("chatcmpl", raw)
     streams = open_streams(state, request_id, [{"prompt_token_ids": prompt}], params,
                            body.stream, body.priority)

@@ -50,12 +50,16 @@ class SamplingFields(Body):
     priority: int = 0
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """The engine's parameters; a bad value is a 400 naming the parameter."""
+                        prompt_logprobs: int | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The engine's parameters; a bad value is a 400 naming the parameter. `defaults`
+        (the --generation-config ones) fill the fields the request leaves out."""
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
-        fields: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens, "logprobs": logprobs,
-                                  "prompt_logprobs": prompt_logprobs}
+        fields: dict[str, Any] = dict(defaults or {})
+        if max_tokens is not None or "max_tokens" not in fields:
+            fields["max_tokens"] = max_tokens
+        fields.update(n=self.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         for name in ("temperature", "top_p", "stop", "seed", "presence_penalty",
                      "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
                      "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
@@ -83,8 +87,9 @@ class CompletionRequest(SamplingFields):
     early_stopping: Union[bool, Literal["never"]] = False
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        params = super().sampling_params(max_tokens, logprobs, prompt_logprobs)
+                        prompt_logprobs: int | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs, prompt_logprobs, defaults)
         if self.best_of is None:
             return params
         if self.stream and self.best_of > self.n:
@@ -159,8 +164,10 @@ class MessagesRequest(Body):
     stream: bool = False
     metadata: dict[str, Any] | None = None
 
-    def sampling_params(self) -> SamplingParams:
-        fields: dict[str, Any] = {"max_tokens": self.max_tokens, "stop": self.stop_sequences}
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults` (the --generation-config ones) fill the fields the request leaves out."""
+        fields: dict[str, Any] = {**(defaults or {}), "max_tokens": self.max_tokens,
+                                  "stop": self.stop_sequences}
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
