@@ -47,6 +47,8 @@ class AttentionBackend(ABC):
     # Whether a decode step can be recorded as a device graph: the backend reads the metadata's
     # tensors only (never its host lists, which are frozen at capture) and skips slots < 0.
     graph_capturable: bool = False
+    # Whether the backend applies `logits_soft_cap` (Gemma 2's attention soft-capping).
+    supports_logits_soft_cap: bool = False
 
     @classmethod
     def supports(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
@@ -61,12 +63,18 @@ class AttentionBackend(ABC):
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+        """`logits_soft_cap`: scores become `cap * tanh(scores / cap)` before the softmax
+        (Gemma 2); a backend without `supports_logits_soft_cap` refuses it."""
+        if logits_soft_cap is not None and not self.supports_logits_soft_cap:
+            raise ValueError(f"attention backend {self.name} has no logit soft-capping, which "
+                             f"this model needs; torch_paged and cpu_paged have it")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -16,6 +16,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CpuPagedAttention(TorchPagedAttention):
+    """Soft-capped layers (Gemma 2) decode through the portable path: the kernel has no cap."""
+
     name = "cpu_paged"
 
     @classmethod
@@ -32,6 +34,8 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, nd: int, block_size: int) -> torch.Tensor:
+        if self.logits_soft_cap is not None:
+            return super()._decode(q, k_cache, v_cache, metadata, nd, block_size)
         out = torch.empty_like(q)
         torch.ops.runtime_cpu.paged_attention_decode(
             out, q, k_cache, v_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd],

@@ -11,8 +11,27 @@ import torch.nn.functional as F
 from runtime.attention_backends.base import AttentionBackend, AttentionMetadata
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           mask: torch.Tensor | None, soft_cap: float | None) -> torch.Tensor:
+    """Attention of q [..., H, Lq, D] over k, v [..., Hkv, L, D] under a boolean `mask`
+    (None: causal, Lq == L). With `soft_cap`, the scores are capped as `cap * tanh(s / cap)`
+    before the softmax, which scaled_dot_product_attention cannot do."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=scale, enable_gqa=True)
+    group = q.size(-3) // k.size(-3)
+    k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), -1).to(v.dtype), v)
+
+
 class TorchPagedAttention(AttentionBackend):
     name = "torch_paged"
+    supports_logits_soft_cap = True
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -46,16 +65,14 @@ class TorchPagedAttention(AttentionBackend):
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v.to(q.dtype)))
         k = k.to(q.dtype)
         if q_len == seq_len and self.sliding_window is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                               enable_gqa=True)
+            o = attend(q, k, v, self.scale, None, self.logits_soft_cap)
         else:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
             k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
             mask = k_pos <= q_pos
             if self.sliding_window is not None:
                 mask &= k_pos > q_pos - self.sliding_window
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=True)
+            o = attend(q, k, v, self.scale, mask, self.logits_soft_cap)
         return o.squeeze(0).transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -71,6 +88,6 @@ class TorchPagedAttention(AttentionBackend):
         mask = k_pos < seq_lens
         if self.sliding_window is not None:
             mask &= k_pos >= seq_lens - self.sliding_window
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                           scale=self.scale, enable_gqa=True)
+        o = attend(q.unsqueeze(2), k, v, self.scale, mask[:, None, None, :],
+                   self.logits_soft_cap)
         return o.squeeze(2)

@@ -6,7 +6,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from runtime.layers.activation import SiluAndMul
+from runtime.layers.activation import GATED_ACTIVATIONS
 from runtime.layers.attention import Attention
 from runtime.layers.build_context import BuildContext
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -28,7 +28,8 @@ def layer_sliding_window(config, layer_idx: int) -> int | None:
 
 class LlamaAttention(nn.Module):
     qkv_bias = False  # Qwen2 turns this on
-    qk_norm = False  # Qwen3 turns this on
+    qk_norm = False  # Qwen3 and Gemma 3 turn this on
+    norm_cls = RMSNorm
 
     def __init__(self, config, layer_idx: int, ctx: BuildContext, prefix: str) -> None:
         super().__init__()
@@ -46,14 +47,22 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
-        self.rotary_emb = get_rope(self.head_size, config.max_position_embeddings, config,
-                                   ctx.dtype)
+        self.rotary_emb = get_rope(self.head_size, config.max_position_embeddings,
+                                   self.rope_config(config, layer_idx), ctx.dtype)
         self.rotary_op = ctx.custom_op("rotary_embedding") or rotary_embedding
-        self.attn = Attention(self.num_heads, self.head_size, self.head_size ** -0.5,
-                              self.num_kv_heads, ctx, layer_sliding_window(config, layer_idx))
+        self.attn = Attention(self.num_heads, self.head_size, self.attention_scale(config),
+                              self.num_kv_heads, ctx, layer_sliding_window(config, layer_idx),
+                              getattr(config, "attn_logit_softcapping", None))
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, ctx)
-            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, ctx)
+            self.q_norm = self.norm_cls(self.head_size, config.rms_norm_eps, ctx)
+            self.k_norm = self.norm_cls(self.head_size, config.rms_norm_eps, ctx)
+
+    def attention_scale(self, config) -> float:
+        return self.head_size ** -0.5
+
+    def rope_config(self, config, layer_idx: int):
+        """What `get_rope` reads the rope settings of layer `layer_idx` from."""
+        return config
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         t = hidden.size(0)
@@ -68,16 +77,17 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config, ctx: BuildContext, prefix: str) -> None:
         super().__init__()
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"only the silu activation is supported, got {act!r}")
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in GATED_ACTIVATIONS:
+            raise ValueError(f"MLP activation {act!r} is not supported; supported: "
+                             f"{', '.join(GATED_ACTIVATIONS)}")
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2,
             getattr(config, "mlp_bias", False), ctx, f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            getattr(config, "mlp_bias", False), ctx,
                                            f"{prefix}.down_proj")
-        self.act_fn = SiluAndMul(ctx)
+        self.act_fn = GATED_ACTIVATIONS[act](ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -107,6 +117,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     layer_cls = LlamaDecoderLayer
+    norm_cls = RMSNorm
 
     def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
@@ -119,14 +130,17 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             self.layer_cls(config, i, ctx, f"model.layers.{i}") if self.start <= i < self.end
             else nn.Identity() for i in range(config.num_hidden_layers))
-        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if ctx.pp.is_last
-                     else None)
+        self.norm = (self.norm_cls(config.hidden_size, config.rms_norm_eps, ctx)
+                     if ctx.pp.is_last else None)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The final hidden states; None on a pipeline stage before the last, which sends its
         output to the next stage instead."""
         if self.embed_tokens is not None:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self.embed(input_ids), None
         else:
             hidden, residual = self.pp.recv(input_ids.size(0), self.hidden_size, self.act_dtype,
                                             input_ids.device)

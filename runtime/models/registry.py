@@ -15,6 +15,9 @@ _BUILTIN: dict[str, str] = {
     "MistralForCausalLM": "runtime.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "runtime.models.qwen:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "runtime.models.qwen:Qwen3ForCausalLM",
+    "Gemma2ForCausalLM": "runtime.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "runtime.models.gemma:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "runtime.models.phi3:Phi3ForCausalLM",
 }
 
 _FALLBACK = "runtime.models.transformers_fallback:TransformersForCausalLM"

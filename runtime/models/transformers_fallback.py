@@ -36,14 +36,12 @@ def transformers_class(architecture: str) -> type | None:
 
 def runtime_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                               value: torch.Tensor, attention_mask: torch.Tensor | None,
-                              scaling: float | None = None, softcap: float | None = None,
+                              scaling: float | None = None,
                               attention_instances: nn.ModuleList | None = None,
                               **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query [1, H, T, D], key/value [1, Hkv, T, D]
-    -> ([1, T, H, D], no weights). Runs layer `module.layer_idx` of `attention_instances`."""
-    if softcap is not None:
-        raise NotImplementedError("attention logit soft-capping is not supported by the "
-                                  "transformers fallback")
+    -> ([1, T, H, D], no weights). Runs layer `module.layer_idx` of `attention_instances`
+    (whose sliding window and soft-cap come from the config, as the model's own do)."""
     attn = attention_instances[module.layer_idx]
     t = query.size(2)
     # Our layers are built with scale 1: the module's own scaling goes into the query, so a
@@ -92,8 +90,10 @@ class TransformersForCausalLM(nn.Module):
         num_heads = text.num_attention_heads
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
         head_size = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        soft_cap = getattr(text, "attn_logit_softcapping", None)
         self.attention_instances = nn.ModuleList(
-            Attention(num_heads, head_size, 1.0, num_kv_heads, ctx, layer_sliding_window(text, i))
+            Attention(num_heads, head_size, 1.0, num_kv_heads, ctx, layer_sliding_window(text, i),
+                      soft_cap)
             for i in range(text.num_hidden_layers))
         self.final_logit_softcapping = getattr(text, "final_logit_softcapping", None)
 
