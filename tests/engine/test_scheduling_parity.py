@@ -52,3 +52,5 @@ def test_same_tokens_under_every_schedule(variant, reference):
     if variant == "default":
         assert llm.engine.core.kv.num_cache_hits > 0, "shared prefixes were meant to hit"
     assert llm.engine.core.kv.num_free_blocks == llm.engine.core.num_blocks, "blocks leaked"
+    # the engine forgot what the workers held of every request (finished or preempted)
+    assert not llm.engine.core.step_inputs.num_sent_tokens
