@@ -4,18 +4,19 @@ so logs and pipes stay clean."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Iterable
 
 from tqdm import tqdm
 
 REFRESH_S = 0.1
 
 
-def progress_bar(total: int | None, desc: str, unit: str = "it", enabled: bool = True,
-                 **kwargs: Any) -> tqdm:
-    """A tqdm bar on stderr that draws on a terminal only (and never when `enabled` is False)."""
-    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True,
-                disable=None if enabled else True, **kwargs)
+def progress_bar(items: Iterable | None = None, desc: str = "", unit: str = "it",
+                 total: int | None = None, enabled: bool = True, leave: bool = False) -> tqdm:
+    """A tqdm bar on stderr, over `items` or counting to `total`, that draws on a terminal only
+    (and never when `enabled` is False); `leave` keeps the finished bar on screen."""
+    return tqdm(items, total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=leave,
+                disable=None if enabled else True)
 
 
 class GenerateProgress:
@@ -25,7 +26,8 @@ class GenerateProgress:
     prompt token once and every generated token, of finished and running requests alike."""
 
     def __init__(self, num_prompts: int, enabled: bool = True) -> None:
-        self.bar = progress_bar(num_prompts, "Processed prompts", enabled=enabled)
+        self.bar = progress_bar(desc="Processed prompts", total=num_prompts, enabled=enabled,
+                                leave=True)
         self.start = time.perf_counter()
         self.last_refresh = 0.0
         self.prompt_tokens: dict[str, int] = {}

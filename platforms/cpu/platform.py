@@ -3,7 +3,6 @@ its own answers: the native-kernel attention backend and fused ops (when the ker
 torch.compile on request, gloo collectives and torch's native int8/int4 kernels."""
 from __future__ import annotations
 
-import logging
 import os
 import platform as pyplatform
 from dataclasses import dataclass
@@ -14,7 +13,6 @@ import torch
 from runtime.plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec,
                                         EagerRunner, GraphRunner, ModelInfo, Platform)
 
-logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 # The KV cache gets this share of the memory available when the engine starts (the weights are
@@ -125,8 +123,9 @@ def kv_cache_budget(requested: int | None, available: int) -> int:
         if requested <= 0:
             raise ValueError(f"KV-cache memory must be positive, got {requested} bytes")
         if requested > available:
-            logger.warning("KV cache of %.1f GiB requested but only %.1f GiB of memory is "
-                           "available; the host may swap", requested / GiB, available / GiB)
+            raise ValueError(f"--kv-cache-memory-bytes asks for {requested / GiB:.2f} GiB but "
+                             f"this host has {available / GiB:.2f} GiB of memory available; "
+                             "ask for less, or leave it out for a safe share")
         return requested
     return min(int(available * KV_CACHE_SHARE), KV_CACHE_CAP)
 

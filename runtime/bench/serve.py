@@ -20,6 +20,7 @@ import numpy as np
 from runtime.bench import common
 from runtime.bench.datasets import SampleRequest, add_dataset_args, build_requests, describe
 from runtime.bench.metrics import RequestRecord, format_table, serve_summary, write_json
+from runtime.progress import progress_bar
 
 METRICS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E"))
 
@@ -128,11 +129,14 @@ async def benchmark(base_url: str, endpoint: str, model: str, requests: list[Sam
                                  headers=auth_headers(api_key)) as client:
         start = time.perf_counter()
         tasks = []
-        for i, request in enumerate(requests):
-            if i and request_rate != float("inf"):
-                await asyncio.sleep(rng.exponential(1.0 / request_rate))
-            tasks.append(asyncio.create_task(one(client, request)))
-        await asyncio.gather(*tasks)
+        with progress_bar(desc="Requests done", unit="req", total=len(requests)) as bar:
+            for i, request in enumerate(requests):
+                if i and request_rate != float("inf"):
+                    await asyncio.sleep(rng.exponential(1.0 / request_rate))
+                task = asyncio.create_task(one(client, request))
+                task.add_done_callback(lambda _: bar.update(1))
+                tasks.append(task)
+            await asyncio.gather(*tasks)
     return records, time.perf_counter() - start
 
 

@@ -30,6 +30,7 @@ from transformers import (
 from runtime.layers.rotary import compute_inv_freq, rope_parameters
 from runtime.model_loader.gguf_cache import cached_part
 from runtime.model_loader.gguf_header import gguf_architecture
+from runtime.progress import progress_bar
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # GGUF files carry no `architectures` list; the engine's model registry needs one.
@@ -84,7 +85,7 @@ def iterate_gguf_weights(
     with open(os.path.join(cached_part(path, "model", _build_model), _TENSOR_INDEX)) as f:
         index = json.load(f)
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    for entry in index["tensors"]:
+    for entry in progress_bar(index["tensors"], "Loading GGUF weights", unit="tensor"):
         stored = np.dtype(entry["dtype"])
         start = entry["offset"]
         raw = data[start:start + stored.itemsize * math.prod(entry["data_shape"])]

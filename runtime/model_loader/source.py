@@ -9,6 +9,8 @@ from typing import Iterator
 
 import torch
 
+from runtime.progress import progress_bar
+
 
 @dataclass
 class ModelSource:
@@ -87,12 +89,20 @@ def iterate_weights(source: ModelSource, hf_config, dtype: torch.dtype,
     files = _checkpoint_files(source.path)
     if files[0].endswith(".safetensors"):
         from safetensors import safe_open
+        names = {}
         for file in files:
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+                names[file] = list(f.keys())
+        bar = progress_bar(desc="Loading safetensors weights", unit="tensor",
+                           total=sum(map(len, names.values())))
+        with bar:
+            for file in files:
+                with safe_open(file, framework="pt") as f:
+                    for name in names[file]:
+                        yield name, f.get_tensor(name)
+                        bar.update(1)
     else:
-        for file in files:
+        for file in progress_bar(files, "Loading checkpoint shards", unit="shard"):
             state = torch.load(file, map_location="cpu", weights_only=True)
             yield from state.items()
 

@@ -1,0 +1,70 @@
+"""What a person sees: progress bars on a terminal (and none in a pipe), and errors they can act
+on instead of tracebacks."""
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+
+from runtime.cli.main import main
+from tests.server.conftest import TINY_ARGS
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def generate(model: str, *extra: str, terminal: bool) -> tuple[int, str]:
+    """`runtime generate` with stderr on a pseudo-terminal (or a pipe); returns its exit code
+    and stderr."""
+    argv = [sys.executable, "-m", "runtime.cli.main", "--log-level", "WARNING", "generate",
+            "Hello", "Hi", "--model", model, *TINY_ARGS, "--max-tokens", "4", *extra]
+    if not terminal:
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=300)
+        return done.returncode, done.stderr
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=follower, cwd=REPO)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    return proc.wait(timeout=300), b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_bars_on_a_terminal_only(tiny_llama):
+    code, shown = generate(tiny_llama, terminal=True)
+    assert code == 0, shown
+    assert "Loading safetensors weights" in shown
+    assert "Processed prompts" in shown and "2/2" in shown
+    assert "est. speed input:" in shown and "output:" in shown and "toks/s" in shown
+    code, piped = generate(tiny_llama, terminal=False)
+    assert code == 0 and "Processed prompts" not in piped and "Loading" not in piped, piped
+
+
+def test_kv_budget_above_free_memory_is_refused_with_the_numbers(tiny_llama, capsys):
+    code = main(["generate", "x", "--model", tiny_llama, *TINY_ARGS[:2],
+                 "--kv-cache-memory-bytes", "1TiB"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert "asks for 1024.00 GiB but this host has" in err and "GiB of memory available" in err
+
+
+def test_user_mistakes_get_one_line_not_a_traceback(tiny_llama, tmp_path, capsys):
+    cases = [["--model", str(tmp_path)],
+             ["--model", tiny_llama, "--max-model-len", "999999"],
+             ["--model", tiny_llama, "--generation-config", str(tmp_path)],
+             ["--model", tiny_llama, "--speculative-config", "{bad json"]]
+    for argv in cases:
+        assert main(["generate", "x", *argv, *TINY_ARGS]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, (argv, err)
