@@ -108,6 +108,8 @@ def runtime_custom_op(platform: Any, name: str) -> Any:
     - "silu_and_mul": (x) -> silu(x[..., :d]) * x[..., d:]
     - "rotary_embedding": (positions, query, key, cos_sin_cache, head_size) -> (query, key)
       rotated; query/key are [T, heads * head_size] and may be rotated in place
+    - "fused_moe": (hidden, w13, w2, topk_weights, topk_ids) -> [T, H], the experts' gated-silu
+      MLPs (w13 [E, 2I, H] gate | up, w2 [E, H, I]) summed with the routing weights
     - "linear": (weight) -> fn(x, bias) computing F.linear(x, weight, bias); called once per
       dense (unquantized) layer and the LM head after loading, so it may pre-pack the weight
 

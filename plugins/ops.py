@@ -64,6 +64,30 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: in
     return torch.cat(parts, dim=-1).reshape(shape)
 
 
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Mixture of experts with a gated-silu MLP per expert: hidden [T, H]; w13 [E, 2I, H]
+    (gate | up rows), w2 [E, H, I]; token t goes to experts topk_ids[t] [k] weighted by
+    topk_weights[t] [k]. Returns [T, H] = sum_j w_j * down_e(silu(gate_e(x)) * up_e(x)).
+
+    The (token, expert) pairs are grouped by expert with one sort, then each expert that has
+    tokens runs one GEMM pair over its group; the weighted rows are summed back per token."""
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.flatten()
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.size(0)).tolist()
+    rows = hidden[order // top_k]
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            x = rows[start:start + count]
+            out[start:start + count] = silu_and_mul(x @ w13[expert].t()) @ w2[expert].t()
+            start += count
+    weighted = out * topk_weights.flatten()[order].unsqueeze(1).to(out.dtype)
+    return torch.zeros_like(hidden).index_add_(0, order // top_k, weighted)
+
+
 # op name -> the op a composite is built from, when no plugin at least as early in the hook's
 # call order supplies the composite itself
 COMPOSITES = {"add_rms_norm": ("rms_norm", compose_add_rms_norm)}

@@ -75,16 +75,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, ctx: BuildContext, prefix: str) -> None:
+    def __init__(self, config, ctx: BuildContext, prefix: str,
+                 intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: the config's unless given (an MoE model's shared expert)."""
         super().__init__()
+        intermediate_size = intermediate_size or config.intermediate_size
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
         if act not in GATED_ACTIVATIONS:
             raise ValueError(f"MLP activation {act!r} is not supported; supported: "
                              f"{', '.join(GATED_ACTIVATIONS)}")
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2,
+            config.hidden_size, [intermediate_size] * 2,
             getattr(config, "mlp_bias", False), ctx, f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size,
                                            getattr(config, "mlp_bias", False), ctx,
                                            f"{prefix}.down_proj")
         self.act_fn = GATED_ACTIVATIONS[act](ctx)
@@ -99,9 +102,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, ctx: BuildContext, prefix: str) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(config, layer_idx, ctx, f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, ctx, f"{prefix}.mlp")
+        self.mlp = self.build_mlp(config, layer_idx, ctx, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+
+    def build_mlp(self, config, layer_idx: int, ctx: BuildContext, prefix: str) -> nn.Module:
+        """The feed-forward block of layer `layer_idx` (MoE models put their experts here)."""
+        return LlamaMLP(config, ctx, prefix)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,9 @@ _BUILTIN: dict[str, str] = {
     "Gemma2ForCausalLM": "runtime.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "runtime.models.gemma:Gemma3ForCausalLM",
     "Phi3ForCausalLM": "runtime.models.phi3:Phi3ForCausalLM",
+    "MixtralForCausalLM": "runtime.models.moe:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "runtime.models.moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "runtime.models.moe:Qwen3MoeForCausalLM",
 }
 
 _FALLBACK = "runtime.models.transformers_fallback:TransformersForCausalLM"

@@ -1,4 +1,4 @@
-"""Native Gemma 2, Gemma 3 (text) and Phi-3 against transformers on the same random weights:
+"""Native Gemma 2, Gemma 3 (text), Phi-3 and the MoE models against transformers on the same random weights:
 greedy tokens and logprobs, on the default CPU backend and the portable one."""
 from __future__ import annotations
 
@@ -31,6 +31,14 @@ CASES = {
             "rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
             "long_factor": [2.0] * 8})),
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # a gated shared expert, top-k weights not renormalised, layer 1 dense
+    "qwen2-moe": ("Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1])),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", dict(
+        head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True)),
 }
 
 RUNS = [(case, None) for case in sorted(CASES)] + [("gemma2", "torch_paged")]
@@ -47,3 +55,20 @@ def test_native_model_matches_transformers(case, backend, tiny_model_factory):
               block_size=8, attention_backend=backend)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     assert_matches_hf(llm.generate(PROMPTS, params), references)
+
+
+def test_moe_tensor_parallel_matches_one_rank(tiny_model_factory):
+    """Two ranks (one process each): heads, the shared expert's columns and every expert's
+    intermediate dimension split; the same tokens as one rank."""
+    arch, overrides = CASES["qwen2-moe"]
+    path = tiny_model_factory(arch, **overrides)
+    engine = dict(dtype="float32", kv_cache_memory="8MiB", num_threads=1)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    prompts = PROMPTS[:3]
+    single = [o.outputs[0].token_ids for o in LLM(path, **engine).generate(prompts, params)]
+    llm = LLM(path, tensor_parallel_size=2, **engine)
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        llm.engine.core.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == single

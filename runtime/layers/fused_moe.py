@@ -1,0 +1,63 @@
+"""A mixture-of-experts layer: top-k routing, then every expert's gated-silu MLP in one op.
+
+The experts' weights live stacked, `w13` [E, 2I, H] (gate | up) and `w2` [E, H, I], so the
+`fused_moe` op (`runtime.plugins.ops.fused_moe`, replaceable through `runtime_custom_op`) runs
+them all at once. Under tensor parallel each rank holds every expert's share of the
+intermediate dimension (columns of gate/up, rows of down) and the partial outputs are summed
+over the group, as the dense MLP does.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.layers.build_context import BuildContext
+from runtime.layers.linear import divide
+from runtime.plugins.ops import fused_moe
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts (float32), the top-k of them, optionally renormalised to sum
+    to 1: (weights [T, k] float32, expert ids [T, k])."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class FusedMoE(nn.Module):
+    """Experts only; the router (a linear layer of the model) hands in its logits."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, ctx: BuildContext) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.tp_rank, self.tp_size, self.tp_group = ctx.tp_rank, ctx.tp_size, ctx.tp_group
+        self.shard = divide(intermediate_size, ctx.tp_size)
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * self.shard, hidden_size, dtype=ctx.dtype),
+            requires_grad=False)
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, self.shard, dtype=ctx.dtype),
+            requires_grad=False)
+        self.op = ctx.custom_op("fused_moe") or fused_moe
+
+    def load_expert(self, param: nn.Parameter, loaded: torch.Tensor, expert: int,
+                    part: str) -> None:
+        """One expert's checkpoint tensor: part "gate" or "up" ([I, H]) into w13, "down"
+        ([H, I]) into w2; this rank's slice of the intermediate dimension."""
+        lo = self.tp_rank * self.shard
+        if part == "down":
+            param.data[expert].copy_(loaded[:, lo:lo + self.shard])
+        else:
+            offset = 0 if part == "gate" else self.shard
+            param.data[expert, offset:offset + self.shard].copy_(loaded[lo:lo + self.shard])
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(router_logits, self.top_k, self.renormalize)
+        out = self.op(hidden, self.w13_weight, self.w2_weight, weights, ids)
+        if self.tp_size > 1:
+            out = self.tp_group.all_reduce(out)
+        return out
