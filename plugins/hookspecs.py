@@ -57,7 +57,7 @@ def runtime_attention_backend_candidates(platform: Any, model: Any) -> list[Any]
 
     Called by `runtime plugins` and whenever selection is explained; a platform plugin usually
     decides `runtime_attention_backend` from the same list with
-    `runtime.plugins.selection.choose_attention_backend`. Receives what `runtime_attention_backend`
+    `runtime.plugins.backend_choice.choose_attention_backend`. Receives what `runtime_attention_backend`
     receives, less `requested`. Returns a list of `runtime.plugins.interfaces.BackendCandidate` — the
     unusable ones too, each with its reason — or None for platforms the plugin does not serve.
     All answers are collected.

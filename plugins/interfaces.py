@@ -8,12 +8,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
-
-if TYPE_CHECKING:
-    from runtime.attention_backends.base import AttentionBackend
 
 
 class Platform(ABC):
@@ -85,20 +82,14 @@ class Platform(ABC):
 
     def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
         """Every attention backend this platform considers for `model`, the unusable ones with
-        their reason. Default: the portable torch backend, which runs wherever torch does."""
+        their reason. The hooks' default implementation picks among them
+        (`runtime.plugins.backend_choice.choose_attention_backend`: the usable one of highest
+        priority, or the one forced with `--attention-backend`). Default: the portable torch
+        backend, which runs wherever torch does."""
         from runtime.attention_backends.torch_paged import TorchPagedAttention
         ok, why = TorchPagedAttention.supports(model.head_size, model.dtype, model.kv_cache_dtype,
                                                model.sliding_window, self.device_type)
         return [BackendCandidate("torch_paged", TorchPagedAttention if ok else None, 0, why)]
-
-    def attention_backend(self, model: ModelInfo,
-                          requested: str | None) -> type[AttentionBackend]:
-        """The backend for `model`: the usable candidate of highest priority, or the one the
-        user forced by name (`requested`). Raises ValueError, listing every candidate, when
-        none can serve."""
-        from runtime.plugins.selection import choose_attention_backend
-        return choose_attention_backend(self.attention_backend_candidates(model), requested,
-                                        self.name)
 
     def graph_runner(self, model: ModelInfo, enforce_eager: bool) -> GraphRunner:
         """How the forward pass runs. Default: eagerly."""

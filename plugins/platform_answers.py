@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from runtime.plugins.backend_choice import choose_attention_backend
 from runtime.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -27,7 +28,9 @@ def runtime_attention_backend_candidates(platform: Platform,
 @hookimpl(trylast=True)
 def runtime_attention_backend(platform: Platform, model: ModelInfo,
                               requested: str | None) -> type[AttentionBackend]:
-    return platform.attention_backend(model, requested)
+    """The platform's usable candidate of highest priority, or the one `requested` names."""
+    return choose_attention_backend(platform.attention_backend_candidates(model), requested,
+                                    platform.name)
 
 
 @hookimpl(trylast=True)

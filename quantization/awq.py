@@ -15,7 +15,6 @@ import torch
 from runtime.quantization.base import LinearMethod, QuantizationConfig
 from runtime.quantization.packed_int4 import (Int4Shard, PackedInt4LinearMethod, canonical,
                                       check_group_size, group_size_for, unpack_int32)
-from runtime.quantization.registry import register_method
 from runtime.quantization.weight_only import Int4ReferenceKernel
 
 # Where each column of eight sits among the unpacked nibbles (the inverse of AWQ's packing order).
@@ -46,7 +45,6 @@ class AWQLinearMethod(PackedInt4LinearMethod):
         return Int4Shard(canonical(q, zeros, scales, g, self.dtype))
 
 
-@register_method
 class AWQConfig(QuantizationConfig):
     """AWQ 4-bit checkpoints (GEMM layout), group-wise with zero points."""
 

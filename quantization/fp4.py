@@ -34,7 +34,6 @@ import torch.nn.functional as F
 
 from runtime.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
 from runtime.quantization.checkpoint import CheckpointLinearMethod, is_ignored, param
-from runtime.quantization.registry import register_method
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                      -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -178,7 +177,6 @@ class Fp4Config(QuantizationConfig):
         return Fp4LinearMethod(self)
 
 
-@register_method
 class Mxfp4Config(Fp4Config):
     """OCP MXFP4: e2m1 in blocks of 32, one power-of-two (e8m0) scale per block."""
 
@@ -187,7 +185,6 @@ class Mxfp4Config(Fp4Config):
     weights_from = "compressed-tensors checkpoint (mxfp4-pack-quantized)"
 
 
-@register_method
 class Nvfp4Config(Fp4Config):
     """NVFP4: e2m1 in blocks of 16, an fp8 e4m3 scale per block, an fp32 global divisor."""
 

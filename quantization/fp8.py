@@ -35,7 +35,6 @@ from torch import nn
 
 from runtime.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
 from runtime.quantization.checkpoint import CheckpointLinearMethod, is_ignored, param
-from runtime.quantization.registry import register_method
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -184,7 +183,6 @@ class Fp8CheckpointLinearMethod(CheckpointLinearMethod):
         return self.kernel.apply(layer, x, bias)
 
 
-@register_method
 class Fp8Config(QuantizationConfig):
     """FP8 e4m3 weights, per-channel scales; w8a8 where the platform offers it."""
 

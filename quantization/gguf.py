@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.quantization.base import LinearMethod, QuantizationConfig
-from runtime.quantization.registry import register_method
 
 QK_K = 256
 # ggml type id -> (name, elements per block, bytes per block)
@@ -178,7 +177,6 @@ class GGUFLinearMethod(LinearMethod):
         return self.kernel.apply(segments, x, bias)
 
 
-@register_method
 class GGUFConfig(QuantizationConfig):
     """llama.cpp block quantization kept as is (only for .gguf models)."""
 

@@ -17,7 +17,6 @@ import torch
 from runtime.quantization.base import LinearMethod, QuantizationConfig
 from runtime.quantization.packed_int4 import (Int4Shard, PackedInt4LinearMethod, canonical,
                                       check_group_size, group_size_for, unpack_int32)
-from runtime.quantization.registry import register_method
 from runtime.quantization.weight_only import Int4ReferenceKernel
 
 FORMATS = ("gptq", "gptq_v2")
@@ -52,7 +51,6 @@ class GPTQLinearMethod(PackedInt4LinearMethod):
         return Int4Shard(canonical(q, zeros, scales, g, self.dtype), perm)
 
 
-@register_method
 class GPTQConfig(QuantizationConfig):
     """GPTQ 4-bit checkpoints, group-wise, symmetric or not, with or without act-order."""
 

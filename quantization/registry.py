@@ -10,6 +10,7 @@ kernel.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
@@ -17,23 +18,28 @@ from runtime.quantization.base import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
-_METHODS: dict[str, type[QuantizationConfig]] = {}
+# method name -> "module:Class", imported when the method is first asked for (the method modules
+# import nothing from here)
+_METHODS = {
+    "awq": "runtime.quantization.awq:AWQConfig",
+    "fp8": "runtime.quantization.fp8:Fp8Config",
+    "gguf": "runtime.quantization.gguf:GGUFConfig",
+    "gptq": "runtime.quantization.gptq:GPTQConfig",
+    "int4": "runtime.quantization.weight_only:Int4Config",
+    "int8": "runtime.quantization.weight_only:Int8Config",
+    "mxfp4": "runtime.quantization.fp4:Mxfp4Config",
+    "nvfp4": "runtime.quantization.fp4:Nvfp4Config",
+}
 
 
-def register_method(cls: type[QuantizationConfig]) -> type[QuantizationConfig]:
-    _METHODS[cls.name] = cls
-    return cls
+def _load(target: str) -> type[QuantizationConfig]:
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def quantization_methods() -> dict[str, type[QuantizationConfig]]:
-    """Every registered method, by name (built-ins imported on first call)."""
-    import runtime.quantization.awq
-    import runtime.quantization.fp4
-    import runtime.quantization.fp8
-    import runtime.quantization.gguf
-    import runtime.quantization.gptq
-    import runtime.quantization.weight_only  # noqa: F401  (each registers its methods)
-    return dict(_METHODS)
+    """Every method, by name."""
+    return {name: _load(target) for name, target in _METHODS.items()}
 
 
 def _checkpoint_formats() -> dict[str, Any]:
@@ -48,18 +54,16 @@ def from_checkpoint(ckpt: dict) -> QuantizationConfig:
     formats = _checkpoint_formats()
     if name in formats:
         return formats[name](ckpt)
-    methods = quantization_methods()
-    if name not in methods:
+    if name not in _METHODS:
         raise ValueError(f"checkpoint quant_method {name or '(none)'!r} is not supported; "
-                         f"known: {', '.join(sorted([*methods, *formats]))}")
-    return methods[name].from_checkpoint(ckpt)
+                         f"known: {', '.join(sorted([*_METHODS, *formats]))}")
+    return get_method(name).from_checkpoint(ckpt)
 
 
 def get_method(name: str) -> type[QuantizationConfig]:
-    methods = quantization_methods()
-    if name not in methods:
-        raise ValueError(f"unknown quantization method {name!r}; known: {', '.join(sorted(methods))}")
-    return methods[name]
+    if name not in _METHODS:
+        raise ValueError(f"unknown quantization method {name!r}; known: {', '.join(sorted(_METHODS))}")
+    return _load(_METHODS[name])
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.quantization.base import LinearMethod, QuantizationConfig
-from runtime.quantization.registry import register_method
 
 INT4_GROUP_SIZES = (32, 64, 128)
 
@@ -184,7 +183,6 @@ class WeightOnlyConfig(QuantizationConfig):
         return WeightOnlyLinearMethod(self)
 
 
-@register_method
 class Int8Config(WeightOnlyConfig):
     """Weight-only int8, per output channel, symmetric."""
 
@@ -210,7 +208,6 @@ def _flag(value: str) -> bool:
     raise ValueError(f"not a boolean: {value!r}")
 
 
-@register_method
 class Int4Config(WeightOnlyConfig):
     """Weight-only int4, group-wise along the input dimension."""
 

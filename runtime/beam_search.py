@@ -2,15 +2,20 @@
 `early_stopping`), over any engine that returns the top logprobs of one next token.
 
 `BeamSearch` is the search of one prompt as a state machine: `pending()` gives the sequences
-whose next-token logprobs it needs, `advance()` takes them. `LLM.beam_search` and the server's
-`use_beam_search` drive it, one engine step per generated token; the beams are ordinary requests,
-so they share the prompt's KV blocks through the prefix cache.
+whose next-token logprobs it needs, `advance()` takes them. `BeamSearchGroup` advances several
+prompts' searches together; `LLM.beam_search` and the server's `use_beam_search` both drive one,
+one engine step per generated token; the beams are ordinary requests, so they share the
+prompt's KV blocks through the prefix cache.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runtime.sampling_params import MAX_LOGPROBS, SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.outputs import RequestOutput
 
 EARLY_STOPPING = (True, False, "never")
 
@@ -129,3 +134,34 @@ class BeamSearch:
 
     def output(self) -> BeamSearchOutput:
         return BeamSearchOutput(list(self.finished))
+
+
+class BeamSearchGroup:
+    """Several prompts' searches advanced together: each step runs every running beam of every
+    unfinished search as one batch of one-token requests (`pending`, with `step_params`), and
+    `advance` hands each search the next-token logprobs of its own beams."""
+
+    def __init__(self, searches: list[BeamSearch]) -> None:
+        self.searches = searches
+        self._live: list[BeamSearch] = []
+
+    @property
+    def done(self) -> bool:
+        return all(s.done for s in self.searches)
+
+    def pending(self) -> list[list[int]]:
+        """Prompt + tokens of every running beam of every unfinished search, in order."""
+        self._live = [s for s in self.searches if not s.done]
+        return [seq for s in self._live for seq in s.pending()]
+
+    def step_params(self) -> SamplingParams:
+        return self._live[0].step_params()
+
+    def advance(self, outputs: list[RequestOutput]) -> None:
+        """Apply one step: `outputs` answer `pending()`'s sequences, in the same order."""
+        at = 0
+        for search in self._live:
+            n = len(search.running)
+            search.advance([{token: lp.logprob for token, lp in o.outputs[0].logprobs[0].items()}
+                            for o in outputs[at:at + n]])
+            at += n

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from runtime.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from runtime.beam_search import BeamSearch, BeamSearchGroup, BeamSearchOutput, BeamSearchParams
 from runtime.config import EngineConfig
 from runtime.engine.input_processor import PromptType
 from runtime.engine.llm_engine import LLMEngine
@@ -81,17 +81,10 @@ class LLM:
             room = inputs.max_tokens(ids, SamplingParams(max_tokens=params.max_tokens))
             limited = dataclasses.replace(params, max_tokens=room)
             searches.append(BeamSearch(ids, limited, inputs.eos_token_ids))
-        while not all(s.done for s in searches):
-            live = [s for s in searches if not s.done]
-            batch = [(s, seq) for s in live for seq in s.pending()]
-            outputs = self.generate([{"prompt_token_ids": seq} for _, seq in batch],
-                                    [s.step_params() for s, _ in batch], use_tqdm=False)
-            at = 0
-            for s in live:
-                n = len(s.running)
-                s.advance([{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}
-                           for o in outputs[at:at + n]])
-                at += n
+        group = BeamSearchGroup(searches)
+        while not group.done:
+            beams = [{"prompt_token_ids": seq} for seq in group.pending()]
+            group.advance(self.generate(beams, group.step_params(), use_tqdm=False))
         results = [s.output() for s in searches]
         for result in results:
             for seq in result.sequences:

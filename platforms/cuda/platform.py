@@ -148,7 +148,7 @@ class CudaPlatform(Platform):
                                model_bytes, self.memory_utilization, self.devices[device].name)
 
     def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
-        from runtime.platforms.cuda import attention_candidates
+        from runtime.platforms.cuda.attention import attention_candidates
         return attention_candidates(self, model)
 
     def graph_runner(self, model: ModelInfo, enforce_eager: bool) -> GraphRunner:

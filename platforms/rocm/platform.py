@@ -53,7 +53,7 @@ class RocmPlatform(CudaPlatform):
         return torch.float8_e4m3fnuz if self.arch in FNUZ_ARCHS else torch.float8_e4m3fn
 
     def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
-        from runtime.platforms.rocm import attention_candidates
+        from runtime.platforms.rocm.attention import attention_candidates
         return attention_candidates(model)
 
     def graph_runner(self, model: ModelInfo, enforce_eager: bool) -> GraphRunner:

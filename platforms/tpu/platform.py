@@ -78,7 +78,7 @@ class TpuPlatform(Platform):
         return budget
 
     def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
-        from runtime.platforms.tpu import attention_candidates
+        from runtime.platforms.tpu.attention import attention_candidates
         return attention_candidates(model)
 
     def graph_runner(self, model: ModelInfo, enforce_eager: bool) -> GraphRunner:

@@ -56,7 +56,7 @@ class XpuPlatform(CudaPlatform):
         return (torch.bfloat16, torch.float16, torch.float32)
 
     def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
-        from runtime.platforms.xpu import attention_candidates
+        from runtime.platforms.xpu.attention import attention_candidates
         return attention_candidates(model)
 
     def graph_runner(self, model: ModelInfo, enforce_eager: bool) -> GraphRunner:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from runtime.config import EngineConfig
-from runtime.model_config import ModelConfig
+if TYPE_CHECKING:
+    from runtime.config import EngineConfig
+    from runtime.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,14 @@
-"""One pipeline stage's view of the pipeline: its layers, the hidden states it receives from the
-stage before and sends to the stage after, and the micro-batches a step is cut into."""
+"""One pipeline stage's view of the pipeline: its layers, and the hidden states it receives from
+the stage before and sends to the stage after (the worker cuts steps into micro-batches,
+`runtime.worker.micro_batches`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from runtime.distributed.layout import layer_range
-from runtime.worker.inputs import ScheduledRequest, StepOutput
 
 
 @dataclass
@@ -53,28 +53,3 @@ class PipelineStage:
         buf = torch.empty(2, num_tokens, hidden_size, dtype=dtype, device=device)
         self.group.recv(buf, src=self.rank - 1)
         return buf[0], buf[1]
-
-
-def micro_batches(requests: list[ScheduledRequest], n: int) -> list[list[ScheduledRequest]]:
-    """Split a step's requests into up to `n` consecutive runs with about equal token counts,
-    so that stage k can work on one while stage k+1 works on the one before. Every rank splits
-    the same step the same way."""
-    total = sum(len(r.token_ids) for r in requests)
-    parts: list[list[ScheduledRequest]] = [[]]
-    done = 0
-    for r in requests:
-        # a new part once this request would sit mostly past the current part's share
-        past_share = done + len(r.token_ids) / 2 > total * len(parts) / n
-        if parts[-1] and len(parts) < n and past_share:
-            parts.append([])
-        parts[-1].append(r)
-        done += len(r.token_ids)
-    return parts
-
-
-def merge_outputs(outputs: list[StepOutput]) -> StepOutput:
-    merged = StepOutput()
-    for out in outputs:
-        for f in fields(StepOutput):
-            getattr(merged, f.name).update(getattr(out, f.name))
-    return merged

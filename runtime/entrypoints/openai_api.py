@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from runtime.beam_search import BeamSearch
+from runtime.beam_search import BeamSearch, BeamSearchGroup
 from runtime.engine.async_llm import RequestStream
 from runtime.entrypoints.chat import render_chat, text_of
 from runtime.entrypoints.errors import APIError, bad_request
@@ -102,16 +102,12 @@ async def _beam_search_completion(state: ServerState, body: CompletionRequest, m
         except ValueError as e:
             raise bad_request(str(e), param="best_of") from None
         texts.append(text if text is not None else state.engine.tokenizer.decode(ids))
-    step = 0
-    while not all(s.done for s in searches):
-        live = [s for s in searches if not s.done]
-        beams = [{"prompt_token_ids": seq} for s in live for seq in s.pending()]
-        streams = open_streams(state, f"{request_id}-{step}", beams, live[0].step_params(),
-                               False, body.priority)
-        outputs = iter(await final_outputs(streams))
-        for s in live:
-            s.advance([{t: lp.logprob for t, lp in next(outputs).outputs[0].logprobs[0].items()}
-                       for _ in range(len(s.running))])
+    group, step = BeamSearchGroup(searches), 0
+    while not group.done:
+        beams = [{"prompt_token_ids": seq} for seq in group.pending()]
+        streams = open_streams(state, f"{request_id}-{step}", beams, group.step_params(), False,
+                               body.priority)
+        group.advance(await final_outputs(streams))
         step += 1
     tokenizer = state.engine.tokenizer
     choices, completion_tokens = [], 0

@@ -1,5 +1,9 @@
-"""The attention layer: hands Q, K, V and this step's metadata to the chosen backend."""
+"""The attention layer: hands Q, K, V and this step's metadata to the chosen backend; and the
+zeroing of KV-cache blocks on first use."""
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,3 +31,15 @@ class Attention(nn.Module):
                                 v.view(t, self.num_kv_heads, self.head_size),
                                 self.kv_cache, get_forward_context())
         return out.reshape(t, self.num_heads * self.head_size)
+
+
+def zero_new_blocks(kv_layers: list[Attention], reqs: Iterable[Any], num_zeroed: int) -> int:
+    """Zero the blocks `reqs` (a step's requests, each with its `block_ids`) reach beyond the
+    first `num_zeroed` of every layer's cache; returns the new count. The block pool hands out
+    never-used blocks in increasing id order."""
+    top = max(max(r.block_ids) for r in reqs) + 1
+    if top <= num_zeroed:
+        return num_zeroed
+    for layer in kv_layers:
+        layer.kv_cache.narrow(layer.impl.kv_cache_block_dim, num_zeroed, top - num_zeroed).zero_()
+    return top

@@ -18,14 +18,13 @@ import torch
 from torch import nn
 
 from runtime.forward_context import forward_context
-from runtime.layers.attention import Attention
+from runtime.layers.attention import Attention, zero_new_blocks
 from runtime.sampling.batch import SamplingBatch
 from runtime.sampling.sampler import exponential_race, random_probs
 from runtime.spec_decode.config import SpeculativeConfig
-from runtime.worker.inputs import ScheduledRequest
-from runtime.worker.model_runner import zero_new_blocks
 
 if TYPE_CHECKING:
+    from runtime.worker.inputs import ScheduledRequest
     from runtime.worker.model_runner import ModelRunner
     from runtime.worker.worker import Worker
 
@@ -129,13 +128,13 @@ class DraftModelProposer:
 
 
 def load_draft_proposer(worker: "Worker", config: SpeculativeConfig) -> DraftModelProposer:
-    """Build and load the draft model on the worker's device, unsharded, unquantized."""
-    from runtime.plugins.interfaces import ModelInfo
+    """Build and load the draft model on the worker's device, unsharded, unquantized, through
+    the worker's own loading path (the platform's custom ops and `linear` kernel included)."""
     from runtime.layers.build_context import BuildContext
     from runtime.layers.custom_ops import CustomOps
     from runtime.model_config import ModelConfig
-    from runtime.model_loader.source import iterate_weights, load_config, resolve_model
-    from runtime.models.registry import resolve_model_class
+    from runtime.model_loader.source import load_config, resolve_model
+    from runtime.plugins.interfaces import ModelInfo
 
     target = worker.model_config
     source = resolve_model(config.model)
@@ -157,14 +156,7 @@ def load_draft_proposer(worker: "Worker", config: SpeculativeConfig) -> DraftMod
                                                     requested=worker.config.attention_backend)
     ctx = BuildContext(dtype=mc.dtype, device=worker.device, attention_backend=backend,
                        custom_op_provider=CustomOps(worker.platform))
-    model_cls = resolve_model_class(getattr(hf_config, "architectures", None))
-    with torch.device(worker.device):
-        model = model_cls(hf_config, ctx)
-    loaded = model.load_weights(iterate_weights(source, hf_config, mc.dtype))
-    missing = {n for n, _ in model.named_parameters()} - loaded
-    if missing:
-        raise ValueError(f"draft checkpoint {source.path} lacks weights: {sorted(missing)[:8]}")
-    model.eval()
+    model = worker.build_model(mc.choice.model_class, hf_config, mc.dtype, ctx, source)
     logger.info("draft model %s (%s) proposes %d tokens per step", source.path,
                 mc.architecture, config.num_speculative_tokens)
     return DraftModelProposer(model, config, worker.device, mc.vocab_size,

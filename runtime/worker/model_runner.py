@@ -9,25 +9,13 @@ from torch import nn
 from runtime.attention_backends.base import AttentionMetadata
 from runtime.plugins.interfaces import EagerRunner, GraphRunner
 from runtime.forward_context import forward_context
-from runtime.layers.attention import Attention
+from runtime.layers.attention import Attention, zero_new_blocks
 from runtime.sampling.penalties import apply_penalties
 from runtime.sampling.sampler import Sampler, SamplingBatch, gather_logprobs
 from runtime.sampling_params import SamplingParams
 from runtime.spec_decode.rejection import Verification, rejection_sample
 from runtime.worker.inputs import ScheduledRequest, StepInput, StepOutput, TokenLogprobs
 from runtime.worker.request_states import RequestStates
-
-
-def zero_new_blocks(kv_layers: list[Attention], reqs: list[ScheduledRequest],
-                    num_zeroed: int) -> int:
-    """Zero the blocks `reqs` reach beyond the first `num_zeroed` of every layer's cache;
-    returns the new count. The block pool hands out never-used blocks in increasing id order."""
-    top = max(max(r.block_ids) for r in reqs) + 1
-    if top <= num_zeroed:
-        return num_zeroed
-    for layer in kv_layers:
-        layer.kv_cache.narrow(layer.impl.kv_cache_block_dim, num_zeroed, top - num_zeroed).zero_()
-    return top
 
 
 class ModelRunner:

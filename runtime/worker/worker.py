@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
+from torch import nn
 
 from runtime.plugins.interfaces import CaptureSpec, ModelInfo, Platform
 from runtime.plugins.manager import get_plugin_manager
@@ -11,7 +13,7 @@ from runtime.plugins.selection import select_platform
 from runtime.config import EngineConfig
 from runtime.distributed.groups import init_groups
 from runtime.distributed.layout import ParallelLayout, threads_per_rank
-from runtime.distributed.pipeline import PipelineStage, merge_outputs, micro_batches
+from runtime.distributed.pipeline import PipelineStage
 from runtime.forward_context import forward_context, get_forward_context
 from runtime.layers.attention import Attention
 from runtime.layers.build_context import BuildContext
@@ -19,6 +21,7 @@ from runtime.layers.custom_ops import CustomOps
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource, iterate_weights
 from runtime.worker.inputs import StepInput, StepOutput
+from runtime.worker.micro_batches import merge_outputs, micro_batches
 from runtime.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -77,23 +80,12 @@ class Worker:
         quant_config = build_quant_config(self.config.quantization, mc.hf_config,
                                           self.platform, self.hook)
         ctx = self._build_context(backend, quant_config)
-        model_cls = mc.choice.model_class
-        with torch.device(self.device):
-            model = model_cls(mc.hf_config, ctx)
         raw_gguf = bool(getattr(quant_config, "raw_gguf_weights", False))
         if raw_gguf and self.source.format != "gguf":
             raise ValueError(f"--quantization {quant_config.name} needs a .gguf model, "
                              f"got {self.source.path}")
-        loaded = model.load_weights(iterate_weights(self.source, mc.hf_config, mc.dtype,
-                                                    raw_gguf=raw_gguf))
-        missing = {n for n, _ in model.named_parameters()} - loaded
-        if missing:
-            raise ValueError(f"checkpoint {self.source.path} lacks weights: {sorted(missing)[:8]}")
-        for module in model.modules():
-            method = getattr(module, "method", None)
-            if method is not None:
-                method.process_weights_after_loading(module)
-        model.eval()
+        model = self.build_model(mc.choice.model_class, mc.hf_config, mc.dtype, ctx, self.source,
+                                 raw_gguf)
         # Pipeline stages exchange hidden states inside the forward pass: they run it eagerly.
         eager = self.config.enforce_eager or self.layout.pp_size > 1
         graph_runner = self.hook.runtime_graph_runner(platform=self.platform, model=info,
@@ -109,6 +101,23 @@ class Worker:
         logger.info("loaded %s (%s, %.1f MiB) with attention backend %s, %s execution",
                     mc.architecture, str(mc.dtype).replace("torch.", ""), self.model_bytes / 2**20,
                     backend.name, self.runner.graph_runner.name)
+
+    def build_model(self, model_cls: type, hf_config: Any, dtype: torch.dtype,
+                    ctx: BuildContext, source: ModelSource, raw_gguf: bool = False) -> nn.Module:
+        """Build a model on this worker's device, load its weights from `source` and let each
+        layer's method process them (packing for the platform's `linear` or quantization
+        kernel). The target model and a draft model both load this way."""
+        with torch.device(self.device):
+            model = model_cls(hf_config, ctx)
+        loaded = model.load_weights(iterate_weights(source, hf_config, dtype, raw_gguf=raw_gguf))
+        missing = {n for n, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"checkpoint {source.path} lacks weights: {sorted(missing)[:8]}")
+        for module in model.modules():
+            method = getattr(module, "method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+        return model.eval()
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit in this device's KV-cache budget.

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from runtime.distributed.layout import ParallelLayout, layer_range
-from runtime.distributed.pipeline import PipelineStage, merge_outputs, micro_batches
+from runtime.distributed.pipeline import PipelineStage
+from runtime.worker.micro_batches import merge_outputs, micro_batches
 from runtime.sampling_params import SamplingParams
 from runtime.worker.inputs import ScheduledRequest, StepOutput
 

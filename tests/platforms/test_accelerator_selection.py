@@ -17,8 +17,9 @@ from runtime.attention_backends.torch_paged import TorchPagedAttention
 from runtime.attention_backends.triton_paged import TritonPagedAttention
 from runtime.attention_backends.xla_paged import XlaPagedAttention
 from runtime.plugins.interfaces import EagerRunner, ModelInfo
+from runtime.plugins.backend_choice import AttentionBackendError
 from runtime.plugins.manager import get_plugin_manager, reset_plugin_manager
-from runtime.plugins.selection import (AttentionBackendError, PlatformError, explain_attention_backends,
+from runtime.plugins.selection import (PlatformError, explain_attention_backends,
                                explain_platforms, select_platform)
 from runtime.platforms.cuda.graph_runner import CudaGraphRunner
 from runtime.platforms.tpu.graph_runner import XlaGraphRunner
