@@ -8,6 +8,7 @@ import sys
 from runtime.cli.bench import add_bench_parser
 from runtime.cli.chat import add_chat_parser
 from runtime.cli.generate import add_generate_parser
+from runtime.cli.models_cmd import add_models_parser
 from runtime.cli.plugins_cmd import add_plugins_parser
 from runtime.cli.serve import add_serve_parser
 from runtime.cli.tune import add_tune_parser
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(subparsers)
     add_chat_parser(subparsers)
     add_plugins_parser(subparsers)
+    add_models_parser(subparsers)
     add_serve_parser(subparsers)
     add_bench_parser(subparsers)
     add_tune_parser(subparsers)

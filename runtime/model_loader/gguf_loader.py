@@ -34,7 +34,7 @@ from runtime.progress import progress_bar
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # GGUF files carry no `architectures` list; the engine's model registry needs one.
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                      "qwen3": "Qwen3ForCausalLM"}
 
 # Tensors that hold settings rather than parameters (read into the config).
@@ -126,7 +126,7 @@ def _build_model(path: str, folder: str) -> None:
     directory, name = os.path.split(os.path.abspath(path))
     config = AutoConfig.from_pretrained(directory, gguf_file=name)
     if not getattr(config, "architectures", None):
-        config.architectures = [_HF_ARCHITECTURES[arch]]
+        config.architectures = [HF_ARCHITECTURES[arch]]
     if arch == "llama":
         # transformers leaves attention_bias at False even when the file has the biases.
         config.attention_bias = any(t.name == "blk.0.attn_q.bias" for t in reader.tensors)

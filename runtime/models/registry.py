@@ -89,3 +89,28 @@ def unsupported_message(architectures: list[str], model_impl: str, native: list[
 def resolve_model_class(architectures: list[str] | None, model_impl: str = "auto") -> type:
     """The class `choose_model` picks."""
     return choose_model(architectures, model_impl).model_class
+
+
+FALLBACK_ROW = ("any other transformers causal LM whose attention goes through "
+                "`AttentionInterface`", "transformers fallback (one rank, unquantized)", "")
+
+
+def architecture_table() -> list[tuple[str, str, str]]:
+    """(architecture, implementation, GGUF `general.architecture` or "") for every registered
+    architecture, then the fallback's row."""
+    from runtime.model_loader.gguf_loader import HF_ARCHITECTURES
+    gguf_of = {hf: arch for arch, hf in HF_ARCHITECTURES.items()}
+    rows = []
+    for name, entry in sorted(supported_architectures().items()):
+        where = entry.partition(":")[0] if isinstance(entry, str) else entry.__module__
+        kind = "native" if name in _BUILTIN and entry == _BUILTIN[name] else "plugin"
+        rows.append((name, f"{kind} (`{where}`)", gguf_of.get(name, "")))
+    return rows + [FALLBACK_ROW]
+
+
+def architecture_table_markdown() -> str:
+    lines = ["| Architecture | Implementation | GGUF |", "| --- | --- | --- |"]
+    for name, impl, gguf in architecture_table():
+        lines.append(f"| {name if name == FALLBACK_ROW[0] else f'`{name}`'} | {impl} | "
+                     f"{f'`{gguf}`' if gguf else ''} |")
+    return "\n".join(lines)
