@@ -70,6 +70,7 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     revision: str | None = None  # with a model id: the revision to take from the local HF cache
+    download_dir: str | None = None  # with a model id: the HF cache folder (default: HF_HUB_CACHE)
     trust_remote_code: bool = False
     model_impl: str = "auto"  # auto | native | transformers (runtime.models.registry)
     max_logprobs: int = MAX_LOGPROBS  # the most logprobs / prompt_logprobs one request may ask for

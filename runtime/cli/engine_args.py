@@ -58,6 +58,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--revision", default=None,
                    help="with a model id (org/name): the branch, tag or commit to take from the "
                         "local Hugging Face cache (nothing is downloaded)")
+    g.add_argument("--download-dir", default=None,
+                   help="with a model id: the Hugging Face cache folder to look in "
+                        "(default: HF_HUB_CACHE, ~/.cache/huggingface/hub)")
     g.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
                    help="let a model folder's own Python code define its config and tokenizer")
     g.add_argument("--max-logprobs", type=int, default=20,
@@ -103,7 +106,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
              "gpu_memory_utilization", "block_size",
              "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
              "enable_chunked_prefill", "scheduling_policy", "attention_backend", "enforce_eager",
-             "num_threads", "seed", "revision", "trust_remote_code", "max_logprobs",
+             "num_threads", "seed", "revision", "download_dir", "trust_remote_code", "max_logprobs",
              "generation_config", "disable_log_stats", "quantization", "speculative_config",
              "tensor_parallel_size",
              "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend",

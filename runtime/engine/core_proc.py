@@ -123,7 +123,8 @@ def run_core_process(config: EngineConfig, input_path: str, output_path: str,
     try:
         from runtime.engine.llm_engine import build_core
         from runtime.model_loader.source import load_config, resolve_model
-        source = resolve_model(config.model, config.tokenizer, config.revision)
+        source = resolve_model(config.model, config.tokenizer, config.revision,
+                               config.download_dir)
         core = build_core(config, source, load_config(source, config.trust_remote_code))
         outbox.send(encoder.encode(Ready(core.model_config.max_model_len, core.num_blocks)))
         CoreLoop(core, inbox, outbox, encoder, parent).run()

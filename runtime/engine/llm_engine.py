@@ -40,7 +40,8 @@ def build_core(config: EngineConfig, source: ModelSource, hf_config: Any) -> Eng
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.source = resolve_model(config.model, config.tokenizer, config.revision)
+        self.source = resolve_model(config.model, config.tokenizer, config.revision,
+                                    config.download_dir)
         hf_config = load_config(self.source, config.trust_remote_code)
         self.core = build_core(config, self.source, hf_config)
         self.model_config = self.core.model_config

@@ -26,9 +26,10 @@ class ModelSource:
 
 
 def resolve_model(model: str | None, tokenizer: str | None = None,
-                  revision: str | None = None) -> ModelSource:
+                  revision: str | None = None, download_dir: str | None = None) -> ModelSource:
     """None means the embedded default; a .gguf file or a folder with config.json otherwise, or
-    a model id (org/name) already in the local Hugging Face cache, at `revision`."""
+    a model id (org/name) already in the local Hugging Face cache (`download_dir`, else
+    HF_HUB_CACHE), at `revision`."""
     if revision is not None and model is not None and os.path.exists(model):
         raise ValueError(f"revision {revision!r} applies to a model id in the local Hugging Face "
                          f"cache; {model!r} is a local path")
@@ -39,21 +40,23 @@ def resolve_model(model: str | None, tokenizer: str | None = None,
         return ModelSource(model, "gguf", tokenizer)
     if os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
         return ModelSource(model, "hf", tokenizer)
-    cached = _from_hf_cache(model, revision)
+    cached = _from_hf_cache(model, revision, download_dir)
     if cached is not None:
         return ModelSource(cached, "hf", tokenizer)
     raise ValueError(f"model {model!r} is neither a .gguf file nor a folder with config.json "
                      "(nothing is downloaded from a model hub: pass a local path)")
 
 
-def _from_hf_cache(model_id: str, revision: str | None) -> str | None:
-    """The snapshot folder of `model_id` at `revision` in the local Hugging Face cache, if there."""
+def _from_hf_cache(model_id: str, revision: str | None, cache_dir: str | None) -> str | None:
+    """The snapshot folder of `model_id` at `revision` in the local Hugging Face cache
+    (`cache_dir`, else the default one), if there."""
     if model_id.count("/") != 1 or model_id.startswith((".", "/")):
         return None
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
     try:
-        return snapshot_download(model_id, revision=revision, local_files_only=True)
+        return snapshot_download(model_id, revision=revision, cache_dir=cache_dir,
+                                 local_files_only=True)
     except LocalEntryNotFoundError:
         if revision is not None:
             raise ValueError(f"revision {revision!r} of {model_id!r} is not in the local Hugging "
