@@ -8,7 +8,7 @@ import time
 import torch
 
 from runtime.attention_backends.base import AttentionMetadata
-from runtime.attention_backends.triton_ops import paged_attention
+from runtime.attention_backends.triton_paged import TritonPagedAttention
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
 ITERS = 20
@@ -36,17 +36,17 @@ def decode_bandwidth(batch: int, context: int) -> tuple[float, float]:
     cache = torch.randn(2, batch * blocks_per_req, BLOCK_SIZE, KV_HEADS, HEAD_SIZE,
                         dtype=torch.bfloat16, device="cuda")
     query = torch.randn(batch, HEADS, HEAD_SIZE, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty_like(query)
+    key = value = torch.zeros(batch, KV_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device="cuda")
     i32 = dict(dtype=torch.int32, device="cuda")
     metadata = AttentionMetadata(
-        slot_mapping=torch.zeros(batch, dtype=torch.int64, device="cuda"),
+        slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device="cuda"),  # no writes
         query_start_loc=torch.arange(batch + 1, **i32),
         seq_lens=torch.full((batch,), context, **i32),
         block_tables=torch.arange(batch * blocks_per_req, **i32).view(batch, blocks_per_req),
         query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[context] * batch,
         max_query_len=1, max_seq_len=context, num_decode_tokens=batch)
-    t = seconds_per_call(lambda: paged_attention(out, query, cache[0], cache[1], metadata,
-                                                 HEAD_SIZE ** -0.5, None))
+    layer = TritonPagedAttention(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS)
+    t = seconds_per_call(lambda: layer.forward(query, key, value, cache, metadata))
     return t, cache.nbytes / t
 
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The device checks for a lent NVIDIA GPU, in the order that spends a short loan best:
 #   (1) the Triton kernel compiled for the GPU against the portable backend (bf16/fp16, block
-#       sizes 16/256, head sizes 64/128/256, MQA 32:1, sliding window), and its decode bandwidth
+#       sizes 16/256, head sizes 64/128/256, MQA 32:1, sliding window)
 #   (2) CUDA graphs against eager against transformers, token for token
 #   (3) every usable attention backend against the portable one
 #   (4) FP8 w8a8 through torch._scaled_mm (sm89+)
 #   (5) the engine at --gpu-memory-utilization 0.9 with graphs captured: memory before and after
 #   (6) the conformance suite with --device cuda
-#   (7) `runtime bench throughput`
+#   (7) the decode kernel's bandwidth against a device copy, then `runtime bench throughput`
 # Every section runs whatever happened before it (no `set -e`), under its own time limit and a
 # budget for the whole run (RUN_BUDGET_S, default 520 s: under 9 minutes on one GPU); each is
 # timed and a summary table ends the output. Output is unbuffered and, when $OUT is set, also
