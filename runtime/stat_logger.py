@@ -46,6 +46,3 @@ class StatLogger:
 
     def on_core_restart(self) -> None:
         self.inner.on_core_restart()
-
-    def on_core_restart(self) -> None:
-        self.inner.on_core_restart()

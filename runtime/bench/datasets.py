@@ -161,3 +161,9 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
             "jsonl": ("dataset_path", "num_prompts", "output_len")}[args.dataset]
     return {"dataset": args.dataset, **{k: getattr(args, k) for k in keys},
             "seed": args.dataset_seed}
+
+
+def workload_text(workload: dict[str, Any]) -> str:
+    """'random: num_prompts=64, input_len=128, ...' from `describe`'s mapping."""
+    rest = ", ".join(f"{k}={v}" for k, v in workload.items() if k != "dataset")
+    return f"{workload.get('dataset', 'workload')}: {rest}"

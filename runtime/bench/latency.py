@@ -6,6 +6,7 @@ iteration, so every one computes the whole batch.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -78,6 +79,9 @@ def main(args: argparse.Namespace) -> int:
         write_json(args.output_json, result)
     if args.plot:
         from runtime.bench.plot import plot_distributions
-        plot_distributions({"batch latency": [1000 * t for t in result["latencies_s"]]},
-                           f"runtime bench latency, batch {args.batch_size}", args.plot)
+        plot_distributions(
+            {"batch latency": [1000 * t for t in result["latencies_s"]]},
+            f"runtime bench latency: {os.path.basename(result['model'].rstrip('/'))}, "
+            f"batch {args.batch_size} x ({args.input_len} in, {args.output_len} out), "
+            f"{result['dtype']}, {result['num_threads']} threads", args.plot, "iterations")
     return 0

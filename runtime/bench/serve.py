@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from runtime.bench import common
-from runtime.bench.datasets import SampleRequest, add_dataset_args, build_requests, describe
+from runtime.bench.datasets import (SampleRequest, add_dataset_args, build_requests, describe,
+                                    workload_text)
 from runtime.bench.metrics import RequestRecord, format_table, serve_summary, write_json
 from runtime.progress import progress_bar
 
@@ -204,5 +205,7 @@ def main(args: argparse.Namespace) -> int:
                             "TPOT": [1000 * r["tpot_s"] for r in ok if r["tpot_s"] is not None],
                             "ITL": [1000 * g for r in ok for g in r["itl_s"]],
                             "E2E": [1000 * r["e2e_s"] for r in ok]},
-                           f"runtime bench serve: {result['model']}", args.plot)
+                           f"runtime bench serve: {result['model']}, rate {args.request_rate}, "
+                           f"max concurrency {args.max_concurrency}\n"
+                           f"{workload_text(result['workload'])}", args.plot)
     return 0 if result["completed"] else 1

@@ -12,7 +12,8 @@ from typing import Any
 
 from runtime.bench import common
 from runtime.bench.backends import BACKENDS, run_in_subprocess
-from runtime.bench.datasets import SampleRequest, add_dataset_args, build_requests, describe
+from runtime.bench.datasets import (SampleRequest, add_dataset_args, build_requests, describe,
+                                    workload_text)
 from runtime.bench.metrics import format_table, throughput, write_json
 from runtime.cli.engine_args import add_engine_args, engine_kwargs
 from runtime.config import parse_size
@@ -111,9 +112,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(result: dict[str, Any]) -> str:
     ok = [r for r in result["results"] if "error" not in r]
-    w = result["workload"]
     lines = [f"model {result['model']}, dtype {result['dtype']}, {result['num_threads']} "
-             f"threads, workload {', '.join(f'{k}={v}' for k, v in w.items())}",
+             f"threads, workload {workload_text(result['workload'])}",
              format_table(ok, COLUMNS)]
     lines += [f"{r['backend']}: skipped: {r['error']}" for r in result["results"] if "error" in r]
     allocators = {r["allocator"] for r in ok}

@@ -12,6 +12,7 @@ other does not; else when it has more output tokens/s (meeting the targets) or a
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any, Callable
@@ -20,7 +21,8 @@ import numpy as np
 
 from runtime.bench import common
 from runtime.bench.backends import run_in_subprocess
-from runtime.bench.datasets import SampleRequest, add_dataset_args, build_requests, describe
+from runtime.bench.datasets import (SampleRequest, add_dataset_args, build_requests, describe,
+                                    workload_text)
 from runtime.bench.metrics import format_table, write_json
 
 KNOBS = ("num_threads", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size")
@@ -169,10 +171,10 @@ def write_config(path: str, best: dict[str, Any], args: argparse.Namespace, reas
     fields = dict(best["config"])
     if args.kv_cache_memory:
         fields["kv_cache_memory"] = args.kv_cache_memory
-    workload = ", ".join(f"{k}={v}" for k, v in describe(args).items())
     header = [f"written by `runtime tune` on {time.strftime('%Y-%m-%d %H:%M')}",
               f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['allocator']}",
-              f"model: {common.model_path(args.model)}", f"workload: {workload}", reason]
+              f"model: {common.model_path(args.model)}",
+              f"workload: {workload_text(describe(args))}", reason]
     with open(path, "w") as f:
         f.write("".join(f"# {line}\n" for line in header))
         yaml.safe_dump(fields, f, sort_keys=False)
@@ -204,5 +206,6 @@ def main(args: argparse.Namespace) -> int:
                                       "trials": trials})
     if args.plot:
         from runtime.bench.plot import plot_tune
-        plot_tune(trials, args.plot)
+        plot_tune(trials, f"{os.path.basename(model.rstrip('/'))}, "
+                          f"{workload_text(describe(args))}", args.plot)
     return 0
