@@ -77,7 +77,7 @@ def _active(platform: Platform, requested: str | None = None) -> dict[str, Any]:
                 "answered_by": explained["answered_by"]},
                {"hook": "runtime_graph_runner", "op": "", "answer": graph,
                 "answered_by": runner_by}]
-    answers += _custom_op_answers(platform)
+    answers += custom_op_answers(platform)
     return {
         "name": platform.name,
         "facts": platform.describe(),
@@ -89,7 +89,7 @@ def _active(platform: Platform, requested: str | None = None) -> dict[str, Any]:
     }
 
 
-def _custom_op_answers(platform: Platform) -> list[dict[str, Any]]:
+def custom_op_answers(platform: Platform) -> list[dict[str, Any]]:
     """Who answers `runtime_custom_op` for each op name (composites as the model builds them)."""
     from runtime.layers.custom_ops import CustomOps
     ops = CustomOps(platform)

@@ -56,12 +56,16 @@ def run_backend(backend_cls, batch, sliding_window: int | None = None) -> tuple[
 def run_two_steps(backend_cls, query_lens: list[int], seq_lens: list[int], block_size: int,
                   num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
                   device: str | torch.device, sliding_window: int | None = None,
-                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  seed: int = 0, scale: float | None = None,
+                  logits_soft_cap: float | None = None,
+                  input_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run one layer of `backend_cls` for two steps over a cache in the backend's own layout.
 
     Step 1 prefills each request's earlier context (writing it through the backend), step 2
     runs the batch of new tokens (`query_lens`, decodes first) reading it back. Works for any
-    cache layout a backend declares. Returns both steps' outputs, on the CPU in float32.
+    cache layout a backend declares. `scale` defaults to head_size ** -0.5; the random inputs
+    are rounded through `input_dtype` (default `dtype`) first, so a float32 reference can see
+    exactly the values a bf16 run sees. Returns both steps' outputs, on the CPU in float32.
     """
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
@@ -69,8 +73,10 @@ def run_two_steps(backend_cls, query_lens: list[int], seq_lens: list[int], block
     tables = [[order.pop() for _ in range(-(-s // block_size))] for s in seq_lens]
     width = max(map(len, tables))
     qkv = [torch.randn(s, num_heads + 2 * num_kv_heads, head_size, generator=gen)
-           for s in seq_lens]
-    impl = backend_cls(num_heads, head_size, head_size ** -0.5, num_kv_heads, sliding_window)
+           .to(input_dtype or dtype).float() for s in seq_lens]
+    scale = head_size ** -0.5 if scale is None else scale
+    impl = backend_cls(num_heads, head_size, scale, num_kv_heads, sliding_window,
+                       logits_soft_cap)
     cache = torch.zeros(backend_cls.kv_cache_shape(num_blocks, block_size, num_kv_heads,
                                                    head_size), dtype=dtype, device=device)
     context = [(i, 0, s - q) for i, (q, s) in enumerate(zip(query_lens, seq_lens)) if s > q]

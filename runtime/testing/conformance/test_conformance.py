@@ -1,6 +1,7 @@
 """One platform, every hook its plugins implement, checked against the portable references."""
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import pytest
@@ -8,14 +9,11 @@ import torch
 import torch.distributed as dist
 
 from runtime.attention_backends.base import AttentionBackend
-from runtime.attention_backends.torch_paged import TorchPagedAttention
 from runtime.plugins.interfaces import CommunicatorSpec, GraphRunner, Platform
-from runtime.plugins.selection import explain_attention_backends, explain_platforms
 from runtime.plugins.ops import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
-from runtime.testing.paged_batch import run_two_steps
+from runtime.plugins.selection import explain_attention_backends, explain_platforms, hook_answer
+from runtime.testing.attention_check import CASES, check_attention
 
-# decodes first, then prefill chunks with and without earlier context
-QUERY_LENS, SEQ_LENS = [1, 1, 1, 7, 20], [9, 40, 17, 7, 45]
 PROMPTS = [[1, 5, 9, 23, 77, 4, 300], [1] + list(range(100, 140)), [1, 42, 43], [1, 7] * 12]
 MAX_TOKENS = 8
 ENGINE = dict(kv_cache_memory="64MiB", max_num_batched_tokens=32, max_num_seqs=8)
@@ -48,17 +46,25 @@ def _backend(hook, platform, model_info, requested=None) -> type[AttentionBacken
     return backend
 
 
-@pytest.mark.parametrize("window", [None, 12], ids=["full", "sliding-window"])
-def test_attention_matches_the_portable_backend(hook, platform, model_info, window):
-    model_info = type(model_info)(**{**model_info.__dict__, "sliding_window": window})
-    backend = _backend(hook, platform, model_info)
-    shape = (QUERY_LENS, SEQ_LENS, model_info.block_size, model_info.num_heads,
-             model_info.num_kv_heads, model_info.head_size)
-    got = run_two_steps(backend, *shape, model_info.dtype, platform.device(0), window)
-    want = run_two_steps(TorchPagedAttention, *shape, torch.float32, "cpu", window)
-    tol = _tolerance(model_info.dtype)
-    for step, (g, w) in enumerate(zip(got, want)):
-        torch.testing.assert_close(g, w, atol=tol, rtol=tol, msg=f"{backend.name}, step {step}")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_attention_matches_the_portable_backend(platform, model_info, dtype, case):
+    """For every dtype the platform declares, the backend it chooses for that dtype."""
+    dtype = DTYPES[dtype]
+    if dtype not in platform.supported_dtypes():
+        pytest.skip(f"{platform.name} does not declare {dtype}")
+    info = dataclasses.replace(model_info, dtype=dtype, kv_cache_dtype=dtype,
+                               sliding_window=CASES[case].sliding_window)
+    backend, who = hook_answer("runtime_attention_backend", platform=platform, model=info,
+                               requested=None)
+    assert backend is not None, f"no plugin supplies attention for {platform.name} in {dtype}"
+    if CASES[case].logits_soft_cap is not None and not backend.supports_logits_soft_cap:
+        pytest.skip(f"{backend.name} declares no logit soft-capping (it refuses such models)")
+    check_attention(backend, dtype, platform.device(0), CASES[case],
+                    label=f"{backend.name} (answered by {who})")
 
 
 def test_unknown_backend_is_refused_clearly(hook, platform, model_info):
