@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+
+from runtime.structured_output.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # the most alternatives `logprobs` / `prompt_logprobs` may ask for (as OpenAI)
 GREEDY_EPS = 1e-5  # a temperature below this means greedy decoding
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # seeds and token ids cross the wire as int64
 
 
 @dataclass
@@ -15,7 +19,12 @@ class SamplingParams:
     `top_k` 0 or -1 means no top-k filter (stored as 0). `max_tokens=None` lets the request run
     up to the model's context limit. `logprobs=k` returns the sampled token's logprob plus the
     k most likely alternatives at each step; `prompt_logprobs=k` does the same for the prompt.
-    `_eos_token_id` is set by the engine through `with_eos`, not by users.
+    `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar.
+    `logit_bias` adds a value to a token's logit ({token id: bias in [-100, 100]});
+    `allowed_token_ids` restricts sampling to those tokens; `bad_words` are never generated
+    (a word's last token is banned where the output ends with the word's other tokens).
+    `_eos_token_id` is set by the engine through `with_eos`, `_bad_words_token_ids` (the
+    tokenized `bad_words`) by the input processor, not by users.
     """
 
     n: int = 1
@@ -39,8 +48,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # An init field (not init=False) so that dataclasses.replace and clone keep it.
     _eos_token_id: int | None = dataclasses.field(default=None, repr=False)
+    _bad_words_token_ids: list[list[int]] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +63,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         self._validate()
 
     def _validate(self) -> None:
@@ -68,14 +86,21 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        # The engine seeds sample i with seed + i: within int64 that never overflows the
+        # generator's 64-bit seed.
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            raise ValueError(f"seed must be in [{INT64_MIN}, {INT64_MAX}], got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("temperature", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1)
         _check_int("min_tokens", self.min_tokens, 0)
@@ -96,6 +121,20 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must hold integers >= 0, got {t!r}")
+            if t > INT64_MAX:
+                raise ValueError(f"stop_token_ids must hold integers <= {INT64_MAX}, got {t}")
+        for t, bias in (self.logit_bias or {}).items():
+            if t < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], "
+                                 f"got {t}: {bias}")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0
+                for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids >= 0, "
+                             f"got {self.allowed_token_ids!r}")
+        if self.bad_words is not None and not all(isinstance(w, str) and w.strip()
+                                                  for w in self.bad_words):
+            raise ValueError(f"bad_words must hold non-empty strings, got {self.bad_words!r}")
 
     @property
     def greedy(self) -> bool:
@@ -131,3 +170,5 @@ class SamplingParams:
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value > INT64_MAX:
+        raise ValueError(f"{name} must be an integer <= {INT64_MAX}, got {value!r}")

@@ -41,6 +41,7 @@ class EngineCore:
                              "replicas behind the server (runtime serve --data-parallel-size "
                              "N); one engine core, like the offline LLM, is one replica")
         self.executor = build_executor(config, platform, source, model_config)
+        self.source = source
         num_blocks = self.executor.determine_num_blocks()
         if num_blocks < 1:
             raise ValueError("the KV-cache budget holds no block: raise --kv-cache-memory")
@@ -60,6 +61,8 @@ class EngineCore:
                                             spec is not None and spec.method == "draft_model")
 
     def _fit_max_model_len(self, cache_tokens: int) -> None:
+        # made on the first request with structured_outputs (xgrammar takes seconds to import)
+        self.structured = None
         """Every request must fit the cache alone, or preemption could never make room for it."""
         mc = self.model_config
         if mc.max_model_len <= cache_tokens:
@@ -79,27 +82,68 @@ class EngineCore:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
+        if self.structured is not None:
+            self.structured.shutdown()
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+        """Queue a request; one with structured_outputs first waits for its grammar."""
+        if request.params.structured_outputs is None:
+            self.scheduler.add_request(request)
+            return
+        if self.structured is None:
+            from runtime.structured_output.manager import StructuredOutputManager
+            self.structured = StructuredOutputManager(self._grammar_compiler)
+        self.structured.add_request(request)
+
+    def _grammar_compiler(self):
+        from runtime.engine.processor import eos_token_ids
+        from runtime.model_loader.source import load_tokenizer
+        from runtime.structured_output.grammar import GrammarCompiler
+        tokenizer = load_tokenizer(self.source, self.config.trust_remote_code)
+        return GrammarCompiler(tokenizer, self.model_config.vocab_size, eos_token_ids(
+            self.source, self.model_config.hf_config, tokenizer))
+
+    def _admit_compiled(self) -> list[CoreOutput]:
+        """Hand the requests whose grammar is ready to the scheduler; the outputs that end
+        those whose grammar failed to compile (the API process checked it, so it is rare)."""
+        ready, failed = self.structured.take_ready()
+        for request in ready:
+            self.scheduler.add_request(request)
+        for request, error in failed:
+            logger.error("request %s: its grammar failed to compile: %s", request.request_id,
+                         error)
+            request.status = RequestStatus.FINISHED_ABORTED
+        return [CoreOutput(r.request_id, [], finish_reason=r.status.finish_reason)
+                for r, _ in failed]
 
     def finish_request(self, request_id: str, status: RequestStatus,
                        stop_reason: int | str | None = None) -> None:
         """End a request early (a stop string matched, or the caller aborted it)."""
         if self.scheduler.finish_request(request_id, status, stop_reason) is not None:
             self.step_inputs.finished([request_id])
+        if self.structured is not None:
+            self.structured.drop(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.structured and self.structured.waiting)
 
     def step(self) -> list[CoreOutput]:
         sched = self.scheduler.schedule()
         self.step_inputs.preempted(sched.preempted)
+        outputs = self._admit_compiled() if self.structured is not None else []
         if sched.is_empty:
-            return []
-        result = self.executor.execute(self.step_inputs.build(sched))
+            if self.structured is not None and not outputs:
+                self.structured.wait(timeout=0.05)  # nothing runs until a grammar is ready
+            return outputs
+        step_input = self.step_inputs.build(sched)
+        if self.structured is not None:
+            step_input.grammar_bitmask, step_input.grammar_rows = \
+                self.structured.bitmask(sched.scheduled)
+        result = self.executor.execute(step_input)
         finished = self.scheduler.update(sched, result.sampled, result.draft_token_ids)
         self.step_inputs.finished(r.request_id for r in finished)
-        outputs = []
+        if self.structured is not None:
+            for r, _ in sched.scheduled:
+                self.structured.advance(r, result.sampled.get(r.request_id, []))
         for r, _ in sched.scheduled:
             new = result.sampled.get(r.request_id, [])
             plp = result.prompt_logprobs.get(r.request_id)

@@ -41,9 +41,18 @@ class InputProcessor:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), "
                              f"got {bad[:5]}")
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {self.vocab_size}), "
+                                 f"got {bad[:5]}")
+        if params.structured_outputs is not None:
+            from runtime.structured_output.grammar import build_grammar
+            build_grammar(params.structured_outputs)  # raises ValueError naming what is wrong
+        if params.bad_words:
+            params = params.clone(_bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt is {len(token_ids)} tokens long, but the model's "
                              f"context (max_model_len) is {self.max_model_len} tokens, which "
@@ -58,6 +67,12 @@ class InputProcessor:
         if extra and not params.ignore_eos:
             params = params.clone(stop_token_ids=list(params.stop_token_ids) + extra)
         return params.with_eos(primary)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens, alone and after a space (the two ways it occurs in text)."""
+        variants = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                    for word in words for text in (word.strip(), " " + word.strip())}
+        return [list(ids) for ids in sorted(variants) if ids]
 
     def max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
         room = self.max_model_len - len(token_ids)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from runtime.sampling_params import SamplingParams
@@ -30,19 +31,26 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor | None  # [B] float32
     prompt_mask: torch.Tensor | None  # [B, V] bool: token occurs in the prompt (repetition only)
     output_counts: torch.Tensor | None  # [B, V] float32: occurrences in the output so far
-    min_tokens_rows: torch.Tensor | None  # [N] int64 } (row, token) pairs to ban: stop tokens
-    min_tokens_ids: torch.Tensor | None  # [N] int64 } of rows still below min_tokens
+    # (row, token) pairs to ban: stop tokens of rows still below min_tokens, and bad words'
+    # last tokens where the output ends with the word's other tokens
+    banned_rows: torch.Tensor | None  # [N] int64
+    banned_ids: torch.Tensor | None  # [N] int64
+    bias: torch.Tensor | None  # [B, V] float32: logit_bias (0 where none)
+    allowed: torch.Tensor | None  # [B, V] bool: grammar and allowed_token_ids; None: all allowed
     generators: dict[int, torch.Generator]  # row -> its own generator, for seeded random rows
     max_num_logprobs: int | None  # the most logprobs a row asks for; None: no row asks
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], generators: list[torch.Generator | None],
-              device: torch.device, vocab_size: int) -> SamplingBatch:
+              device: torch.device, vocab_size: int,
+              grammar_bitmasks: list[np.ndarray | None] | None = None) -> SamplingBatch:
         """Gather the rows' parameters into tensors on `device`.
 
         `generators[i]` is row i's own generator (from its seed) or None; it must live on
         `device`. `vocab_size` is the width of the logits the sampler will receive.
+        `grammar_bitmasks[i]` is row i's allowed tokens under its grammar (int32 [ceil(V /
+        32)], bit t set: token t allowed) or None.
         """
         greedy = [p.greedy for p in params]
         random = [not g for g in greedy]
@@ -77,11 +85,21 @@ class SamplingBatch:
 
         banned = [(i, t) for i, (p, out) in enumerate(zip(params, output_token_ids))
                   if len(out) < p.min_tokens for t in sorted(p.all_stop_token_ids) if t < vocab_size]
-        min_tokens_rows = min_tokens_ids = None
+        banned += [(i, t) for i, (p, out) in enumerate(zip(params, output_token_ids))
+                   for t in _bad_word_bans(p, out) if t < vocab_size]
+        banned_rows = banned_ids = None
         if banned:
             rows, ids = zip(*banned)
-            min_tokens_rows = torch.tensor(rows, dtype=torch.int64).to(device)
-            min_tokens_ids = torch.tensor(ids, dtype=torch.int64).to(device)
+            banned_rows = torch.tensor(rows, dtype=torch.int64).to(device)
+            banned_ids = torch.tensor(ids, dtype=torch.int64).to(device)
+        bias = None
+        if any(p.logit_bias for p in params):
+            bias = torch.zeros(len(params), vocab_size, dtype=torch.float32)
+            for i, p in enumerate(params):
+                for t, value in (p.logit_bias or {}).items():
+                    if t < vocab_size:
+                        bias[i, t] = value
+            bias = bias.to(device)
 
         asks = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
@@ -99,8 +117,10 @@ class SamplingBatch:
             frequency_penalty=floats(frequency) if additive else None,
             prompt_mask=prompt_mask,
             output_counts=output_counts,
-            min_tokens_rows=min_tokens_rows,
-            min_tokens_ids=min_tokens_ids,
+            banned_rows=banned_rows,
+            banned_ids=banned_ids,
+            bias=bias,
+            allowed=_allowed(params, grammar_bitmasks, vocab_size, device),
             generators={i: g for i, g in enumerate(generators) if g is not None and random[i]},
             max_num_logprobs=max(asks) if asks else None,
         )
@@ -116,3 +136,35 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.dev
     counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
+
+
+def _bad_word_bans(params: SamplingParams, output: list[int]) -> list[int]:
+    """The tokens that would complete one of the row's bad words after `output`."""
+    return [word[-1] for word in params._bad_words_token_ids or ()
+            if len(word) == 1 or output[-(len(word) - 1):] == word[:-1]]
+
+
+def _allowed(params: list[SamplingParams], grammar_bitmasks: list[np.ndarray | None] | None,
+             vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """[B, V] bool: the tokens each row may sample; None when every row may sample any."""
+    has_grammar = grammar_bitmasks is not None and any(b is not None for b in grammar_bitmasks)
+    if not has_grammar and all(p.allowed_token_ids is None for p in params):
+        return None
+    allowed = torch.ones(len(params), vocab_size, dtype=torch.bool)
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            allowed[i] = False
+            allowed[i, [t for t in p.allowed_token_ids if t < vocab_size]] = True
+    allowed = allowed.to(device)
+    if has_grammar:
+        width = -(-vocab_size // 32)
+        packed = np.full((len(params), width), -1, dtype=np.int32)
+        for i, row in enumerate(grammar_bitmasks):
+            if row is not None:
+                packed[i] = row[:width]
+        # unpack on the device: bit b of word w is token 32 w + b
+        bits = torch.arange(32, dtype=torch.int32, device=device)
+        words = torch.from_numpy(packed).to(device)
+        unpacked = ((words[:, :, None] >> bits) & 1).bool().reshape(len(params), -1)
+        allowed &= unpacked[:, :vocab_size]
+    return allowed

@@ -1,4 +1,5 @@
-"""Logit adjustments that apply to greedy and random rows alike: min_tokens and penalties."""
+"""Logit adjustments that apply to greedy and random rows alike: the allowed tokens (grammar,
+allowed_token_ids), bans (min_tokens, bad_words), logit_bias and penalties."""
 from __future__ import annotations
 
 import torch
@@ -7,13 +8,18 @@ from runtime.sampling.batch import SamplingBatch
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Ban stop tokens below min_tokens, then apply repetition, presence and frequency penalties.
+    """Keep the allowed tokens, ban stop tokens below min_tokens and bad words, add logit_bias,
+    then apply repetition, presence and frequency penalties.
 
     Returns a new tensor; `logits` is left untouched.
     """
-    if batch.min_tokens_rows is not None:
-        logits = logits.index_put((batch.min_tokens_rows, batch.min_tokens_ids),
+    if batch.allowed is not None:
+        logits = logits.masked_fill(~batch.allowed, float("-inf"))
+    if batch.banned_rows is not None:
+        logits = logits.index_put((batch.banned_rows, batch.banned_ids),
                                   logits.new_tensor(float("-inf")))
+    if batch.bias is not None:
+        logits = logits + batch.bias
     if batch.repetition_penalty is not None:
         # Hugging Face semantics over prompt and output tokens: shrink positive logits, grow
         # negative ones, so a seen token always becomes less likely.

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from runtime.sampling_params import SamplingParams
 
 
@@ -52,6 +54,11 @@ class StepInput:
     # (they come back whole, as new requests); finished or aborted ones keep nothing.
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    # Structured outputs: the allowed tokens of each constrained row sampled this step, int32
+    # [rows, ceil(vocab / 32)] (bit t set: token t allowed), and each such request's first row
+    # (a request verifying k proposals has k + 1 rows, in order).
+    grammar_bitmask: np.ndarray | None = None
+    grammar_rows: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -70,6 +77,8 @@ class ScheduledRequest:
     # proposed tokens to verify: the tail of token_ids, past all_token_ids
     spec_token_ids: list[int] = field(default_factory=list)
     num_lookahead: int = 0  # slots reserved past token_ids (a draft model writes its KV there)
+    # structured outputs: the allowed tokens of each sampled row (1 + len(spec_token_ids) rows)
+    grammar_bitmask: np.ndarray | None = None
 
 
 @dataclass

@@ -167,7 +167,8 @@ class ModelRunner:
             [r.params for r in sreqs],
             [r.all_token_ids[:r.num_prompt_tokens] for r in sreqs],
             [r.all_token_ids[r.num_prompt_tokens:] for r in sreqs],
-            [self._generator(r) for r in sreqs], self.device, self.vocab_size)
+            [self._generator(r) for r in sreqs], self.device, self.vocab_size,
+            [None if r.grammar_bitmask is None else r.grammar_bitmask[0] for r in sreqs])
         result = self.sampler(logits, batch)
         tokens = result.sampled_token_ids.tolist()
         if result.logprobs is not None:
@@ -185,6 +186,7 @@ class ModelRunner:
         logits of its last k + 1 positions (k = 0 for requests without proposals), by
         rejection sampling; it emits its accepted proposals and one token of the target's."""
         rows, params, prompts, outputs, generators, checks = [], [], [], [], [], []
+        bitmasks = []
         for i in sampling:
             r = reqs[i]
             k, end = len(r.spec_token_ids), int(cu[i + 1])
@@ -199,9 +201,10 @@ class ModelRunner:
                 prompts.append(r.all_token_ids[:r.num_prompt_tokens])
                 outputs.append(history + r.spec_token_ids[:j])
                 generators.append(generator)
+                bitmasks.append(None if r.grammar_bitmask is None else r.grammar_bitmask[j])
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
         batch = SamplingBatch.build(params, prompts, outputs, generators, self.device,
-                                    self.vocab_size)
+                                    self.vocab_size, bitmasks)
         emitted = rejection_sample(apply_penalties(logits, batch), batch, checks)
         wants = [j for j, i in enumerate(sampling) if reqs[i].params.logprobs is not None]
         if wants:

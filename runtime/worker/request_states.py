@@ -45,6 +45,7 @@ class RequestStates:
         state = self.requests[request_id]
         start = state.num_computed_tokens
         spec = step.spec_token_ids.get(request_id, [])
+        row = step.grammar_rows.get(request_id)
         return ScheduledRequest(
             request_id=request_id,
             token_ids=state.token_ids[start:start + num_tokens - len(spec)] + spec,
@@ -52,4 +53,6 @@ class RequestStates:
             sample=start + num_tokens - len(spec) >= len(state.token_ids),
             params=state.params, sample_index=state.sample_index,
             num_prompt_tokens=state.num_prompt_tokens, all_token_ids=state.token_ids,
-            spec_token_ids=spec, num_lookahead=step.num_lookahead.get(request_id, 0))
+            spec_token_ids=spec, num_lookahead=step.num_lookahead.get(request_id, 0),
+            grammar_bitmask=None if row is None else
+            step.grammar_bitmask[row:row + 1 + len(spec)])

@@ -111,7 +111,7 @@ def test_unused_stages_are_skipped():
     batch = build([SamplingParams(), SamplingParams(temperature=0, top_k=3, repetition_penalty=1.0)])
     assert batch.top_k is None and batch.top_p is None and batch.min_p is None
     assert batch.repetition_penalty is None and batch.frequency_penalty is None
-    assert batch.output_counts is None and batch.min_tokens_rows is None and batch.max_num_logprobs is None
+    assert batch.output_counts is None and batch.banned_rows is None and batch.max_num_logprobs is None
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():

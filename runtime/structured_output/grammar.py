@@ -1,0 +1,56 @@
+"""Constraints as xgrammar grammars: built (and so checked) from the params, compiled against
+the model's vocabulary."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import xgrammar as xgr
+
+from runtime.structured_output.params import StructuredOutputsParams
+
+
+def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
+    """The grammar of `params`; raises ValueError naming the field when it does not parse.
+
+    Cheap (no vocabulary involved): the API process calls it to refuse bad requests early.
+    """
+    kind = params.kind
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(
+                params.json if isinstance(params.json, str) else json.dumps(params.json),
+                any_whitespace=not params.disable_any_whitespace)
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(params.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(params.grammar)
+        return xgr.Grammar.from_structural_tag(params.structural_tag)
+    except (RuntimeError, ValueError, TypeError) as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"structured_outputs.{kind} is not a valid {kind}: {message}") from None
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """root ::= "a" | "b" ...: EBNF string literals escape as JSON strings do."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class GrammarCompiler:
+    """Compiles grammars for one vocabulary: `vocab_size` is the width of the model's logits
+    (a padded vocabulary's extra ids are never allowed), `stop_token_ids` end the output once
+    the grammar is complete."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=stop_token_ids)
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        return self._compiler.compile_grammar(build_grammar(params))

@@ -1,0 +1,147 @@
+"""The engine core's side of structured outputs: grammars compiled off the step loop, one
+matcher per constrained sequence, and the step's token bitmask.
+
+A constrained request waits here (not in the scheduler) until its grammar is compiled, so it
+never holds the batch. Each sequence (each sample of an n > 1 request) gets its own matcher,
+advanced with the tokens the sequence accepts; matchers live in the core with the tokens, so a
+preempted request resumes with its matcher as it was. Speculative proposals are cut to the
+prefix the matcher accepts before they are scheduled, so each proposal row's mask is the
+matcher's state after the proposals before it.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import xgrammar as xgr
+
+from runtime.request import Request
+from runtime.structured_output.grammar import GrammarCompiler
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputManager:
+    """`make_compiler` builds the vocabulary's compiler; it is called once, on the first
+    constrained request, in a pool thread."""
+
+    def __init__(self, make_compiler: Callable[[], GrammarCompiler], max_workers: int = 2) -> None:
+        self._make_compiler = make_compiler
+        self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._max_workers = max_workers
+        self._grammars: dict[tuple, Future] = {}  # compiled grammars, by kind and text
+        self.waiting: dict[str, tuple[Request, Future]] = {}  # in arrival order
+        self.matchers: dict[str, xgr.GrammarMatcher] = {}
+        self.num_compiles = 0
+        self.num_cache_hits = 0
+        self.compile_seconds = 0.0
+
+    def add_request(self, request: Request) -> None:
+        """Start compiling the request's grammar (or reuse it); the request waits here."""
+        key = request.params.structured_outputs.key
+        future = self._grammars.get(key)
+        if future is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="grammar")
+            future = self._pool.submit(self._compile, request.params.structured_outputs)
+            self._grammars[key] = future
+        else:
+            self.num_cache_hits += 1
+        self.waiting[request.request_id] = (request, future)
+
+    def _compile(self, params) -> xgr.CompiledGrammar:
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = self._make_compiler()
+        start = time.perf_counter()
+        compiled = self._compiler.compile(params)
+        with self._compiler_lock:
+            self.compile_seconds += time.perf_counter() - start
+            self.num_compiles += 1
+        return compiled
+
+    def take_ready(self) -> tuple[list[Request], list[tuple[Request, BaseException]]]:
+        """The waiting requests whose grammar is compiled, each with its matcher made, in
+        arrival order; and those whose grammar failed to compile, with the error."""
+        ready, failed = [], []
+        for request_id, (request, future) in list(self.waiting.items()):
+            if not future.done():
+                continue
+            del self.waiting[request_id]
+            if future.exception() is not None:
+                self._grammars.pop(request.params.structured_outputs.key, None)
+                failed.append((request, future.exception()))
+                continue
+            self.matchers[request_id] = xgr.GrammarMatcher(future.result())
+            ready.append(request)
+        return ready, failed
+
+    def wait(self, timeout: float) -> None:
+        """Block until a waiting grammar is compiled, or `timeout` seconds."""
+        futures = {f for _, f in self.waiting.values()}
+        if futures:
+            concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def drop(self, request_id: str) -> None:
+        self.waiting.pop(request_id, None)
+        self.matchers.pop(request_id, None)
+
+    def bitmask(self, scheduled: list[tuple[Request, int]]) -> tuple[np.ndarray | None,
+                                                                      dict[str, int]]:
+        """The allowed tokens of every constrained row this step samples: int32 [rows,
+        ceil(vocab / 32)], bit t of a row set when token t is allowed, and each request's first
+        row. A request verifying k proposals has k + 1 rows: row j follows proposal j - 1."""
+        rows: dict[str, int] = {}
+        num_rows = 0
+        for r, n in scheduled:
+            samples = r.num_computed_tokens + n - len(r.spec_token_ids) >= r.num_tokens
+            if r.request_id in self.matchers and samples:
+                rows[r.request_id] = num_rows
+                num_rows += 1 + len(r.spec_token_ids)
+        if not rows:
+            return None, rows
+        bitmask = xgr.allocate_token_bitmask(num_rows, self._compiler.vocab_size)
+        for r, _ in scheduled:
+            if r.request_id not in rows:
+                continue
+            matcher, row = self.matchers[r.request_id], rows[r.request_id]
+            for j, token_id in enumerate(r.spec_token_ids):
+                matcher.fill_next_token_bitmask(bitmask, row + j)
+                matcher.accept_token(token_id)
+            matcher.fill_next_token_bitmask(bitmask, row + len(r.spec_token_ids))
+            if r.spec_token_ids:
+                matcher.rollback(len(r.spec_token_ids))
+        return bitmask.numpy(), rows
+
+    def advance(self, request: Request, token_ids: list[int]) -> None:
+        """Feed the matcher the tokens the request accepted this step; drop it when the request
+        finished; cut the request's next proposals to the prefix the grammar allows."""
+        matcher = self.matchers.get(request.request_id)
+        if matcher is None:
+            return
+        if request.is_finished:
+            self.drop(request.request_id)
+            return
+        for token_id in token_ids:
+            if not matcher.accept_token(token_id):
+                logger.error("request %s: token %d does not follow its grammar",
+                             request.request_id, token_id)
+        num_valid = 0
+        for token_id in request.spec_token_ids:
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                break
+            num_valid += 1
+        if num_valid:
+            matcher.rollback(num_valid)
+        del request.spec_token_ids[num_valid:]
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

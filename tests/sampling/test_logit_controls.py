@@ -1,0 +1,68 @@
+"""Token-level controls applied before sampling: the grammar bitmask, allowed_token_ids,
+bad_words, logit_bias; and the engine's checks of them."""
+import numpy as np
+import pytest
+import torch
+
+from runtime.sampling import Sampler, SamplingBatch
+from runtime.sampling.penalties import apply_penalties
+from runtime.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+V = 70  # more than two 32-bit words, with a partial last one
+LOGITS = torch.linspace(0, 1, V).repeat(3, 1)  # the last token is the argmax
+
+
+def build(params, outputs=None, bitmasks=None):
+    n = len(params)
+    return SamplingBatch.build(params, [[]] * n, outputs or [[]] * n, [None] * n, CPU, V,
+                               bitmasks)
+
+
+def bitmask(allowed: list[int]) -> np.ndarray:
+    words = np.zeros(-(-V // 32), dtype=np.uint32)
+    for t in allowed:
+        words[t // 32] |= np.uint32(1 << (t % 32))
+    return words.view(np.int32)
+
+
+def test_grammar_bitmask_keeps_only_allowed_tokens_per_row():
+    greedy = SamplingParams(temperature=0)
+    batch = build([greedy] * 3, bitmasks=[bitmask([3, 33, 64]), None, bitmask([31])])
+    masked = apply_penalties(LOGITS, batch)
+    assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [3, 33, 64]
+    assert torch.isfinite(masked[1]).all()
+    assert Sampler()(LOGITS, batch).sampled_token_ids.tolist() == [64, V - 1, 31]
+    # random rows draw only allowed tokens too
+    random = SamplingParams(temperature=1.0, seed=0)
+    rows = build([random] * 3, bitmasks=[bitmask([5, 40])] * 3)
+    for _ in range(20):
+        assert set(Sampler()(LOGITS, rows).sampled_token_ids.tolist()) <= {5, 40}
+
+
+def test_allowed_token_ids_and_grammar_combine():
+    params = SamplingParams(temperature=0, allowed_token_ids=[2, 10, 50])
+    batch = build([params], bitmasks=[bitmask([10, 11, 50, 51])])
+    assert torch.isfinite(apply_penalties(LOGITS[:1], batch)[0]).nonzero().flatten().tolist() == \
+        [10, 50]
+
+
+def test_logit_bias_moves_the_argmax():
+    params = SamplingParams(temperature=0, logit_bias={7: 100.0, V - 1: -100.0})
+    assert Sampler()(LOGITS[:1], build([params])).sampled_token_ids.tolist() == [7]
+
+
+def test_bad_words_ban_the_last_token_after_the_rest():
+    params = SamplingParams(temperature=0).clone(_bad_words_token_ids=[[V - 1], [4, V - 2]])
+    banned = apply_penalties(LOGITS[:2], build([params, params], outputs=[[1], [4]]))
+    assert banned[0, V - 1] == float("-inf") and torch.isfinite(banned[0, V - 2])
+    assert banned[1, V - 1] == float("-inf") and banned[1, V - 2] == float("-inf")
+
+
+def test_invalid_controls_are_refused():
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 200.0})
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[" "])
