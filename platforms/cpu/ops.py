@@ -1,6 +1,6 @@
 """The CPU platform's custom ops: the fused layer ops of `csrc/layer_ops.cpp`, with the portable
 ones as fallback for shapes the kernels do not take (a last dimension that is not a multiple of
-8 or a rotary dimension not a multiple of 16, strided views such as Qwen3's per-head q/k norms),
+16 or a rotary dimension not a multiple of 32, strided views such as Qwen3's per-head q/k norms),
 and the dense `linear` kernel (oneDNN for decode-sized products)."""
 from __future__ import annotations
 
@@ -21,20 +21,20 @@ def _fits(x: torch.Tensor, multiple: int) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if not _fits(x, 8):
+    if not _fits(x, 16):
         return portable_rms_norm(x, weight, eps)
     return torch.ops.runtime_cpu.rms_norm(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if not (_fits(x, 8) and residual.is_contiguous()):
+    if not (_fits(x, 16) and residual.is_contiguous()):
         return portable_add_rms_norm(x, residual, weight, eps)
     return torch.ops.runtime_cpu.add_rms_norm(x, residual, weight, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if not _fits(x, 16):
+    if not _fits(x, 32):
         return portable_silu_and_mul(x)
     return torch.ops.runtime_cpu.silu_and_mul(x)
 
@@ -44,7 +44,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on `query` and `key` [T, heads * head_size] (rows may be strided, as the
     slices of a fused qkv output are); returns them."""
-    if (cos_sin_cache.size(1) % 16 or query.dim() != 2 or key.dim() != 2
+    if (cos_sin_cache.size(1) % 32 or query.dim() != 2 or key.dim() != 2
             or query.stride(1) != 1 or key.stride(1) != 1):
         return portable_rotary_embedding(positions, query, key, cos_sin_cache, head_size)
     torch.ops.runtime_cpu.rotary_embedding(positions, query, key, cos_sin_cache, head_size)

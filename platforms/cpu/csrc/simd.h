@@ -4,6 +4,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -59,46 +63,38 @@ inline void store8(c10::Half* p, v8f v) {
   for (int j = 0; j < 8; ++j) p[j] = static_cast<c10::Half>(v[j]);
 }
 
-// x rounded to T and back: the value a torch op in dtype T would have produced.
-template <typename T>
-inline v8f round_to(v8f x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    T tmp[8];
-    store8(tmp, x);
-    return load8(tmp);
-  }
-}
-
 inline float hsum(v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
 typedef int32_t v8i __attribute__((vector_size(32)));
 
-// e^x: Cody-Waite range reduction to r in [-ln2/2, ln2/2], a degree-5 polynomial for e^r
-// (Cephes' coefficients), times 2^n. Inputs are clamped to [-87.3, 88.3].
-inline v8f exp8(v8f x) {
-  const v8f lo = v8f{} - 87.3f, hi = v8f{} + 88.3f;
+// e^x on a float vector V with the same-width int32 vector I: Cody-Waite range reduction to r in
+// [-ln2/2, ln2/2], a degree-5 polynomial for e^r (Cephes' coefficients), times 2^n. Inputs are
+// clamped to [-87.3, 88.3].
+template <typename V, typename I>
+inline V exp_poly(V x) {
+  const V lo = V{} - 87.3f, hi = V{} + 88.3f;
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
-  v8f y0 = x * 1.44269504088896341f;
-  v8i n = __builtin_convertvector(y0 + (y0 >= 0 ? 0.5f : -0.5f), v8i);  // round(x / ln2)
-  v8f nf = __builtin_convertvector(n, v8f);
-  v8f r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  v8f p = v8f{} + 1.9875691500e-4f;
+  V y0 = x * 1.44269504088896341f;
+  I n = __builtin_convertvector(y0 + (y0 >= 0 ? 0.5f : -0.5f), I);  // round(x / ln2)
+  V nf = __builtin_convertvector(n, V);
+  V r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  v8f y = p * r * r + r + 1.f;
-  v8i bits = (n + 127) << 23;
-  v8f scale;
+  V y = p * r * r + r + 1.f;
+  I bits = (n + 127) << 23;
+  V scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
   return y * scale;
 }
+
+inline v8f exp8(v8f x) { return exp_poly<v8f, v8i>(x); }
 
 // In place: row <- exp(row - max(row)); returns the sum.
 inline float softmax_numerator(float* row, int64_t n) {
@@ -117,6 +113,102 @@ inline float softmax_numerator(float* row, int64_t n) {
     sum += row[i];
   }
   return sum;
+}
+
+// 16 floats: one AVX-512 register, two AVX2 ones, four SSE/NEON ones. The element-wise layer
+// ops run on these; bf16 and fp16 convert in registers (vcvtneps2bf16 where AVX512-BF16 exists).
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+
+inline v16f exp16(v16f x) { return exp_poly<v16f, v16i>(x); }
+
+inline v16f load16(const float* p) {
+  v16f v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline v16f bf16_bits_to_float(v16u16 h) {  // bf16 is the top half of a float32
+#if defined(__AVX512F__)  // one widening move (GCC splits the generic one in two)
+  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(h)), 16);
+  return reinterpret_cast<v16f>(_mm512_castsi512_ps(w));
+#else
+  v16u32 w = __builtin_convertvector(h, v16u32) << 16;
+  v16f v;
+  __builtin_memcpy(&v, &w, sizeof(v));
+  return v;
+#endif
+}
+
+inline v16u16 float_to_bf16_bits(v16f v) {  // round to nearest even, as c10 does
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<v16u16>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(v)));
+#else
+  v16u32 w;
+  __builtin_memcpy(&w, &v, sizeof(w));
+  w = (w + 0x7fffu + ((w >> 16) & 1u)) >> 16;
+  return __builtin_convertvector(w, v16u16);
+#endif
+}
+
+inline v16f load16(const c10::BFloat16* p) {
+  v16u16 h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  return bf16_bits_to_float(h);
+}
+
+inline v16f load16(const c10::Half* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16f>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#else
+  float f[16];
+  for (int j = 0; j < 16; ++j) f[j] = static_cast<float>(p[j]);
+  return load16(f);
+#endif
+}
+
+inline void store16(float* p, v16f v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+inline void store16(c10::BFloat16* p, v16f v) {
+  v16u16 h = float_to_bf16_bits(v);
+  __builtin_memcpy(p, &h, sizeof(h));
+}
+
+inline void store16(c10::Half* p, v16f v) {
+#if defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph(reinterpret_cast<__m512>(v), _MM_FROUND_TO_NEAREST_INT));
+#else
+  for (int j = 0; j < 16; ++j) p[j] = static_cast<c10::Half>(v[j]);
+#endif
+}
+
+// x rounded to T and back, in registers: the value a torch op in dtype T would have produced.
+template <typename T>
+inline v16f round16(v16f x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return bf16_bits_to_float(float_to_bf16_bits(x));
+  } else {
+#if defined(__AVX512F__)
+    const __m512 v = reinterpret_cast<__m512>(x);
+    return reinterpret_cast<v16f>(_mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)));
+#else
+    T tmp[16];
+    store16(tmp, x);
+    return load16(tmp);
+#endif
+  }
+}
+
+inline float hsum(v16f v) {  // shuffles, not memcpy: an accumulator whose address is taken
+                              // would live on the stack through its whole loop
+  const v8f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const v8f hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return hsum(lo + hi);
 }
 
 }  // namespace runtime_cpu
