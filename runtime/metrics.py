@@ -47,6 +47,8 @@ class Metrics:
                                 labels + ["finished_reason"], registry=self.registry)
         self.rejected = counter("runtime:request_rejected",
                                 "Requests refused because the waiting queue was full.")
+        self.core_restarts = counter("runtime:engine_core_restarts",
+                                     "Engine core processes started again after one died.")
         self.ttft = histogram("runtime:time_to_first_token_seconds",
                               "Arrival to first generated token.", LATENCY_BUCKETS)
         self.tpot = histogram("runtime:time_per_output_token_seconds",
@@ -93,6 +95,9 @@ class Metrics:
 
     def on_request_rejected(self) -> None:
         self.rejected.inc()
+
+    def on_core_restart(self) -> None:
+        self.core_restarts.inc()
 
     def on_request_finished(self, finish_reason: str, metrics: RequestMetrics,
                             tokens_per_sample: float) -> None:

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any
 
 from runtime.cli.engine_args import add_engine_args, engine_kwargs
+
+API_KEY_SCOPES = ("v1", "all")
+DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 
 
 class _Default:
@@ -32,13 +36,41 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "SmolLM2-135M-Instruct)")
     g.add_argument("--api-key", default=None,
                    help="require this key on /v1 routes (default: RUNTIME_API_KEY, else none)")
+    g.add_argument("--api-key-scope", choices=API_KEY_SCOPES, default="v1",
+                   help="what --api-key guards: the /v1 routes (v1, as vLLM), or also "
+                        "/tokenize, /detokenize and /metrics (all)")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) to use instead "
                         "of the model's")
     g.add_argument("--max-queue-len", type=int, default=1024,
                    help="sequences that may wait for the running batch; more get HTTP 503")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM; then "
+                        "they end with an error")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get HTTP 413 (default: 32 MiB)")
+    g.add_argument("--max-core-restarts", type=int, default=2,
+                   help="times a dead engine core is restarted within a minute; one more "
+                        "death and the server exits with code 1")
+    g.add_argument("--allowed-origins", type=json.loads, default=["*"],
+                   help='CORS: allowed origins, as JSON (default: ["*"])')
+    g.add_argument("--allowed-methods", type=json.loads, default=["*"],
+                   help='CORS: allowed methods, as JSON (default: ["*"])')
+    g.add_argument("--allowed-headers", type=json.loads, default=["*"],
+                   help='CORS: allowed headers, as JSON (default: ["*"])')
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
+    g.add_argument("--root-path", default="",
+                   help="the path prefix a proxy in front of the server strips (FastAPI's "
+                        "root_path)")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log every generating request (its prompt lengths and parameters)")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="do not log requests (the default; kept for vLLM's old name)")
+    g.add_argument("--uvicorn-log-level", default=None,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (default: --log-level)")
     g.add_argument("--config", default=None,
                    help="a YAML file of these options (e.g. max_num_seqs: 64); flags win")
     for action in p._actions:
@@ -71,7 +103,7 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         from runtime.engine.async_llm import AsyncLLM
         from runtime.entrypoints.chat import load_chat_template
-        from runtime.entrypoints.server import create_app, run_server
+        from runtime.entrypoints.server import CORS, TLS, bind_socket, create_app, run_server
         from runtime.metrics import Metrics
     except ImportError as e:
         raise SystemExit(f"error: {e}: the server needs the serve extra: "
@@ -80,13 +112,23 @@ def serve_command(args: argparse.Namespace) -> int:
     from runtime.default_model import DEFAULT_MODEL_NAME
     from runtime.stat_logger import StatLogger
 
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise SystemExit("error: HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    sock = bind_socket(args.host, args.port)  # a busy port fails now, not after loading
     kwargs = engine_kwargs(args)
     kwargs["model"] = args.model_tag or kwargs["model"]
     names = args.served_model_name or [kwargs["model"] or DEFAULT_MODEL_NAME]
     metrics = Metrics(names[0])
     config = EngineConfig.from_kwargs(**kwargs)
     engine = AsyncLLM(config, args.max_queue_len,
-                      metrics if config.disable_log_stats else StatLogger(metrics))
+                      metrics if config.disable_log_stats else StatLogger(metrics),
+                      args.max_core_restarts)
+    cors = CORS(args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                args.allow_credentials)
     app = create_app(engine, metrics, names, load_chat_template(args.chat_template),
-                     args.api_key or os.environ.get("RUNTIME_API_KEY"))
-    return 0 if run_server(app, args.host, args.port, args.shutdown_timeout) else 1
+                     args.api_key or os.environ.get("RUNTIME_API_KEY"), args.api_key_scope,
+                     args.max_request_body_bytes, cors,
+                     args.enable_log_requests and not args.disable_log_requests)
+    tls = TLS(args.ssl_keyfile, args.ssl_certfile) if args.ssl_keyfile else None
+    return run_server(app, sock, args.shutdown_timeout, tls, args.root_path,
+                      args.uvicorn_log_level)

@@ -1,18 +1,23 @@
 """`AsyncLLM`: the engine for servers. The core steps in its own process (one per data-parallel
 replica); this process tokenizes, validates, routes each request to a replica, detokenizes and
-hands each request's outputs to whoever awaits them."""
+hands each request's outputs to whoever awaits them.
+
+The cores are supervised: one that dies fails its in-flight requests at once and is started
+again with the same configuration, after a backoff; one that dies `max_core_restarts` + 1 times
+within `RESTART_WINDOW_S` stays dead, and `wait_fatal()` returns so that the server can exit."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Any, Protocol
 
 from runtime.config import EngineConfig
 from runtime.distributed.load_balancer import LoadBalancer
 from runtime.engine.core_client import CoreClient, EngineDeadError
 from runtime.engine.core_proc import (AddRequests, CoreRequest, CoreStats, Failed,
-                                      FinishRequests, Outputs)
+                                      FinishRequests, Outputs, Ready, RequestsFailed)
 from runtime.engine.input_processor import PromptType
 from runtime.engine.output_processor import OutputKind
 from runtime.engine.processor import Processor
@@ -23,11 +28,23 @@ from runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "RequestStream"]
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineRestartingError", "QueueFullError",
+           "RequestFailedError", "RequestStream"]
+
+RESTART_WINDOW_S = 60.0  # deaths further apart than this do not add up
+RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0)  # before the first, second, ... restart in a window
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound; the caller should retry later."""
+
+
+class EngineRestartingError(RuntimeError):
+    """No core is up right now, but one is being restarted; the caller should retry later."""
+
+
+class RequestFailedError(RuntimeError):
+    """The core raised on this request (or its core died under it); other requests go on."""
 
 
 class StatsListener(Protocol):
@@ -41,6 +58,8 @@ class StatsListener(Protocol):
 
     def on_request_finished(self, finish_reason: str, metrics: RequestMetrics,
                             tokens_per_sample: float) -> None: ...
+
+    def on_core_restart(self) -> None: ...
 
 
 class RequestStream:
@@ -93,15 +112,16 @@ class AsyncLLM:
 
     With `data_parallel_size` N > 1 there are N core processes, each a whole engine (with its
     own tensor/pipeline-parallel workers); a LoadBalancer picks one per request. A replica that
-    dies fails its own requests and leaves the rotation; the engine is dead when none is left.
+    dies fails its own requests and leaves the rotation until its restart is up.
     """
 
     def __init__(self, config: EngineConfig, max_queue_len: int = 1024,
-                 listener: StatsListener | None = None) -> None:
+                 listener: StatsListener | None = None, max_core_restarts: int = 2) -> None:
         self.config = config
         self.max_queue_len = max_queue_len
         self.listener = listener
-        self.source = resolve_model(config.model, config.tokenizer, config.revision)
+        self.max_core_restarts = max_core_restarts
+        self.source = resolve_model(config.model, config.tokenizer)
         self.hf_config = load_config(self.source, config.trust_remote_code)
         self.processor: Processor | None = None
         self.streams: dict[str, RequestStream] = {}
@@ -109,14 +129,21 @@ class AsyncLLM:
         self.num_blocks = 0
         self.dead_reason: str | None = None
         n = config.data_parallel_size
-        replica_config = dataclasses.replace(config, data_parallel_size=1)
-        self.replicas = [CoreClient(replica_config, "the engine core" if n == 1
-                                    else f"data-parallel replica {i}") for i in range(n)]
+        self._replica_config = dataclasses.replace(config, data_parallel_size=1)
+        self.replicas = [self._client(i) for i in range(n)]
         self.balancer = LoadBalancer(n, config.block_size, config.enable_prefix_caching)
         self.owner: dict[str, tuple[int, int]] = {}  # request id -> (replica, its sequences)
         self._replica_stats = [self.stats] * n
         self._num_sent = [0] * n
-        self._loop_tasks: list[asyncio.Task] = []
+        self._output_tasks: list[asyncio.Task | None] = [None] * n
+        self._restarts: set[asyncio.Task] = set()
+        self._deaths: list[list[float]] = [[] for _ in range(n)]  # monotonic times, per replica
+        self._fatal: asyncio.Event | None = None
+
+    def _client(self, replica: int) -> CoreClient:
+        name = "the engine core" if self.config.data_parallel_size == 1 \
+            else f"data-parallel replica {replica}"
+        return CoreClient(self._replica_config, name)
 
     @property
     def tokenizer(self) -> Any:
@@ -133,6 +160,7 @@ class AsyncLLM:
     async def start(self) -> None:
         """Spawn the core processes and wait until their models are loaded (raises if one
         fails)."""
+        self._fatal = asyncio.Event()
         results = await asyncio.gather(*(r.start() for r in self.replicas),
                                        return_exceptions=True)
         failed = next((e for e in results if isinstance(e, BaseException)), None)
@@ -144,17 +172,30 @@ class AsyncLLM:
         self.num_blocks = min(r.num_blocks for r in readies)
         self.processor = Processor(self.config, self.source, self.hf_config,
                                    min(r.max_model_len for r in readies))
-        loop = asyncio.get_running_loop()
-        for i, replica in enumerate(self.replicas):
-            loop.add_reader(replica.process.sentinel, self._on_core_exit, i)
-            self._loop_tasks.append(asyncio.create_task(self._output_loop(i)))
+        for i in range(len(self.replicas)):
+            self._watch(i)
+
+    def _watch(self, replica: int) -> None:
+        """Follow a started core: its outputs, and its exit."""
+        client = self.replicas[replica]
+        asyncio.get_running_loop().add_reader(client.process.sentinel, self._on_core_exit,
+                                              replica)
+        self._output_tasks[replica] = asyncio.create_task(self._output_loop(replica))
+
+    async def wait_fatal(self) -> str:
+        """Return once the engine is dead for good (a core kept dying); returns why."""
+        await self._fatal.wait()
+        return self.dead_reason
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     priority: int = 0, stream: bool = False) -> RequestStream:
         """Validate and queue a request; its outputs are deltas if `stream`, else one final
-        output. Raises ValueError (bad input), QueueFullError or EngineDeadError."""
+        output. Raises ValueError (bad input), QueueFullError, EngineRestartingError or
+        EngineDeadError."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if not any(r.is_alive for r in self.replicas):
+            raise EngineRestartingError("the engine core is restarting")
         queued = sum(s.num_waiting + sent - s.num_received
                      for s, sent, r in zip(self._replica_stats, self._num_sent, self.replicas)
                      if r.dead_reason is None)
@@ -184,19 +225,25 @@ class AsyncLLM:
         if output is not None and self.listener is not None and handle is not None:
             self.listener.on_request_finished("abort", output.metrics, handle.tokens_per_sample)
 
+    def fail_all(self, reason: str) -> None:
+        """End every request in flight with an error (their streams send the error event)."""
+        for request_id in list(self.streams):
+            self._fail_request(request_id, EngineDeadError(reason))
+
     async def shutdown(self) -> None:
         """Abort what is still running, stop the core processes and release the sockets."""
-        for request_id in list(self.streams):
-            self.streams[request_id].put(EngineDeadError("the server is shutting down"))
-            self.abort(request_id)
+        self.fail_all("the server is shutting down")
+        self.dead_reason = self.dead_reason or "the engine has shut down"
+        for task in self._restarts:
+            task.cancel()
         loop = asyncio.get_running_loop()
         for replica in self.replicas:
             if replica.process is not None:
                 loop.remove_reader(replica.process.sentinel)
-        for task in self._loop_tasks:
-            task.cancel()
+        for task in self._output_tasks:
+            if task is not None:
+                task.cancel()
         await asyncio.gather(*(r.shutdown() for r in self.replicas))
-        self.dead_reason = self.dead_reason or "the engine has shut down"
 
     def _release(self, request_id: str) -> int | None:
         """Forget which replica serves a request; returns that replica."""
@@ -212,12 +259,18 @@ class AsyncLLM:
             message = await client.recv()
             if isinstance(message, Failed):
                 self._replica_died(replica, f"{client.name} failed: {message.error}")
-            elif isinstance(message, Outputs):
-                try:
+                return
+            try:
+                if isinstance(message, RequestsFailed):
+                    for request_id in message.request_ids:
+                        self._fail_request(request_id, RequestFailedError(
+                            f"the engine failed on this request: {message.error}"))
+                elif isinstance(message, Outputs):
                     self._handle(replica, message)
-                except Exception as e:  # a bug here must fail requests, not hang them
-                    logger.exception("output processing failed")
-                    self._fail(f"output processing failed: {e}")
+            except Exception as e:  # a bug here must fail requests, not hang them
+                logger.exception("output processing failed")
+                self._replica_died(replica, f"output processing failed: {e}")
+                return
 
     def _handle(self, replica: int, message: Outputs) -> None:
         self._replica_stats[replica] = message.stats
@@ -265,33 +318,70 @@ class AsyncLLM:
         self._replica_died(replica, client.exit_reason())
 
     def _replica_died(self, replica: int, reason: str) -> None:
-        """Fail the replica's requests and take it out of rotation; with none left, the
-        engine is dead."""
+        """Fail the replica's requests now, take it out of rotation and restart it (or, when
+        it keeps dying, give up: the engine is dead)."""
         client = self.replicas[replica]
-        if client.dead_reason is None:
-            client.dead_reason = reason
-            self.balancer.remove(replica)
-            if len(self.replicas) > 1:
-                logger.error("%s; %d replicas left", reason,
-                             sum(r.dead_reason is None for r in self.replicas))
-        if all(r.dead_reason is not None for r in self.replicas):
-            return self._fail(reason)
+        if client.dead_reason is not None:
+            return
+        client.dead_reason = reason
+        loop = asyncio.get_running_loop()
+        if client.process is not None:
+            loop.remove_reader(client.process.sentinel)
+        task = self._output_tasks[replica]
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        self.balancer.remove(replica)
         self.stats = self._total_stats()
+        logger.error("%s; failing its %d requests", reason,
+                     sum(owner == replica for owner, _ in self.owner.values()))
         for request_id, (owner, _) in list(self.owner.items()):
             if owner == replica:
-                self._fail_request(request_id, reason)
+                self._fail_request(request_id, EngineDeadError(reason))
+        now = time.monotonic()
+        deaths = [t for t in self._deaths[replica] if now - t < RESTART_WINDOW_S] + [now]
+        self._deaths[replica] = deaths
+        if self.dead_reason is not None:
+            return
+        if len(deaths) > self.max_core_restarts:
+            self.dead_reason = (f"{reason}; it died {len(deaths)} times within "
+                                f"{RESTART_WINDOW_S:.0f} s, so it is not restarted again")
+            logger.error("%s", self.dead_reason)
+            self.fail_all(self.dead_reason)
+            self._fatal.set()
+            return
+        task = asyncio.create_task(self._restart(replica, len(deaths)))
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
 
-    def _fail(self, reason: str) -> None:
-        """No core is usable: fail every request now and every request from now on."""
-        if self.dead_reason is None:
-            logger.error("%s; failing %d requests", reason, len(self.streams))
-            self.dead_reason = reason
-        for request_id in list(self.streams):
-            self._fail_request(request_id, reason)
+    async def _restart(self, replica: int, attempt: int) -> None:
+        """Start a fresh core for `replica` with the same configuration, after a backoff."""
+        delay = RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S)) - 1]
+        logger.warning("restarting %s in %.0f s (restart %d of at most %d within %.0f s)",
+                       self.replicas[replica].name, delay, attempt, self.max_core_restarts,
+                       RESTART_WINDOW_S)
+        await asyncio.sleep(delay)
+        await self.replicas[replica].shutdown()
+        client = self._client(replica)
+        self.replicas[replica] = client
+        try:
+            ready: Ready = await client.start()
+        except Exception as e:
+            self._replica_died(replica, str(e))
+            return
+        if self.dead_reason is not None:
+            return await client.shutdown()
+        self.processor.inputs.max_model_len = min(self.max_model_len, ready.max_model_len)
+        self._replica_stats[replica] = CoreStats(0, 0, 0, 0.0, 0.0, 0)
+        self._num_sent[replica] = 0
+        self.balancer.alive[replica] = True  # back in rotation, with nothing routed to it
+        self._watch(replica)
+        logger.warning("%s is serving again", client.name)
+        if self.listener is not None:
+            self.listener.on_core_restart()
 
-    def _fail_request(self, request_id: str, reason: str) -> None:
-        handle = self.streams.pop(request_id, None)
+    def _fail_request(self, request_id: str, error: Exception) -> None:
+        """End one request with `error` and abort whatever the core still runs of it."""
+        handle = self.streams.get(request_id)
         if handle is not None:
-            handle.put(EngineDeadError(reason))
-        self._release(request_id)
-        self.processor.abort_request(request_id)
+            handle.put(error)
+        self.abort(request_id)

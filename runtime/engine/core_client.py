@@ -34,6 +34,7 @@ class CoreClient:
         self.name = name
         self.process: multiprocessing.process.BaseProcess | None = None
         self.dead_reason: str | None = None
+        self.ready = False  # loaded, and answering
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromCore)
         self._zmq: zmq.asyncio.Context | None = None
@@ -41,7 +42,7 @@ class CoreClient:
 
     @property
     def is_alive(self) -> bool:
-        return self.dead_reason is None and self.process is not None and self.process.is_alive()
+        return self.ready and self.dead_reason is None and self.process.is_alive()
 
     async def start(self) -> Ready:
         """Spawn the core process and wait until its model is loaded (raises EngineDeadError
@@ -73,6 +74,7 @@ class CoreClient:
         if isinstance(message, Failed):
             raise EngineDeadError(f"{self.name} failed to start: {message.error}")
         assert isinstance(message, Ready)
+        self.ready = True
         return message
 
     async def recv(self) -> FromCore:

@@ -4,14 +4,19 @@ The API process binds two ZeroMQ sockets on Unix-domain (ipc) paths and spawns t
 which connects to both:
 
     API process  --PUSH-->  core process   AddRequests | FinishRequests | Shutdown
-    API process  <--PUSH--  core process   Ready | Outputs | Failed
+    API process  <--PUSH--  core process   Ready | Outputs | RequestsFailed | Failed
 
 Messages are msgspec Structs, msgpack-encoded, one message per frame. The core loop drains its
 input between steps, so a request added over the wire joins the running batch at the next step;
 it blocks on the socket only when it has nothing to run, and exits when its parent is gone.
+
+A request that makes the core raise (in `add_request`, or in a step it took part in) is finished
+in the core and reported in `RequestsFailed`; the core keeps stepping the others. Only an error
+no request can be blamed for ends the process (`Failed`), and the API process restarts it.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -95,12 +100,19 @@ class Outputs(msgspec.Struct, tag=True, array_like=True):
     stats: CoreStats
 
 
+class RequestsFailed(msgspec.Struct, tag=True, array_like=True):
+    """Requests (by their API-side id, `parent_id`) the core raised on and has finished."""
+
+    request_ids: list[str]
+    error: str
+
+
 class Failed(msgspec.Struct, tag=True, array_like=True):
     error: str
 
 
 ToCore = Union[AddRequests, FinishRequests, Shutdown]
-FromCore = Union[Ready, Outputs, Failed]
+FromCore = Union[Ready, Outputs, RequestsFailed, Failed]
 
 
 def run_core_process(config: EngineConfig, input_path: str, output_path: str,
@@ -165,9 +177,28 @@ class CoreLoop:
                 return
             if idle and not changed:
                 self.core.check_health()  # a worker that died while idle fails the core now
-            outputs = self.core.step() if self.core.has_unfinished() else []
+            try:
+                outputs = self.core.step() if self.core.has_unfinished() else []
+            except Exception as e:
+                self._fail_running(e)
+                outputs, changed = [], True
             if outputs or changed:
                 self.outbox.send(self.encoder.encode(Outputs(outputs, self._stats())))
+
+    def _fail_running(self, error: Exception) -> None:
+        """A step raised: finish the requests of the running batch, which it was stepping, and
+        report them. With none running the error is the core's own, and it propagates."""
+        running = list(self.core.scheduler.running)
+        if not running:
+            raise error
+        logger.exception("a step failed; failing its %d requests", len(running))
+        for r in running:
+            self.core.finish_request(r.request_id, RequestStatus.FINISHED_ABORTED)
+        self._report({r.parent_id for r in running}, error)
+
+    def _report(self, request_ids: set[str], error: Exception) -> None:
+        self.outbox.send(self.encoder.encode(
+            RequestsFailed(sorted(request_ids), f"{type(error).__name__}: {error}")))
 
     def _drain(self, block: bool) -> bool:
         """Apply every waiting message (waiting up to IDLE_POLL_MS for one if `block`);
@@ -182,7 +213,13 @@ class CoreLoop:
     def _apply(self, message: ToCore) -> None:
         if isinstance(message, AddRequests):
             for r in message.requests:
-                self.core.add_request(r.to_request())
+                try:
+                    self.core.add_request(r.to_request())
+                except Exception as e:
+                    logger.exception("request %s could not be added", r.request_id)
+                    with contextlib.suppress(Exception):  # it may be half added
+                        self.core.finish_request(r.request_id, RequestStatus.FINISHED_ABORTED)
+                    self._report({r.parent_id}, e)
             self.num_received += len(message.requests)
         elif isinstance(message, FinishRequests):
             for request_id, stop in zip(message.request_ids, message.stop_reasons):

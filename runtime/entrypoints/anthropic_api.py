@@ -24,10 +24,11 @@ async def create_message(body: MessagesRequest, raw: Request) -> Any:
     if body.system is not None:
         messages.append({"role": "system", "content": text_of(body.system)})
     messages += [{"role": m.role, "content": text_of(m.content)} for m in body.messages]
-    prompt = render_chat(state.engine.tokenizer, messages, state.chat_template)
-    message_id = new_id("msg", raw)
-    streams = open_streams(state, message_id, [{"prompt_token_ids": prompt}],
-                           body.sampling_params(state.engine.processor.sampling_defaults),
+    prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
+                                  state.chat_template)
+    message_id = new_id("msg")
+    streams = await open_streams(state, message_id, [{"prompt_token_ids": prompt}],
+                                 body.sampling_params(state.engine.processor.sampling_defaults),
                                  body.stream)
     if body.stream:
         return StreamingResponse(_events(message_id, body.model, streams[0]),

@@ -4,19 +4,23 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                   404: "not_found_error", 503: "overloaded_error"}
+                   404: "not_found_error", 405: "invalid_request_error",
+                   413: "request_too_large", 503: "overloaded_error"}
+OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                404: "not_found_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 503: "server_overloaded"}
 
 
 class APIError(Exception):
     """An error with an HTTP status, rendered as an OpenAI or Anthropic error body."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+    def __init__(self, status: int, message: str, type: str | None = None,
                  param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
-        self.type = type
+        self.type = type or OPENAI_TYPES.get(status, "internal_server_error")
         self.param = param
         self.code = code
         self.headers = headers

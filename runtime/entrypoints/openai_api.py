@@ -12,9 +12,9 @@ from runtime.engine.async_llm import RequestStream
 from runtime.entrypoints.chat import render_chat, text_of
 from runtime.entrypoints.errors import APIError, bad_request
 from runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from runtime.entrypoints.serving import (ServerState, check_model, final_outputs, merge, new_id,
-                                         open_streams, sse, state_of, stream_error,
-                                         unless_disconnected)
+from runtime.entrypoints.serving import (ServerState, check_budget, check_fits, check_model,
+                                         final_outputs, merge, new_id, open_streams, sse,
+                                         state_of, stream_error, unless_disconnected)
 from runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -49,13 +49,14 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Any:
         raise bad_request("suffix is not supported", param="suffix")
     prompts = _completion_prompts(body.prompt)
     if body.use_beam_search:
-        work = _beam_search_completion(state, body, model, new_id("cmpl", raw), prompts)
+        work = _beam_search_completion(state, body, model, new_id("cmpl"), prompts)
         return await unless_disconnected(raw, work, [])
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs,
                                   state.engine.processor.sampling_defaults)
-    request_id = new_id("cmpl", raw)
-    streams = open_streams(state, request_id, prompts, params, body.stream, body.priority)
+    request_id = new_id("cmpl")
+    streams = await open_streams(state, request_id, prompts, params, body.stream,
+                                 body.priority)
     reply = Reply(request_id, model, "text_completion", state, params.n, streams)
     if body.stream:
         return _event_stream(reply.completion_chunks(body))
@@ -69,14 +70,15 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     messages = [{"role": m.role, "content": text_of(m.content)} for m in body.messages]
-    prompt = render_chat(state.engine.tokenizer, messages, state.chat_template,
-                         body.add_generation_prompt)
+    prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
+                                  state.chat_template, body.add_generation_prompt)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    budget = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs,
                                   defaults=state.engine.processor.sampling_defaults)
-    request_id = new_id("chatcmpl", raw)
-    streams = open_streams(state, request_id, [{"prompt_token_ids": prompt}], params,
-                           body.stream, body.priority)
+    request_id = new_id("chatcmpl")
+    streams = await open_streams(state, request_id, [{"prompt_token_ids": prompt}], params,
+                                 body.stream, body.priority, budget)
     reply = Reply(request_id, model, "chat.completion", state, params.n, streams)
     if body.stream:
         return _event_stream(reply.chat_chunks(body))
@@ -88,13 +90,15 @@ async def _beam_search_completion(state: ServerState, body: CompletionRequest, m
     """use_beam_search: the n best of best_of (default n) beams per prompt. Each step runs
     every live beam as a one-token request; the prefix cache shares their blocks."""
     inputs = state.engine.processor.inputs
+    check_fits(state, len(prompts), SamplingParams(n=body.best_of or body.n))
     searches, texts = [], []
     for prompt in prompts:
         try:
-            text, ids = inputs.tokenize(prompt)
+            text, ids = await state.off_loop(inputs.tokenize, prompt)
             inputs.validate(ids, SamplingParams())
         except ValueError as e:
             raise bad_request(str(e), param="prompt") from None
+        check_budget(state, ids, body.max_tokens, "max_tokens")
         params = body.beam_search_params(inputs.max_tokens(
             ids, SamplingParams(max_tokens=body.max_tokens)))
         try:
@@ -105,8 +109,8 @@ async def _beam_search_completion(state: ServerState, body: CompletionRequest, m
     group, step = BeamSearchGroup(searches), 0
     while not group.done:
         beams = [{"prompt_token_ids": seq} for seq in group.pending()]
-        streams = open_streams(state, f"{request_id}-{step}", beams, group.step_params(), False,
-                               body.priority)
+        streams = await open_streams(state, f"{request_id}-{step}", beams, group.step_params(),
+                                     False, body.priority)
         group.advance(await final_outputs(streams))
         step += 1
     tokenizer = state.engine.tokenizer

@@ -6,13 +6,23 @@ official fields, the OpenAI routes take vLLM's extras (`top_k`, `min_p`, `repeti
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.beam_search import BeamSearchParams
 from runtime.entrypoints.errors import bad_request
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+
+# JSON numbers as the engine takes them: integers are never booleans or floats, and fit int64;
+# floats are finite. Limits that depend on the model (the vocabulary, the context) are checked
+# after tokenization and answered with a 400 that names them.
+Int64 = Annotated[int, Field(strict=True, ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
+TokenId = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
+Logprobs = Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)]
+Float = Annotated[float, Field(allow_inf_nan=False)]
+Text = Annotated[str, Field(min_length=1)]
 
 
 class Body(BaseModel):
@@ -27,27 +37,27 @@ class SamplingFields(Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    n: Count = 1
+    temperature: Annotated[Float, Field(ge=0)] | None = None
+    top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
+    stop: Text | list[Text] | None = None
+    seed: Int64 | None = None
+    presence_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None  # not supported: refused when given
+    logit_bias: dict[str, Float] | None = None  # not supported: refused when given
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: Annotated[int, Field(strict=True, ge=-1, le=INT64_MAX)] | None = None
+    min_p: Annotated[Float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[Float, Field(gt=0)] | None = None
+    min_tokens: Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)] | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    priority: int = 0
+    priority: Int64 = 0
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None,
@@ -75,15 +85,18 @@ class SamplingFields(Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Union[Text, Annotated[list[Text], Field(min_length=1)],
+                  Annotated[list[TokenId], Field(min_length=1)],
+                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                            Field(min_length=1)]]
+    max_tokens: Count | None = 16
+    logprobs: Logprobs | None = None
     echo: bool = False
     suffix: str | None = None  # not supported: refused when given
-    best_of: int | None = None  # sample best_of, return the best n; with beam search: width
+    best_of: Count | None = None  # sample best_of, return the best n; with beam search: width
     # vLLM's beam search extras
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: Float = 1.0
     early_stopping: Union[bool, Literal["never"]] = False
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
@@ -137,11 +150,11 @@ class ChatMessage(Body):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Logprobs | None = None
     add_generation_prompt: bool = True
 
 
@@ -154,13 +167,13 @@ class MessagesRequest(Body):
     """The Anthropic Messages API."""
 
     model: str
-    messages: list[AnthropicMessage]
-    max_tokens: int
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    max_tokens: Count
     system: Union[str, list[dict[str, Any]], None] = None
-    stop_sequences: list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    stop_sequences: list[Text] | None = None
+    temperature: Annotated[Float, Field(ge=0)] | None = None
+    top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(strict=True, ge=-1, le=INT64_MAX)] | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
 
@@ -184,7 +197,7 @@ class TokenizeRequest(Body):
 
 class DetokenizeRequest(Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def make_sampling_params(**fields: Any) -> SamplingParams:

@@ -1,25 +1,30 @@
-"""The FastAPI app: the engine's lifetime, the API key, error bodies, and the routes that do not
-generate (/health, /metrics, /tokenize, /detokenize)."""
+"""The FastAPI app: the engine's lifetime, error bodies, CORS, and the routes that do not
+generate (/health, /metrics, /tokenize, /detokenize); and running it under uvicorn."""
 from __future__ import annotations
 
-import hmac
+import asyncio
+import json
 import logging
 import signal
-import uuid
+import socket
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.exceptions import HTTPException
 
-from runtime.engine.async_llm import AsyncLLM, EngineDeadError
+from runtime.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from runtime.entrypoints import anthropic_api, openai_api
 from runtime.entrypoints.chat import render_chat, text_of
 from runtime.entrypoints.errors import APIError, bad_request, is_anthropic_path
+from runtime.entrypoints.middleware import ALL_SCOPE_PREFIXES, RequestContext
+from runtime.entrypoints.openapi import build_openapi
 from runtime.entrypoints.protocol import DetokenizeRequest, TokenizeRequest
 from runtime.entrypoints.serving import ServerState, check_model, state_of
 from runtime.metrics import Metrics
@@ -27,64 +32,53 @@ from runtime.metrics import Metrics
 logger = logging.getLogger(__name__)
 router = APIRouter()
 
+SHUTDOWN_GRACE_S = 2.0  # after --shutdown-timeout: time for the streams' error events to go out
 
-class RequestContext:
-    """ASGI middleware: gives every HTTP request an id (the client's X-Request-Id, else a new
-    one; echoed in the response and used in logs), and checks the API key on /v1 routes
-    (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
-        self.app = app
-        self.api_key = api_key
+@dataclass
+class CORS:
+    """Starlette's CORSMiddleware settings (vLLM's --allowed-origins and friends)."""
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        request_id = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []),
-                                      (b"x-request-id", request_id.encode("latin-1"))]
-            await send(message)
-
-        if scope["path"].startswith("/v1") and not self._authorized(headers):
-            logger.warning("request %s: 401 on %s", request_id, scope["path"])
-            error = APIError(401, "invalid or missing API key", type="authentication_error",
-                             code="invalid_api_key")
-            return await error.response(is_anthropic_path(scope["path"]))(
-                scope, receive, send_with_id)
-        await self.app(scope, receive, send_with_id)
-
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        if self.api_key is None:
-            return True
-        key = self.api_key.encode()
-        bearer = headers.get(b"authorization", b"")
-        given = bearer[7:] if bearer[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
-        return hmac.compare_digest(given, key)
+    allowed_origins: list[str]
+    allowed_methods: list[str]
+    allowed_headers: list[str]
+    allow_credentials: bool = False
 
 
 def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
-               chat_template: str | None = None, api_key: str | None = None) -> FastAPI:
-    """The server's app; starting it (its lifespan) starts the engine, stopping it stops it."""
+               chat_template: str | None, api_key: str | None, api_key_scope: str,
+               max_body_bytes: int, cors: CORS, log_requests: bool) -> FastAPI:
+    """The server's app; starting it (its lifespan) starts the engine, stopping it stops it.
+    If the engine dies for good, the app asks the server to stop (`app.state.stop_server`) and
+    sets `app.state.exit_code` to 1."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         logger.info("serving %s (max_model_len %d) with %d KV blocks", model_names[0],
                     engine.max_model_len, engine.num_blocks)
+        watch = asyncio.create_task(_exit_when_dead(app, engine))
         yield
+        watch.cancel()
         await engine.shutdown()
+        app.state.server.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="runtime", lifespan=lifespan)
-    app.state.server = ServerState(engine, metrics, model_names, chat_template, api_key)
+    app.state.server = ServerState(engine, metrics, model_names, chat_template, api_key,
+                                   log_requests)
+    app.state.exit_code = 0
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(router)
-    app.add_middleware(RequestContext, api_key=api_key)
+    app.add_middleware(RequestContext, api_key=api_key, api_key_scope=api_key_scope,
+                       max_body_bytes=max_body_bytes)
+    # Outermost: a browser's preflight is answered before the API key is checked.
+    app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,
+                       allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,
+                       allow_credentials=cors.allow_credentials)
+    auth_prefixes = None if api_key is None else \
+        ("/v1",) if api_key_scope == "v1" else ALL_SCOPE_PREFIXES
+    app.openapi = lambda: app.openapi_schema or _cache(app, build_openapi(app, auth_prefixes))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -95,47 +89,81 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
-                             for err in e.errors())
-        param = next((str(err["loc"][-1]) for err in e.errors() if err.get("loc")), None)
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'] if p != 'body')}: "
+                             f"{err['msg']}" for err in e.errors())
+        fields = [[p for p in err.get("loc", ()) if p != "body"] for err in e.errors()]
+        param = next((str(f[0]) for f in fields if f), None)
         return await api_error(request, bad_request(f"invalid request: {problems}", param))
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        return await api_error(request, APIError(e.status_code, str(e.detail),
+                                                 headers=e.headers))
+
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
-        return await api_error(request, APIError(500, str(e), type="internal_server_error"))
+    @app.exception_handler(RequestFailedError)
+    async def engine_failed(request: Request, e: Exception) -> JSONResponse:
+        return await api_error(request, APIError(500, str(e)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("request %s: unexpected error on %s", request.state.request_id,
+                         request.url.path)
+        return APIError(500, f"internal error: {type(e).__name__}").response(
+            is_anthropic_path(request.url.path))
 
     return app
 
 
-@router.get("/health")
+def _cache(app: FastAPI, schema: dict) -> dict:
+    app.openapi_schema = schema
+    return schema
+
+
+async def _exit_when_dead(app: FastAPI, engine: AsyncLLM) -> None:
+    reason = await engine.wait_fatal()
+    logger.critical("the engine is dead for good (%s): the server exits", reason)
+    app.state.exit_code = 1
+    stop = getattr(app.state, "stop_server", None)
+    if stop is not None:
+        stop()
+
+
+@router.get("/health", response_class=Response)
 async def health(raw: Request) -> Response:
     engine = state_of(raw).engine
     if engine.is_healthy:
         return Response(status_code=200)
-    return JSONResponse({"error": engine.dead_reason or "the engine is not running"},
-                        status_code=503)
+    reason = engine.dead_reason or "the engine core is restarting"
+    return APIError(503, reason, headers={"Retry-After": "1"}).response()
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(raw: Request) -> Response:
     return Response(state_of(raw).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, raw: Request) -> dict:
+async def tokenize(body: TokenizeRequest, raw: Request) -> Response:
     state = state_of(raw)
     check_model(state, body.model)
-    tokenizer = state.engine.tokenizer
-    if body.messages is not None:
-        messages = [{"role": m.role, "content": text_of(m.content)} for m in body.messages]
-        tokens = render_chat(tokenizer, messages, state.chat_template,
-                             body.add_generation_prompt)
-    elif body.prompt is not None:
-        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    else:
+    if body.messages is None and body.prompt is None:
         raise bad_request("give a prompt or messages", param="prompt")
-    return {"tokens": tokens, "count": len(tokens),
-            "max_model_len": state.engine.max_model_len}
+    messages = None if body.messages is None else \
+        [{"role": m.role, "content": text_of(m.content)} for m in body.messages]
+    # Tokenizing and rendering the answer both scale with the body: off the event loop.
+    return Response(await state.off_loop(_tokenize, state, body, messages),
+                    media_type="application/json")
+
+
+def _tokenize(state: ServerState, body: TokenizeRequest, messages: list[dict] | None) -> bytes:
+    tokenizer = state.engine.tokenizer
+    if messages is not None:
+        tokens = render_chat(tokenizer, messages, state.chat_template, body.add_generation_prompt)
+    else:
+        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return json.dumps({"tokens": tokens, "count": len(tokens),
+                       "max_model_len": state.engine.max_model_len}).encode()
 
 
 @router.post("/detokenize")
@@ -143,22 +171,70 @@ async def detokenize(body: DetokenizeRequest, raw: Request) -> dict:
     state = state_of(raw)
     check_model(state, body.model)
     vocab = state.engine.hf_config.vocab_size
-    if any(not 0 <= t < vocab for t in body.tokens):
+    if any(t >= vocab for t in body.tokens):
         raise bad_request(f"token ids must be in [0, {vocab})", param="tokens")
-    return {"prompt": state.engine.tokenizer.decode(body.tokens)}
+    return {"prompt": await state.off_loop(state.engine.tokenizer.decode, body.tokens)}
 
 
-def run_server(app: FastAPI, host: str, port: int, shutdown_timeout: float) -> bool:
-    """Serve until SIGINT or SIGTERM; then stop taking connections, give in-flight requests up
-    to `shutdown_timeout` seconds, abort the rest and stop the engine. Returns False if the
-    server never started (the engine failed to load, or the port was taken)."""
-    level = logging.getLogger("runtime").getEffectiveLevel()
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=level,
-                                           lifespan="on", access_log=level <= logging.INFO,
-                                           timeout_graceful_shutdown=shutdown_timeout))
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening address, taken before the model loads: a busy port fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {e.strerror} "
+                         "(choose another --port or --host)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose graceful shutdown ends the streams still running after
+    `shutdown_timeout` with their error event instead of cutting them."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(
+            self.shutdown_timeout, self.engine.fail_all,
+            f"the server is shutting down (--shutdown-timeout {self.shutdown_timeout:g} s)")
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
+@dataclass
+class TLS:
+    keyfile: str
+    certfile: str
+
+
+def run_server(app: FastAPI, sock: socket.socket, shutdown_timeout: float,
+               tls: TLS | None = None, root_path: str = "",
+               uvicorn_log_level: str | None = None) -> int:
+    """Serve on `sock` until SIGINT or SIGTERM; then stop taking connections, give in-flight
+    requests up to `shutdown_timeout` seconds, end the rest with an error and stop the engine.
+    Returns the exit code: 0 after a normal shutdown, 1 if the server never started (the
+    engine failed to load) or the engine died for good."""
+    runtime_level = logging.getLogger("runtime").getEffectiveLevel()
+    level = uvicorn_log_level or runtime_level
+    engine = app.state.server.engine
+    server = _Server(uvicorn.Config(
+        app, log_level=level, lifespan="on", access_log=runtime_level <= logging.INFO,
+        timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE_S, root_path=root_path,
+        ssl_keyfile=tls.keyfile if tls else None, ssl_certfile=tls.certfile if tls else None),
+        engine, shutdown_timeout)
+    app.state.stop_server = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises the signal that stopped it once it has shut down; the shutdown was
     # graceful, so the process then exits normally instead of dying of the signal.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    server.run()
-    return server.started
+    server.run(sockets=[sock])
+    return app.state.exit_code if server.started else 1

@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from runtime.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
+from runtime.engine.async_llm import (AsyncLLM, EngineDeadError, EngineRestartingError,
+                                      QueueFullError, RequestFailedError, RequestStream)
 from runtime.engine.input_processor import PromptType
 from runtime.entrypoints.errors import APIError, bad_request
 from runtime.metrics import Metrics
@@ -21,6 +25,7 @@ from runtime.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
+T = TypeVar("T")
 
 
 @dataclass
@@ -30,15 +35,26 @@ class ServerState:
     model_names: list[str]  # the first is the one reported back
     chat_template: str | None
     api_key: str | None
+    log_requests: bool = False
+    # Tokenization and chat templating run here, off the event loop, so that a large request
+    # never stalls the streams or /health. One thread: a fast tokenizer is not safe to share
+    # between threads.
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool,
+                                                                partial(fn, *args))
 
 
 def state_of(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def new_id(prefix: str, request: Request) -> str:
-    """The engine's id for an HTTP request: its X-Request-Id, prefixed."""
-    return f"{prefix}-{request.state.request_id}"
+def new_id(prefix: str) -> str:
+    """The engine's id for an HTTP request: ours and unique (a client's X-Request-Id is only a
+    label in the logs and the response headers)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def check_model(state: ServerState, model: str | None) -> str:
@@ -49,28 +65,84 @@ def check_model(state: ServerState, model: str | None) -> str:
     return state.model_names[0]
 
 
-def open_streams(state: ServerState, request_id: str, prompts: list[PromptType],
-                 params: SamplingParams, stream: bool, priority: int = 0) -> list[RequestStream]:
-    """Queue one engine request per prompt, all or none: a 400 for bad input, a 503 when the
-    waiting queue is full, a 500 when the engine is dead."""
+def _tokenize(state: ServerState, prompts: list[PromptType]) -> list[dict]:
+    inputs = state.engine.processor.inputs
+    tokenized = []
+    for prompt in prompts:
+        text, ids = inputs.tokenize(prompt)
+        tokenized.append({"prompt": text, "prompt_token_ids": ids})
+    return tokenized
+
+
+def check_fits(state: ServerState, num_prompts: int, params: SamplingParams) -> None:
+    """A 400 for a request that could never be served (a 503 would have it retried forever)."""
+    num_seqs = num_prompts * params.num_samples
+    if num_seqs > state.engine.max_queue_len:
+        param = "prompt" if num_prompts > 1 else "best_of" if params.num_samples > params.n \
+            else "n"
+        raise bad_request(f"this request needs {num_seqs} sequences ({num_prompts} prompts x "
+                          f"{params.num_samples} samples), but at most "
+                          f"{state.engine.max_queue_len} may wait (--max-queue-len)", param)
+
+
+def check_budget(state: ServerState, prompt_token_ids: list[int], max_tokens: int | None,
+                 param: str) -> None:
+    """As vLLM: the prompt and the requested completion must fit the context together."""
+    limit = state.engine.max_model_len
+    if max_tokens is not None and len(prompt_token_ids) < limit \
+            and len(prompt_token_ids) + max_tokens > limit:
+        raise bad_request(f"this model's maximum context length is {limit} tokens, but "
+                          f"{len(prompt_token_ids) + max_tokens} were requested "
+                          f"({len(prompt_token_ids)} in the prompt, {max_tokens} in the "
+                          f"completion): lower {param}", param)
+
+
+async def open_streams(state: ServerState, request_id: str, prompts: list[PromptType],
+                       params: SamplingParams, stream: bool, priority: int = 0,
+                       max_tokens_param: str = "max_tokens") -> list[RequestStream]:
+    """Tokenize (off the event loop) and queue one engine request per prompt, all or none: a
+    400 for bad input or a request that can never fit, a 503 (with Retry-After) when the
+    waiting queue is full or the engine is restarting, a 500 when the engine is dead."""
+    check_fits(state, len(prompts), params)
+    try:
+        tokenized = await state.off_loop(_tokenize, state, prompts)
+    except ValueError as e:
+        raise bad_request(str(e), param="prompt") from None
+    for prompt in tokenized:
+        check_budget(state, prompt["prompt_token_ids"], params.max_tokens, max_tokens_param)
+    if state.log_requests:
+        logger.info("request %s: prompt tokens %s, %s", request_id,
+                    [len(p["prompt_token_ids"]) for p in tokenized], params)
     streams: list[RequestStream] = []
     try:
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(tokenized):
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             streams.append(state.engine.add_request(sub_id, prompt, params, priority, stream))
     except BaseException as e:
         for s in streams:
             s.close()
-        if isinstance(e, ValueError):
-            raise bad_request(str(e), param="prompt") from None
-        if isinstance(e, QueueFullError):
-            state.metrics.on_request_rejected()
-            raise APIError(503, f"{e}; retry later", type="server_overloaded",
-                           headers={"Retry-After": RETRY_AFTER_S}) from None
-        if isinstance(e, EngineDeadError):
-            raise APIError(500, str(e), type="internal_server_error") from None
-        raise
+        raise engine_error(state, e) from None
     return streams
+
+
+def _param_of(message: str) -> str:
+    """The request field a processor error is about (its first word when it names one)."""
+    first = message.split(" ", 1)[0]
+    return first if first in ("best_of", "stop_token_ids", "n", "max_tokens") else "prompt"
+
+
+def engine_error(state: ServerState, e: BaseException) -> BaseException:
+    """The HTTP error for what `AsyncLLM.add_request` or a stream raised."""
+    if isinstance(e, ValueError):
+        return bad_request(str(e), param=_param_of(str(e)))
+    if isinstance(e, QueueFullError):
+        state.metrics.on_request_rejected()
+        return APIError(503, f"{e}; retry later", headers={"Retry-After": RETRY_AFTER_S})
+    if isinstance(e, EngineRestartingError):
+        return APIError(503, f"{e}; retry later", headers={"Retry-After": RETRY_AFTER_S})
+    if isinstance(e, (EngineDeadError, RequestFailedError)):
+        return APIError(500, str(e))
+    return e
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -153,4 +225,4 @@ def stream_error(e: Exception, request_id: str) -> APIError:
     if isinstance(e, APIError):
         return e
     logger.error("request %s failed while streaming: %s", request_id, e)
-    return APIError(500, str(e), type="internal_server_error")
+    return APIError(500, str(e) or type(e).__name__)

@@ -29,7 +29,8 @@ class Server:
 
     def __init__(self, args: list[str], log_path: str) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        scheme = "https" if "--ssl-certfile" in args else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")
         self._terminated = False
@@ -46,7 +47,7 @@ class Server:
 
     def _healthy(self) -> bool:
         try:
-            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+            return httpx.get(self.url + "/health", timeout=2, verify=False).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -56,13 +57,23 @@ class Server:
 
     def core_pid(self) -> int:
         """The engine core process: the server's child that multiprocessing spawned."""
+        pid = self.live_core_pid()
+        if pid is None:
+            raise AssertionError("no engine core among the server's children")
+        return pid
+
+    def live_core_pid(self) -> int | None:
+        """The running (not zombie) engine core's pid, if there is one."""
         with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
             children = [int(p) for p in f.read().split()]
         for pid in children:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    return pid
-        raise AssertionError(f"no engine core among the server's children {children}")
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"spawn_main" in f.read():
+                        return pid
+            except FileNotFoundError:  # it exited meanwhile
+                continue
+        return None
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of one sample on /metrics (0 when absent)."""

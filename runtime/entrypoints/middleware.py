@@ -1,0 +1,165 @@
+"""The door every HTTP request passes: its id, the API key, and the body checks that run before
+any route sees it (size, UTF-8, JSON, nesting depth, lone surrogates)."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from runtime.entrypoints.errors import APIError, bad_request, is_anthropic_path
+
+logger = logging.getLogger(__name__)
+
+MAX_JSON_DEPTH = 64  # arrays and objects nested deeper are refused (Python's parser recurses)
+MAX_REQUEST_ID_CHARS = 128
+# --api-key-scope all covers these too; /health (for probes) and the API schema stay open.
+ALL_SCOPE_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/metrics")
+
+
+class RequestContext:
+    """ASGI middleware: gives every HTTP request an id for the logs and the X-Request-Id header
+    (the client's, if printable and short, else a new one: it is a label only, never the
+    engine's request id), checks the API key (`Authorization: Bearer KEY`, or Anthropic's
+    `x-api-key: KEY`) on /v1 routes, or with scope "all" on /tokenize, /detokenize and /metrics
+    too, and checks request bodies (`BodyGuard`)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, api_key_scope: str,
+                 max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.prefixes = ("/v1",) if api_key_scope == "v1" else ALL_SCOPE_PREFIXES
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        request_id = _label(headers.get(b"x-request-id", b"")) or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []),
+                                      (b"x-request-id", request_id.encode("ascii"))]
+            await send(message)
+
+        path = scope["path"]
+        try:
+            if scope["method"] != "OPTIONS" and path.startswith(self.prefixes) \
+                    and not self._authorized(headers):
+                raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                receive = await BodyGuard(self.max_body_bytes).check(headers, receive)
+        except APIError as e:
+            log = logger.warning if e.status < 500 else logger.error
+            log("request %s: %d on %s: %s", request_id, e.status, path, e.message)
+            return await e.response(is_anthropic_path(path))(scope, receive, send_with_id)
+        await self.app(scope, receive, send_with_id)
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        if self.api_key is None:
+            return True
+        key = self.api_key.encode()
+        bearer = headers.get(b"authorization", b"")
+        given = bearer[7:] if bearer[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+        return hmac.compare_digest(given, key)
+
+
+def _label(value: bytes) -> str:
+    """A client's X-Request-Id if it is a short printable ASCII string, else ''."""
+    if len(value) > MAX_REQUEST_ID_CHARS or not value.isascii():
+        return ""
+    text = value.decode("ascii")
+    return text if text.isprintable() else ""
+
+
+class BodyGuard:
+    """Reads a request body (413 beyond `max_bytes`) and checks, off the event loop, that it is
+    UTF-8 JSON nested at most MAX_JSON_DEPTH deep with no lone surrogate in any string (400
+    naming the top-level field). Returns a `receive` that replays the body to the route."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+
+    async def check(self, headers: dict[bytes, bytes], receive: Receive) -> Receive:
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            raise self._too_large()
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise APIError(400, "the client closed the request before sending its body")
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                raise self._too_large()
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        if body:
+            await asyncio.to_thread(_check_json, body)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: the disconnect, when it comes
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return replay
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than {self.max_bytes} bytes "
+                        "(--max-request-body-bytes)")
+
+
+def _check_json(body: bytes) -> None:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8: {e}") from None
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    _check_value(value)
+
+
+def _check_value(value: Any) -> None:
+    """Depth and strings of a parsed body, without recursion."""
+    stack = [(value, 1, None)]
+    while stack:
+        item, depth, field = stack.pop()
+        if isinstance(item, str):
+            if not _is_valid_utf8(item):
+                raise bad_request("strings must be valid Unicode: a lone surrogate "
+                                  "(\\ud800-\\udfff without its pair) was found", param=field)
+            continue
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
+                              param=field)
+        if isinstance(item, dict):
+            for key, sub in item.items():
+                top = field if field is not None else key
+                stack.append((key, depth + 1, top))
+                stack.append((sub, depth + 1, top))
+        else:
+            stack.extend((sub, depth + 1, field) for sub in item)
+
+
+def _is_valid_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
