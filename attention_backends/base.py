@@ -6,6 +6,12 @@ context after this step is `seq_lens[i]` tokens, the last `query_lens[i]` of whi
 token at offset j of request i sits at position `seq_lens[i] - query_lens[i] + j`. Request i's KV lives
 in the blocks `block_tables[i, :ceil(seq_lens[i] / block_size)]`; `slot_mapping[t]` is the flat slot
 (`block * block_size + offset`) where token t's K and V are written.
+
+The cache holds K and V in the model's dtype, or in FP8 (`--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2`)
+for backends whose `fp8_kv_cache` is set: each element is stored as `x / scale`, saturated to the
+format's largest finite value, and read back as `stored * scale`, with one scale for K and one for
+V per layer (`AttentionBackend.k_scale`/`v_scale`, 1.0 unless a checkpoint or
+`--calculate-kv-scales` sets them).
 """
 from __future__ import annotations
 
@@ -13,6 +19,29 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+# vLLM's `--kv-cache-dtype` names for the FP8 formats; "fp8" is e4m3.
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                       "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_DTYPES = ("auto", *FP8_KV_CACHE_DTYPES)
+# `--calculate-kv-scales` maps the first batch's largest |K| (|V|) to these values, as vLLM's
+# K_SCALE_CONSTANT and V_SCALE_CONSTANT do: headroom for later, larger activations.
+K_SCALE_RANGE = 200.0
+V_SCALE_RANGE = 100.0
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of the KV cache for a `--kv-cache-dtype` value ("auto": the model's)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {kv_cache_dtype!r}")
+    return FP8_KV_CACHE_DTYPES[kv_cache_dtype]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass
@@ -47,8 +76,22 @@ class AttentionBackend(ABC):
     # Whether a decode step can be recorded as a device graph: the backend reads the metadata's
     # tensors only (never its host lists, which are frozen at capture) and skips slots < 0.
     graph_capturable: bool = False
+    # Whether the backend can keep its cache in FP8 (e4m3 and e5m2, with per-layer K/V scales).
+    fp8_kv_cache: bool = False
     # Whether the backend applies `logits_soft_cap` (Gemma 2's attention soft-capping).
     supports_logits_soft_cap: bool = False
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, dtype: torch.dtype,
+                                kv_cache_dtype: torch.dtype) -> tuple[bool, str]:
+        """Whether this backend can keep the KV cache in `kv_cache_dtype` for a model computing
+        in `dtype`, and if not, why. Platforms check it before `supports`."""
+        if kv_cache_dtype == dtype or (cls.fp8_kv_cache and is_fp8(kv_cache_dtype)):
+            return True, ""
+        if is_fp8(kv_cache_dtype):
+            return False, (f"keeps the KV cache in the model dtype only, no FP8 "
+                           f"({str(kv_cache_dtype).removeprefix('torch.')})")
+        return False, f"KV-cache dtype {kv_cache_dtype} differs from the model's {dtype}"
 
     @classmethod
     def supports(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
@@ -75,6 +118,27 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # float32 scalars on the device the layer is built on; updated in place, so a recorded
+        # device graph reads the current values
+        self.k_scale = torch.ones((), dtype=torch.float32)
+        self.v_scale = torch.ones((), dtype=torch.float32)
+
+    def set_kv_scales(self, k_scale: float | None = None, v_scale: float | None = None) -> None:
+        """Set the FP8 cache scales (a checkpoint's); a scale left None keeps its value."""
+        for scale, value in ((self.k_scale, k_scale), (self.v_scale, v_scale)):
+            if value is None:
+                continue
+            if not value > 0 or value == float("inf"):
+                raise ValueError(f"a KV-cache scale must be a positive finite number, got {value}")
+            scale.fill_(value)
+
+    def calculate_kv_scales(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """`--calculate-kv-scales`: the scales that map this batch's largest |K| and |V| to
+        K_SCALE_RANGE and V_SCALE_RANGE (1.0 where they are all zero)."""
+        for scale, x, top in ((self.k_scale, key, K_SCALE_RANGE),
+                              (self.v_scale, value, V_SCALE_RANGE)):
+            amax = x.detach().abs().max().float()
+            scale.copy_(torch.where(amax > 0, amax / top, 1.0))
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

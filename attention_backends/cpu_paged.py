@@ -3,13 +3,14 @@
 Decodes read K and V straight from the cache blocks in one C++ pass per (sequence, KV head),
 instead of gathering every sequence's context into a padded tensor first; prefill chunks run
 as in the portable backend. The kernel is the op `torch.ops.runtime_cpu.paged_attention_decode`,
-which the CPU platform builds and loads before it offers this backend.
+which the CPU platform builds and loads before it offers this backend. An FP8 cache is widened
+to float32 in the kernel's registers as it is read.
 """
 from __future__ import annotations
 
 import torch
 
-from runtime.attention_backends.base import AttentionMetadata
+from runtime.attention_backends.base import AttentionMetadata, is_fp8
 from runtime.attention_backends.torch_paged import TorchPagedAttention
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -27,17 +28,19 @@ class CpuPagedAttention(TorchPagedAttention):
             return False, f"runs on the cpu only, not {device_type}"
         if head_size % 8:
             return False, f"head size {head_size} is not a multiple of 8"
-        if dtype not in DTYPES or kv_cache_dtype != dtype:
-            return False, (f"needs the KV cache in the model dtype, one of "
+        if dtype not in DTYPES:
+            return False, (f"needs the model in one of "
                            f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)}")
-        return True, ""
+        return cls.supports_kv_cache_dtype(dtype, kv_cache_dtype)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, nd: int, block_size: int) -> torch.Tensor:
         if self.logits_soft_cap is not None:
             return super()._decode(q, k_cache, v_cache, metadata, nd, block_size)
         out = torch.empty_like(q)
+        scales = ((self.k_scale.item(), self.v_scale.item()) if is_fp8(k_cache.dtype)
+                  else (1.0, 1.0))  # a checkpoint's scales mean nothing to an unquantized cache
         torch.ops.runtime_cpu.paged_attention_decode(
             out, q, k_cache, v_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd],
-            self.scale, self.sliding_window or -1)
+            self.scale, self.sliding_window or -1, *scales)
         return out

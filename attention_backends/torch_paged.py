@@ -1,14 +1,42 @@
 """Portable paged attention in plain torch: runs on any device torch runs on.
 
 Decodes (one new token each) are batched into one masked attention over their gathered context;
-prefill chunks run one request at a time through `scaled_dot_product_attention`.
+prefill chunks run one request at a time through `scaled_dot_product_attention`. An FP8 cache
+(see `base`) is written as `x / scale` saturated to the format's range and read back as
+`stored * scale` in the query's dtype; prefill chunks then read their own new K/V back from the
+cache too, so every token sees the same rounded values whichever step wrote them.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from runtime.attention_backends.base import AttentionBackend, AttentionMetadata
+from runtime.attention_backends.base import AttentionBackend, AttentionMetadata, is_fp8
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x / scale` in the FP8 `dtype`, saturated to its largest finite value (round to nearest
+    even)."""
+    top = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-top, top).to(dtype)
+
+
+def write_kv(flat_cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
+             scale: torch.Tensor) -> None:
+    """Store `x` [T, Hkv, D] at `slots` of a [num_slots, Hkv, D] cache, quantizing for FP8."""
+    if not is_fp8(flat_cache.dtype):
+        flat_cache.index_copy_(0, slots, x.to(flat_cache.dtype))
+        return
+    # torch has no FP8 index_copy_ on every device; the bytes are the same
+    flat_cache.view(torch.uint8).index_copy_(
+        0, slots, quantize_kv(x, scale, flat_cache.dtype).view(torch.uint8))
+
+
+def read_kv(cached: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache contents in `dtype`, dequantized when the cache is FP8."""
+    if not is_fp8(cached.dtype):
+        return cached.to(dtype)
+    return (cached.float() * scale).to(dtype)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -31,39 +59,40 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch_paged"
+    fp8_kv_cache = True
     supports_logits_soft_cap = True
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         block_size = k_cache.size(1)
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_size)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_size)
-        flat_k.index_copy_(0, metadata.slot_mapping, key.to(flat_k.dtype))
-        flat_v.index_copy_(0, metadata.slot_mapping, value.to(flat_v.dtype))
+        write_kv(k_cache.view(-1, self.num_kv_heads, self.head_size), metadata.slot_mapping, key,
+                 self.k_scale)
+        write_kv(v_cache.view(-1, self.num_kv_heads, self.head_size), metadata.slot_mapping,
+                 value, self.v_scale)
 
         out = torch.empty_like(query)
         nd = metadata.num_decode_tokens
         if nd:
             out[:nd] = self._decode(query[:nd], k_cache, v_cache, metadata, nd, block_size)
         starts = metadata.query_start_loc_cpu
+        all_new_ok = self.sliding_window is None and not is_fp8(kv_cache.dtype)
         for i in range(nd, metadata.num_reqs):
             q_lo, q_hi = starts[i], starts[i + 1]
             seq_len = metadata.seq_lens_cpu[i]
-            if q_hi - q_lo == seq_len and self.sliding_window is None:
+            if q_hi - q_lo == seq_len and all_new_ok:
                 k, v = key[q_lo:q_hi], value[q_lo:q_hi]  # the whole context is new
             else:
                 blocks = metadata.block_tables[i, :-(-seq_len // block_size)]
-                k = k_cache[blocks].flatten(0, 1)[:seq_len]
-                v = v_cache[blocks].flatten(0, 1)[:seq_len]
+                k = read_kv(k_cache[blocks].flatten(0, 1)[:seq_len], self.k_scale, query.dtype)
+                v = read_kv(v_cache[blocks].flatten(0, 1)[:seq_len], self.v_scale, query.dtype)
             out[q_lo:q_hi] = self._prefill(query[q_lo:q_hi], k, v, seq_len)
         return out
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  seq_len: int) -> torch.Tensor:
         q_len = q.size(0)
-        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v.to(q.dtype)))
-        k = k.to(q.dtype)
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k.to(q.dtype), v.to(q.dtype)))
         if q_len == seq_len and self.sliding_window is None:
             o = attend(q, k, v, self.scale, None, self.logits_soft_cap)
         else:
@@ -81,8 +110,8 @@ class TorchPagedAttention(AttentionBackend):
         num_blocks = -(-max_len // block_size)
         blocks = metadata.block_tables[:nd, :num_blocks]
         # [nd, num_blocks, block_size, Hkv, D] -> [nd, Hkv, L, D]
-        k = k_cache[blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        v = v_cache[blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        k = read_kv(k_cache[blocks].flatten(1, 2).transpose(1, 2), self.k_scale, q.dtype)
+        v = read_kv(v_cache[blocks].flatten(1, 2).transpose(1, 2), self.v_scale, q.dtype)
         seq_lens = metadata.seq_lens[:nd].unsqueeze(1)
         k_pos = torch.arange(num_blocks * block_size, device=q.device).unsqueeze(0)
         mask = k_pos < seq_lens

@@ -16,6 +16,12 @@ torch backend.
 Layout: a layer's cache is [2, num_blocks, block_size, num_kv_heads, head_size] (the base
 layout); `k_cache`/`v_cache` are its two halves, and only their last dimension must be
 contiguous. Slots < 0 in `slot_mapping` are padding (graph replay) and are not written.
+
+An FP8 cache (e4m3fn or e5m2, see `base`) is handed to the kernels as bytes: they encode
+`x / scale` (round to nearest even, saturated) and decode it with integer operations, which
+any GPU Triton targets runs (and Triton's interpreter, whose own FP8 casts do not round as
+torch does). The scales come as one-element tensors, read by the kernels, so a recorded graph
+follows later changes; k_scale multiplies the scores and v_scale the output.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.attention_backends.base import AttentionMetadata
+from runtime.attention_backends.base import AttentionMetadata, is_fp8
 
 # Rows of one attention tile (query tokens x heads of a GQA group): 16 is the smallest tile
 # tensor cores take, used for decode-only batches; prefill tiles are larger.
@@ -32,11 +38,49 @@ PREFILL_ROWS = 64
 KV_TILE = 32
 
 
+def fp8_format(dtype: torch.dtype) -> dict[str, float]:
+    """The kernels' FP8 parameters for a cache dtype (FP8_MANT 0: the cache is not FP8)."""
+    if not is_fp8(dtype):
+        return dict(FP8_MANT=0, FP8_BIAS=0, FP8_MAX=0.0, FP8_MIN_NORMAL=0.0, FP8_SUBNORMAL=0.0)
+    mant = 3 if dtype == torch.float8_e4m3fn else 2
+    bias = 7 if dtype == torch.float8_e4m3fn else 15
+    return dict(FP8_MANT=mant, FP8_BIAS=bias, FP8_MAX=torch.finfo(dtype).max,
+                FP8_MIN_NORMAL=2.0 ** (1 - bias), FP8_SUBNORMAL=2.0 ** (1 - bias - mant))
+
+
+@triton.jit
+def _fp8_encode(x, MANT: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr,
+                MIN_NORMAL: tl.constexpr, SUBNORMAL: tl.constexpr):
+    """float32 x as FP8 bytes: round to nearest even, |x| saturated to MAX."""
+    negative = x.to(tl.int32, bitcast=True) < 0
+    a = tl.minimum(tl.abs(x), MAX)
+    # normal: rebias the exponent, then drop 23 - MANT mantissa bits rounding to nearest even
+    bits = a.to(tl.int32, bitcast=True) - ((127 - BIAS) << 23)
+    normal = (bits + ((1 << (22 - MANT)) - 1) + ((bits >> (23 - MANT)) & 1)) >> (23 - MANT)
+    # subnormal: a count of SUBNORMAL steps; adding 2^23 rounds it to an integer, to nearest even
+    steps = ((a / SUBNORMAL + 8388608.0) - 8388608.0).to(tl.int32)
+    mag = tl.where(a < MIN_NORMAL, steps, normal)
+    return (mag | tl.where(negative, 0x80, 0)).to(tl.uint8)
+
+
+@triton.jit
+def _fp8_decode(b, MANT: tl.constexpr, BIAS: tl.constexpr, SUBNORMAL: tl.constexpr):
+    """FP8 bytes as float32 values (exact)."""
+    b = b.to(tl.int32)
+    mag = b & 0x7F
+    normal = ((mag << (23 - MANT)) + ((127 - BIAS) << 23)).to(tl.float32, bitcast=True)
+    value = tl.where((mag >> MANT) == 0, mag.to(tl.float32) * SUBNORMAL, normal)
+    return tl.where(b >= 0x80, -value, value)
+
+
 @triton.jit
 def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     k_scale_ptr, v_scale_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch,
-                     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr):
+                     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr,
+                     FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
+                     FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -47,6 +91,11 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head * stride_ch + d
     k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d, mask=d_ok)
     v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d, mask=d_ok)
+    if FP8_MANT > 0:
+        k = _fp8_encode(k.to(tl.float32) / tl.load(k_scale_ptr), FP8_MANT, FP8_BIAS, FP8_MAX,
+                        FP8_MIN_NORMAL, FP8_SUBNORMAL)
+        v = _fp8_encode(v.to(tl.float32) / tl.load(v_scale_ptr), FP8_MANT, FP8_BIAS, FP8_MAX,
+                        FP8_MIN_NORMAL, FP8_SUBNORMAL)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=d_ok)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=d_ok)
 
@@ -54,11 +103,12 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 @triton.jit
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_loc_ptr, scale,
+        query_start_loc_ptr, scale, k_scale_ptr, v_scale_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_SUBNORMAL: tl.constexpr):
     req = tl.program_id(0)
     tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -80,6 +130,8 @@ def _paged_attention_kernel(
     q_off = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
     q = tl.load(q_ptr + q_off + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = context_len + token
+    if FP8_MANT > 0:
+        scale = scale * tl.load(k_scale_ptr)
 
     m_i = tl.full([BLOCK_M * GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_P2], tl.float32)
@@ -97,7 +149,9 @@ def _paged_attention_kernel(
         block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         kv_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None],
-                    mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
+                    mask=pos_ok[None, :] & d_ok[:, None], other=0)
+        if FP8_MANT > 0:
+            k = _fp8_decode(k, FP8_MANT, FP8_BIAS, FP8_SUBNORMAL)
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING_WINDOW > 0:
@@ -109,11 +163,15 @@ def _paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :],
-                    mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
+                    mask=pos_ok[:, None] & d_ok[None, :], other=0)
+        if FP8_MANT > 0:
+            v = _fp8_decode(v, FP8_MANT, FP8_BIAS, FP8_SUBNORMAL)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
                                             input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if FP8_MANT > 0:
+        out = out * tl.load(v_scale_ptr)
     o_off = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
     tl.store(out_ptr + o_off + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
@@ -124,24 +182,30 @@ def _pow2(n: int, floor: int = 1) -> int:
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor,
+             v_scale: torch.Tensor) -> None:
     """Store key/value [T, Hkv, D] at `slot_mapping` [T] of a [num_blocks, block_size, Hkv, D]
-    cache half each; negative slots are skipped."""
+    cache half each (FP8: divided by the one-element `k_scale`/`v_scale`); negative slots are
+    skipped."""
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
     assert key.stride(-1) == value.stride(-1) == k_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride()
+    fp8 = fp8_format(k_cache.dtype)
+    if fp8["FP8_MANT"]:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _write_kv_kernel[(num_tokens, num_kv_heads)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=k_cache.size(1), HEAD_SIZE=head_size, HEAD_P2=_pow2(head_size))
+        BLOCK_SIZE=k_cache.size(1), HEAD_SIZE=head_size, HEAD_P2=_pow2(head_size), **fp8)
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-                    sliding_window: int | None) -> None:
+                    sliding_window: int | None, k_scale: torch.Tensor,
+                    v_scale: torch.Tensor) -> None:
     """Attend query [T, H, D] over the paged cache into `out` [T, H, D] (see the module doc)."""
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.size(2)
@@ -151,12 +215,16 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     block_m = max(1, rows // group_p2)
     assert query.stride(-1) == out.stride(-1) == k_cache.stride(-1) == 1
     grid = (metadata.num_reqs, triton.cdiv(metadata.max_query_len, block_m), num_kv_heads)
+    fp8 = fp8_format(k_cache.dtype)
+    if fp8["FP8_MANT"]:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
-        metadata.query_start_loc, scale,
+        metadata.query_start_loc, scale, k_scale, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
         GROUP=group, GROUP_P2=group_p2, BLOCK_SIZE=k_cache.size(1), HEAD_SIZE=head_size,
         HEAD_P2=_pow2(head_size, 16), BLOCK_M=block_m, BLOCK_N=KV_TILE,
-        SLIDING_WINDOW=sliding_window or 0,
+        SLIDING_WINDOW=sliding_window or 0, FP8_MANT=fp8["FP8_MANT"], FP8_BIAS=fp8["FP8_BIAS"],
+        FP8_SUBNORMAL=fp8["FP8_SUBNORMAL"],
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32")

@@ -105,6 +105,7 @@ def requests_of(spec: dict[str, Any]) -> list[tuple[list[int], int]]:
 def run_runtime(spec: dict[str, Any]) -> dict[str, Any]:
     """Our engine, driven step by step so that the KV-cache use can be read between steps."""
     import torch
+    from runtime.attention_backends.base import kv_cache_torch_dtype
     from runtime.config import EngineConfig
     from runtime.engine.llm_engine import LLMEngine
     from runtime.sampling_params import SamplingParams
@@ -137,7 +138,8 @@ def run_runtime(spec: dict[str, Any]) -> dict[str, Any]:
                                 spec_stats.num_accepted_tokens - before[1],
                                 spec_stats.num_drafts - before[2])
     mc, block_size = engine.model_config, engine.config.block_size
-    per_block = mc.kv_bytes_per_block(block_size, mc.dtype)
+    per_block = mc.kv_bytes_per_block(
+        block_size, kv_cache_torch_dtype(engine.config.kv_cache_dtype, mc.dtype))
     ttft, tpot = [], []
     for out in outputs:
         m, n = out.metrics, len(out.outputs[0].token_ids)

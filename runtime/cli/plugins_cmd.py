@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+from runtime.attention_backends.base import KV_CACHE_DTYPES, kv_cache_torch_dtype
 from runtime.plugins.interfaces import ModelInfo, Platform
 from runtime.plugins.manager import discovered_plugins, get_plugin_manager
 from runtime.plugins.ops import COMPOSITES
@@ -26,6 +27,8 @@ def add_plugins_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="force a platform by name (default: RUNTIME_DEVICE, else detection)")
     parser.add_argument("--attention-backend", default=None,
                         help="show what forcing this attention backend would do")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="show the attention candidates for this KV-cache dtype")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=plugins_command)
     return parser
@@ -42,7 +45,8 @@ def plugins_command(args: argparse.Namespace) -> int:
     }
     try:
         report["active"] = _active(select_platform(device),
-                                   getattr(args, "attention_backend", None))
+                                   getattr(args, "attention_backend", None),
+                                   getattr(args, "kv_cache_dtype", "auto"))
     except PlatformError as e:
         report["error"] = str(e)
     if getattr(args, "json", False):
@@ -52,17 +56,20 @@ def plugins_command(args: argparse.Namespace) -> int:
     return 0 if report["active"] else 1
 
 
-def _active(platform: Platform, requested: str | None = None) -> dict[str, Any]:
+def _active(platform: Platform, requested: str | None = None,
+            kv_cache_dtype: str = "auto") -> dict[str, Any]:
     hook = get_plugin_manager().hook
     dtype = platform.default_dtype()
-    model = ModelInfo(architecture="sample", dtype=dtype, kv_cache_dtype=dtype,
+    model = ModelInfo(architecture="sample", dtype=dtype,
+                      kv_cache_dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype),
                       head_size=SAMPLE_HEAD_SIZE, num_heads=SAMPLE_HEADS,
                       num_kv_heads=SAMPLE_HEADS)
     try:
         backend = hook.runtime_attention_backend(platform=platform, model=model,
                                                  requested=requested)
         attention = (f"{backend.name} ({backend.__module__}.{backend.__qualname__}), chosen for "
-                     f"head_size {SAMPLE_HEAD_SIZE}, {str(dtype).removeprefix('torch.')}"
+                     f"head_size {SAMPLE_HEAD_SIZE}, {str(dtype).removeprefix('torch.')}, "
+                     f"KV cache {kv_cache_dtype}"
                      if backend else "none offered")
     except Exception as e:  # the report must still print when a backend is broken
         attention = f"unavailable: {type(e).__name__}: {e}"

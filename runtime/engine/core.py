@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from runtime.attention_backends.base import kv_cache_torch_dtype
 from runtime.plugins.interfaces import Platform
 from runtime.config import EngineConfig
 from runtime.core.kv_cache_manager import KVCacheManager
@@ -47,8 +48,9 @@ class EngineCore:
             raise ValueError("the KV-cache budget holds no block: raise --kv-cache-memory")
         self.executor.init_kv_cache(num_blocks)
         self.num_blocks = num_blocks
-        per_block = model_config.kv_bytes_per_block(config.block_size, model_config.dtype,
-                                                    config.tensor_parallel_size)
+        per_block = model_config.kv_bytes_per_block(
+            config.block_size, kv_cache_torch_dtype(config.kv_cache_dtype, model_config.dtype),
+            config.tensor_parallel_size)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB per tensor-parallel "
                     "rank over all stages)", num_blocks,
                     config.block_size, num_blocks * config.block_size,

@@ -22,10 +22,15 @@ class Attention(nn.Module):
         self.impl = ctx.attention_backend(num_heads, head_size, scale, num_kv_heads,
                                           sliding_window, logits_soft_cap)
         self.kv_cache = torch.empty(0)  # bound by the model runner once the cache is allocated
+        # set by the worker for --calculate-kv-scales: the next forward sets the FP8 scales
+        self.calculate_kv_scales = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]."""
         t = q.size(0)
+        if self.calculate_kv_scales:
+            self.impl.calculate_kv_scales(k, v)
+            self.calculate_kv_scales = False
         out = self.impl.forward(q.view(t, self.num_heads, self.head_size),
                                 k.view(t, self.num_kv_heads, self.head_size),
                                 v.view(t, self.num_kv_heads, self.head_size),

@@ -13,6 +13,7 @@ from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from runtime.layers.rotary import get_rope, rotary_embedding
+from runtime.model_loader.kv_scales import load_kv_scale
 
 
 def layer_sliding_window(config, layer_idx: int) -> int | None:
@@ -198,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
                 if name == "model.embed_tokens.weight" and self.pp.size > 1 and self.pp.is_last:
                     self.lm_head.weight.weight_loader(self.lm_head.weight, tensor)
                     loaded.add("lm_head.weight")
-            if not self.pp.owns(name, num_layers):
+            if not self.pp.owns(name, num_layers) or load_kv_scale(self, name, tensor):
                 continue
             for ckpt_part, (param_part, shard_id) in self.stacked_params.items():
                 if f".{ckpt_part}." in name:

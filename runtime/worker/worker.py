@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime.attention_backends.base import is_fp8, kv_cache_torch_dtype
 from runtime.plugins.interfaces import CaptureSpec, ModelInfo, Platform
 from runtime.plugins.manager import get_plugin_manager
 from runtime.plugins.selection import select_platform
@@ -47,9 +48,15 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The dtype the KV cache is kept in (`--kv-cache-dtype`; "auto": the model's)."""
+        return kv_cache_torch_dtype(self.config.kv_cache_dtype, self.model_config.dtype)
+
     def model_info(self) -> ModelInfo:
         mc = self.model_config
-        return ModelInfo(architecture=mc.architecture, dtype=mc.dtype, kv_cache_dtype=mc.dtype,
+        return ModelInfo(architecture=mc.architecture, dtype=mc.dtype,
+                         kv_cache_dtype=self.kv_cache_dtype,
                          head_size=mc.head_size, num_heads=mc.num_heads,
                          num_kv_heads=mc.num_kv_heads, sliding_window=mc.sliding_window,
                          block_size=self.config.block_size)
@@ -93,7 +100,7 @@ class Worker:
         self.runner = ModelRunner(model, self.device, self.config.block_size, mc.vocab_size,
                                   graph_runner)
         self.model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        itemsize = torch.empty(0, dtype=mc.dtype).element_size()
+        itemsize = self.kv_cache_dtype.itemsize
         self.kv_bytes_per_block = sum(  # this rank's layers and KV heads only
             2 * self.config.block_size * m.num_kv_heads * m.head_size * itemsize
             for m in model.modules() if isinstance(m, Attention))
@@ -131,7 +138,7 @@ class Worker:
         num_tokens = min(cfg.max_num_batched_tokens, mc.max_model_len)
         activation = self.platform.measure_peak_memory(
             lambda: self.runner.profile_run(num_tokens, min(cfg.max_num_seqs, num_tokens),
-                                            mc.dtype))
+                                            self.kv_cache_dtype))
         budget = self.platform.kv_cache_memory_bytes(cfg.kv_cache_memory,
                                                      self.model_bytes + activation)
         # Never hold more than every sequence slot could use at full length.
@@ -140,7 +147,7 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then let the graph runner record what it records over it."""
-        self.runner.allocate_kv_cache(num_blocks, self.model_config.dtype)
+        self.runner.allocate_kv_cache(num_blocks, self.kv_cache_dtype)
         if self.runner.proposer is not None:
             self.runner.proposer.allocate_kv_cache(num_blocks, self.config.block_size,
                                                    self.model_config.dtype)
@@ -151,6 +158,10 @@ class Worker:
             attention_backend=self.attention_backend, device=self.device,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=self.model_config.max_model_len, block_size=cfg.block_size))
+        if cfg.calculate_kv_scales and is_fp8(self.kv_cache_dtype):
+            # armed only now: the profile and capture runs see no real activations
+            for layer in self.runner.kv_layers:
+                layer.calculate_kv_scales = True
 
     def _load_proposer(self) -> None:
         """Speculative decoding: the runner's proposer; a draft model's KV shares the blocks."""

@@ -2,6 +2,10 @@
 // straight from the paged cache (no gather), one pass of scores, softmax, weighted sum of V.
 // Work is split over (sequence, KV head) pairs with at::parallel_for, so it follows
 // torch.set_num_threads. Accumulation is in float32 for every cache dtype.
+//
+// The cache is in the query's dtype, or in FP8 (e4m3fn or e5m2) holding K / k_scale and
+// V / v_scale: FP8 rows are widened to float32 eight at a time in registers, k_scale is folded
+// into the scaled query and v_scale into the softmax normaliser.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -16,6 +20,31 @@
 namespace {
 
 using namespace runtime_cpu;
+
+// Eight FP8 values (sign, EXP exponent bits with bias BIAS, MANT mantissa bits) as float32, in
+// integer registers: a normal number gets its exponent rebiased, a subnormal one is its
+// mantissa times the smallest subnormal (no float32 subnormals, which are slow on x86).
+template <int MANT, int BIAS>
+inline v8f fp8_to_float(const void* p) {
+  typedef uint8_t v8u8 __attribute__((vector_size(8)));
+  v8u8 bytes;
+  __builtin_memcpy(&bytes, p, sizeof(bytes));
+  const v8i b = __builtin_convertvector(bytes, v8i);
+  const v8i mag = b & 0x7f;
+  v8i normal_bits = (mag << (23 - MANT)) + ((127 - BIAS) << 23);
+  v8f normal, sub = __builtin_convertvector(mag, v8f) * std::ldexp(1.f, 1 - BIAS - MANT);
+  __builtin_memcpy(&normal, &normal_bits, sizeof(normal));
+  v8f value = (mag >> MANT) == 0 ? sub : normal;
+  v8i bits;
+  __builtin_memcpy(&bits, &value, sizeof(bits));
+  bits |= (b & 0x80) << 24;
+  __builtin_memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+using runtime_cpu::load8;  // the overloads below join simd.h's instead of hiding them
+inline v8f load8(const c10::Float8_e4m3fn* p) { return fp8_to_float<3, 7>(p); }
+inline v8f load8(const c10::Float8_e5m2* p) { return fp8_to_float<2, 15>(p); }
 
 // Two accumulators break the FMA dependency chain; n is a multiple of 8.
 template <typename T>
@@ -32,10 +61,10 @@ inline float dot(const float* q, const T* k, int64_t n) {
 
 // HEAD > 0 fixes the head size at compile time, so the loops unroll and the output row
 // stays in registers; HEAD == 0 reads it at run time.
-template <typename T, int HEAD>
+template <typename T, typename C, int HEAD>
 void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-            double scale, int64_t sliding_window) {
+            double scale, int64_t sliding_window, double k_scale, double v_scale) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   const int64_t head_size = HEAD > 0 ? HEAD : query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -48,8 +77,9 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
   const int64_t os_stride = out.stride(0), oh_stride = out.stride(1);
   const int64_t bt_stride = block_tables.stride(0);
   const T* q_ptr = query.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
+  const C* k_ptr = static_cast<const C*>(k_cache.data_ptr());
+  const C* v_ptr = static_cast<const C*>(v_cache.data_ptr());
+  const float q_scale = static_cast<float>(scale * k_scale);
   T* o_ptr = out.data_ptr<T>();
   const int32_t* bt_ptr = block_tables.data_ptr<int32_t>();
   const int32_t* len_ptr = seq_lens.data_ptr<int32_t>();
@@ -65,14 +95,14 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
       for (int64_t g = 0; g < group; ++g) {
         const T* src = q_ptr + s * qs_stride + (kvh * group + g) * qh_stride;
         for (int64_t d = 0; d < head_size; ++d)
-          q[g * head_size + d] = static_cast<float>(src[d]) * static_cast<float>(scale);
+          q[g * head_size + d] = static_cast<float>(src[d]) * q_scale;
       }
       scores.resize(group * n);
       // Scores block by block: no division per token, and a block's rows are adjacent.
       for (int64_t b = first / block_size; b * block_size < len; ++b) {
         const int64_t lo = std::max(first, b * block_size);
         const int64_t hi = std::min(len, (b + 1) * block_size);
-        const T* k = k_ptr + table[b] * kb_stride + kvh * kh_stride +
+        const C* k = k_ptr + table[b] * kb_stride + kvh * kh_stride +
                      (lo - b * block_size) * kt_stride;
         for (int64_t t = lo; t < hi; ++t, k += kt_stride)
           for (int64_t g = 0; g < group; ++g)
@@ -88,7 +118,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
         for (int64_t b = first / block_size; b * block_size < len; ++b) {
           const int64_t lo = std::max(first, b * block_size);
           const int64_t hi = std::min(len, (b + 1) * block_size);
-          const T* v = v_ptr + table[b] * vb_stride + kvh * vh_stride +
+          const C* v = v_ptr + table[b] * vb_stride + kvh * vh_stride +
                        (lo - b * block_size) * vt_stride;
           for (int64_t t = lo; t < hi; ++t, v += vt_stride) {
             const float w = p[t - first];
@@ -103,37 +133,63 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
         if constexpr (HEAD > 0)
           for (int64_t j = 0; j < lanes; ++j) store8(acc.data() + 8 * j, regs[j]);
         T* dst = o_ptr + s * os_stride + (kvh * group + g) * oh_stride;
-        const float inv = 1.f / sums[g];
+        const float inv = static_cast<float>(v_scale) / sums[g];
         for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(acc[d] * inv);
       }
     }
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 void decode_any_head(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+                     const at::Tensor& seq_lens, double scale, int64_t sliding_window,
+                     double k_scale, double v_scale) {
   switch (query.size(2)) {
-    case 64: return decode<T, 64>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
-                                  sliding_window);
-    case 128: return decode<T, 128>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
-                                    sliding_window);
-    default: return decode<T, 0>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
-                                 sliding_window);
+    case 64: return decode<T, C, 64>(out, query, k_cache, v_cache, block_tables, seq_lens,
+                                     scale, sliding_window, k_scale, v_scale);
+    case 128: return decode<T, C, 128>(out, query, k_cache, v_cache, block_tables, seq_lens,
+                                       scale, sliding_window, k_scale, v_scale);
+    default: return decode<T, C, 0>(out, query, k_cache, v_cache, block_tables, seq_lens,
+                                    scale, sliding_window, k_scale, v_scale);
+  }
+}
+
+// The cache in the query's dtype T, or in one of the FP8 formats.
+template <typename T>
+void decode_any_cache(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                      const at::Tensor& seq_lens, double scale, int64_t sliding_window,
+                      double k_scale, double v_scale) {
+  switch (k_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn:
+      return decode_any_head<T, c10::Float8_e4m3fn>(out, query, k_cache, v_cache, block_tables,
+                                                    seq_lens, scale, sliding_window, k_scale,
+                                                    v_scale);
+    case at::kFloat8_e5m2:
+      return decode_any_head<T, c10::Float8_e5m2>(out, query, k_cache, v_cache, block_tables,
+                                                  seq_lens, scale, sliding_window, k_scale,
+                                                  v_scale);
+    default:
+      return decode_any_head<T, T>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
+                                   sliding_window, k_scale, v_scale);
   }
 }
 
 void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+                            const at::Tensor& seq_lens, double scale, int64_t sliding_window,
+                            double k_scale, double v_scale) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
               "query and out must be [num_seqs, num_heads, head_size]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_size]");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn ||
+                   k_cache.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK((fp8 || query.scalar_type() == k_cache.scalar_type()) &&
+                  v_cache.scalar_type() == k_cache.scalar_type() &&
                   out.scalar_type() == query.scalar_type(),
-              "query, out and the cache must share one dtype");
+              "query and out must share one dtype, and the cache must be in it or in FP8");
   TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0,
               "head sizes differ or num_heads is not a multiple of num_kv_heads");
   TORCH_CHECK(query.size(2) % 8 == 0, "head_size must be a multiple of 8");
@@ -144,8 +200,8 @@ void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::T
                   seq_lens.is_contiguous() && block_tables.stride(1) == 1,
               "block_tables and seq_lens must be int32 with contiguous rows");
   RUNTIME_CPU_DISPATCH(query.scalar_type(), "paged_attention_decode", [&] {
-    decode_any_head<scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
-                              sliding_window);
+    decode_any_cache<scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
+                               sliding_window, k_scale, v_scale);
   });
 }
 
@@ -153,7 +209,8 @@ void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::T
 
 TORCH_LIBRARY(runtime_cpu, m) {
   m.def("paged_attention_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window) -> ()");
+        "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, "
+        "float k_scale=1.0, float v_scale=1.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(runtime_cpu, CPU, m) {
