@@ -2,11 +2,13 @@
 against itself in full precision and against the portable one, and backend selection.
 
 e4m3 keeps 3 mantissa bits (a stored value is within 2^-4 of x / scale, relatively, for normal
-numbers), e5m2 keeps 2 (2^-3). The Triton kernels run through Triton's interpreter on the CPU.
+numbers), e5m2 keeps 2 (2^-3). The Triton kernels run through Triton's interpreter on the CPU,
+compiled on a GPU when there is one (then half precision is checked too).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -39,8 +41,10 @@ CPU_BUILD_ERROR = kernels.load(CpuPlatform().info.model_name)
 needs_cpu_kernels = pytest.mark.skipif(CPU_BUILD_ERROR is not None,
                                        reason=f"the CPU kernels did not build: {CPU_BUILD_ERROR}")
 triton = pytest.importorskip("triton")
-needs_triton = pytest.mark.skipif(not triton.knobs.runtime.interpret,
-                                  reason="Triton was imported before TRITON_INTERPRET=1 was set")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(DEVICE == "cpu" and not triton.knobs.runtime.interpret,
+                                  reason="no GPU, and Triton was imported before "
+                                         "TRITON_INTERPRET=1 was set")
 
 
 def fp8_bytes(dtype: torch.dtype, shape: torch.Size, seed: int = 0) -> torch.Tensor:
@@ -54,10 +58,19 @@ def fp8_bytes(dtype: torch.dtype, shape: torch.Size, seed: int = 0) -> torch.Ten
 
 
 def backend(cls, num_heads: int, head_size: int, num_kv_heads: int, window=None,
-            scales=(K_SCALE, V_SCALE)):
-    impl = cls(num_heads, head_size, head_size ** -0.5, num_kv_heads, window)
+            scales=(K_SCALE, V_SCALE), device="cpu"):
+    with torch.device(device):  # where the scales live
+        impl = cls(num_heads, head_size, head_size ** -0.5, num_kv_heads, window)
     impl.set_kv_scales(*scales)
     return impl
+
+
+def on(device: str, batch):
+    """A copy of make_batch's (query, key, value, cache, metadata) on `device`."""
+    *tensors, md = batch
+    moved = {name: getattr(md, name).to(device) for name in
+             ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")}
+    return (*(t.to(device) for t in tensors), dataclasses.replace(md, **moved))
 
 
 def fp8_batch(dtype, fp8, head_size=64, heads=(8, 2), block_size=16, seed=0):
@@ -134,19 +147,33 @@ def test_cpu_kernel_matches_the_portable_backend(fp8, dtype, tol, head_size, hea
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+def check_triton(fp8, block_size, heads, window, dtype=torch.float32, tol=2e-5):
+    """Same bytes written (rounding and saturation done in integer code), same attention as
+    the portable backend on the CPU in float32."""
+    batch = fp8_batch(dtype, fp8, 16 if DEVICE == "cpu" else 64, heads, block_size)
+    q, k, v, cache, md = on(DEVICE, batch)
+    head_size = q.size(-1)
+    got = backend(TritonPagedAttention, heads[0], head_size, heads[1], window,
+                  device=DEVICE).forward(q, k, v, cache, md)
+    q, k, v, want_cache, md = on("cpu", (q.float(), k.float(), v.float(), *batch[3:]))
+    want = backend(TorchPagedAttention, heads[0], head_size, heads[1], window).forward(
+        q, k, v, want_cache, md)
+    assert torch.equal(cache.cpu().view(torch.uint8), want_cache.view(torch.uint8))
+    torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)
+
+
 @needs_triton
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("block_size,heads,window", [(16, (8, 2), None), (5, (4, 1), 7)])
 def test_triton_matches_the_portable_backend(fp8, block_size, heads, window):
-    """Same bytes written (rounding and saturation done in integer code), same attention."""
-    q, k, v, cache, md = fp8_batch(torch.float32, fp8, 16, heads, block_size)
-    got_cache, want_cache = cache.clone(), cache.clone()
-    got = backend(TritonPagedAttention, heads[0], 16, heads[1], window).forward(
-        q, k, v, got_cache, md)
-    want = backend(TorchPagedAttention, heads[0], 16, heads[1], window).forward(
-        q, k, v, want_cache, md)
-    assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    check_triton(fp8, block_size, heads, window)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="half precision is checked on a GPU")
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_half_precision(fp8, dtype):
+    check_triton(fp8, 16, (8, 2), None, dtype, tol=3e-2)
 
 
 @needs_triton
@@ -157,13 +184,13 @@ def test_triton_encodes_every_magnitude_as_torch_does(fp8):
     special = torch.tensor([0.0, -0.0, 448, 464, 480, 57344, 61440, 1e30, -1e30, 2.0 ** -10])
     x = torch.cat([special] + [torch.randn(512, generator=gen) * 10.0 ** e for e in range(-9, 7)])
     x = x[:x.numel() // 128 * 128].view(-1, 1, 128)  # few rows: the interpreter runs each alone
-    cache = torch.zeros(2, x.size(0), 1, 1, 128, dtype=fp8)
-    one = torch.ones(())
-    write_kv(x, -x, cache[0], cache[1], torch.arange(x.size(0)), one, one)
-    assert torch.equal(cache[0].flatten().view(torch.uint8),
-                       quantize_kv(x, one, fp8).flatten().view(torch.uint8))
-    assert torch.equal(cache[1].flatten().view(torch.uint8),
-                       quantize_kv(-x, one, fp8).flatten().view(torch.uint8))
+    cache = torch.zeros(2, x.size(0), 1, 1, 128, dtype=fp8, device=DEVICE)
+    one = torch.ones((), device=DEVICE)
+    write_kv(x.to(DEVICE), -x.to(DEVICE), cache[0], cache[1],
+             torch.arange(x.size(0), device=DEVICE), one, one)
+    for half, values in zip(cache.cpu(), (x, -x)):
+        assert torch.equal(half.flatten().view(torch.uint8),
+                           quantize_kv(values, torch.ones(()), fp8).flatten().view(torch.uint8))
 
 
 def test_calculated_scales_map_the_batch_maximum():
