@@ -128,3 +128,18 @@ def runtime_register_models() -> dict[str, Any]:
     "package.module:ClassName" imported only when that architecture is loaded. All answers are
     collected; a plugin's entry replaces a built-in one of the same name.
     """
+
+
+@hookspec
+def runtime_logits_processors() -> list[Callable] | None:
+    """Add logits processors to sampling.
+
+    Called once per model runner, when it is built. A processor is a callable
+    `(logits, batch) -> logits`: `logits` is the step's float32 [rows, vocab] tensor on the
+    device, `batch` the step's `runtime.sampling.SamplingBatch`, one row per sampled position
+    (k + 1 rows for a request verifying k proposals). Processors run after the engine's own
+    adjustments (grammar mask, allowed_token_ids, bad_words, min_tokens, logit_bias,
+    penalties) and before temperature, top-k/top-p/min-p and the draw, for greedy and random
+    rows alike; they return a new tensor or modify `logits` in place. Returns a list of
+    processors, or None. All answers are collected and run in the order they were collected.
+    """

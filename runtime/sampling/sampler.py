@@ -1,6 +1,7 @@
 """The batched sampler: logits in, one token per row out (plus logprobs when asked)."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,10 +22,21 @@ class SamplerOutput:
 class Sampler:
     """Turns one step's logits into tokens.
 
-    Logprobs come from the raw logits (before penalties and temperature). Then: min_tokens,
-    repetition/presence/frequency penalties; greedy rows take the argmax, random rows go
-    through temperature, top-k, top-p, min-p and an exponential race.
+    Logprobs come from the raw logits (before penalties and temperature). Then `adjust`: the
+    allowed tokens, bans, logit_bias, penalties, and the plugins' logits processors (hook
+    `runtime_logits_processors`); greedy rows take the argmax, random rows go through
+    temperature, top-k, top-p, min-p and an exponential race.
     """
+
+    def __init__(self, logits_processors: Sequence[Callable] = ()) -> None:
+        self.logits_processors = list(logits_processors)
+
+    def adjust(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The logits every row samples from, before temperature and filters."""
+        logits = apply_penalties(logits, batch)
+        for processor in self.logits_processors:
+            logits = processor(logits, batch)
+        return logits
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of `logits` [B, V]; the input tensor is not modified."""
@@ -32,7 +44,7 @@ class Sampler:
         raw_logprobs = None
         if batch.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)
-        logits = apply_penalties(logits, batch)
+        logits = self.adjust(logits, batch)
 
         if batch.all_greedy:
             sampled = logits.argmax(dim=-1)
@@ -45,6 +57,13 @@ class Sampler:
             return SamplerOutput(sampled, None, None, None)
         ids, values, ranks = gather_logprobs(raw_logprobs, batch.max_num_logprobs, sampled)
         return SamplerOutput(sampled, ids, values, ranks)
+
+
+def plugin_logits_processors() -> list[Callable]:
+    """Every plugin's `runtime_logits_processors` answer, flattened, in hook order."""
+    from runtime.plugins.manager import get_plugin_manager
+    return [processor for answer in get_plugin_manager().hook.runtime_logits_processors()
+            for processor in answer or ()]
 
 
 def _random_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -10,8 +10,8 @@ from runtime.attention_backends.base import AttentionMetadata
 from runtime.plugins.interfaces import EagerRunner, GraphRunner
 from runtime.forward_context import forward_context
 from runtime.layers.attention import Attention, zero_new_blocks
-from runtime.sampling.penalties import apply_penalties
-from runtime.sampling.sampler import Sampler, SamplingBatch, gather_logprobs
+from runtime.sampling.sampler import (Sampler, SamplingBatch, gather_logprobs,
+                                      plugin_logits_processors)
 from runtime.sampling_params import SamplingParams
 from runtime.spec_decode.rejection import Verification, rejection_sample
 from runtime.worker.inputs import ScheduledRequest, StepInput, StepOutput, TokenLogprobs
@@ -25,7 +25,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.vocab_size = vocab_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(plugin_logits_processors())
         self.states = RequestStates()
         # seeded requests' generators: kept through a preemption, dropped when they finish
         self.generators: dict[str, torch.Generator] = {}
@@ -205,7 +205,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
         batch = SamplingBatch.build(params, prompts, outputs, generators, self.device,
                                     self.vocab_size, bitmasks)
-        emitted = rejection_sample(apply_penalties(logits, batch), batch, checks)
+        emitted = rejection_sample(self.sampler.adjust(logits, batch), batch, checks)
         wants = [j for j, i in enumerate(sampling) if reqs[i].params.logprobs is not None]
         if wants:
             sel = [checks[j].offset + t for j in wants for t in range(len(emitted[j]))]

@@ -4,6 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from runtime.llm import LLM
+from runtime.plugins.manager import get_plugin_manager, reset_plugin_manager
+from runtime.plugins.hookspecs import hookimpl
 from runtime.sampling import Sampler, SamplingBatch
 from runtime.sampling.penalties import apply_penalties
 from runtime.sampling_params import SamplingParams
@@ -66,3 +69,34 @@ def test_invalid_controls_are_refused():
         SamplingParams(allowed_token_ids=[])
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=[" "])
+
+
+class BanToken:
+    """A plugin whose logits processor bans one token on every row."""
+
+    def __init__(self, token_id: int) -> None:
+        self.token_id = token_id
+        self.calls = 0
+
+    @hookimpl
+    def runtime_logits_processors(self):
+        def ban(logits, batch):
+            self.calls += 1
+            logits[:, self.token_id] = float("-inf")
+            return logits
+        return [ban]
+
+
+def test_a_plugins_logits_processor_runs_on_every_step(tiny_model_factory):
+    path = tiny_model_factory()
+    first = LLM(path, dtype="float32", kv_cache_memory="16MiB").generate(
+        ["a b c"], SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids[0]
+    reset_plugin_manager()
+    plugin = BanToken(first)
+    get_plugin_manager().register(plugin, name="ban_token")
+    try:
+        llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
+    finally:
+        reset_plugin_manager()
+    out = llm.generate(["a b c"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert first not in out[0].outputs[0].token_ids and plugin.calls == 4

@@ -138,3 +138,21 @@ def test_speculative_decoding_follows_the_grammar(tiny_model_factory, generated_
     for regex, out in zip(REGEXES, outs[len(schemas_):]):
         assert re.fullmatch(regex, out.outputs[0].text), (regex, out.outputs[0].text)
     assert spec.engine.core.scheduler.spec_stats.num_draft_tokens > 0
+
+
+def test_preempted_requests_resume_with_their_matcher(tiny_model_factory, generated_schemas):
+    """With 10 blocks the batch cannot fit: requests are preempted and recomputed, and their
+    outputs are the ones an unhindered run gives."""
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads x 16, fp32
+    schemas_ = sorted(generated_schemas, key=lambda s: len(json.dumps(s)))[:8]  # short outputs
+    params = [constrained(json=s, disable_any_whitespace=True, temperature=0, seed=None,
+                          max_tokens=120) for s in schemas_]
+    prompts = [f"Item {i}: " + "word " * 20 for i in range(len(params))]
+    small = LLM(tiny_model_factory(), dtype="float32", kv_cache_memory=10 * block_bytes,
+                max_model_len=150)
+    outs = small.generate(prompts, params)
+    assert small.engine.core.scheduler.num_preemptions > 0
+    check_json(outs, schemas_)
+    roomy = LLM(tiny_model_factory(), dtype="float32", kv_cache_memory="16MiB")
+    assert [o.outputs[0].text for o in outs] == \
+        [o.outputs[0].text for o in roomy.generate(prompts, params)]
