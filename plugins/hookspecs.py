@@ -1,25 +1,39 @@
 """The plugin contract: every hook a plugin may implement.
 
 Version HOOK_API_VERSION. A plugin is any object or module with functions marked `@hookimpl` whose
-names match the specs below. Built-in platforms (`platforms/*`) are registered like any other plugin;
-third-party ones arrive through the entry-point group `runtime.plugins`.
+names match the specs below. Built-in platforms (`platforms/*`) are registered like any other
+plugin; third-party ones arrive through the entry-point group `runtime.plugins`.
 
-Conventions, as in pytest:
-- a `firstresult` hook stops at the first non-None answer; `@hookimpl(tryfirst=True)` lets a plugin
-  answer before the built-in platforms (e.g. a faster CPU attention backend shipped in a wheel);
-- every other hook collects the answers of all plugins into a list;
-- a hook may accept only some of the spec's arguments (pluggy passes those it names).
+What one platform answers (its attention backends, graph runner, communicator, quantization
+kernels, custom ops) is a method of its `Platform` object (`runtime.plugins.interfaces`). The
+hooks carry what crosses plugins: detecting platforms, adding models, and overriding a platform's
+answer. The engine always asks the hook; the hooks' default implementation (the plugin named
+"platform", `runtime.plugins.platform_answers`) returns the chosen platform's own answer.
 
-The hooks are called by the engine at start-up (never per step), in the order they appear here.
+How pluggy calls a hook (as in pytest):
+- implementations are called in LIFO registration order: the last registered first, so
+  entry-point plugins before the built-in platforms; `@hookimpl(tryfirst=True)` moves an
+  implementation ahead of all those without it, `trylast=True` behind them (the default
+  implementation "platform" is trylast and registered first, so it is always asked last);
+- a `firstresult` hook stops at the first non-None answer; every other hook collects the
+  answers of all plugins into a list;
+- an implementation may accept only some of the spec's arguments (pluggy passes those it names).
+
+Every hook is called at start-up (never per step); when, is said spec by spec.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import pluggy
 
+if TYPE_CHECKING:
+    from runtime.attention_backends.base import AttentionBackend
+    from runtime.plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec,
+                                            GraphRunner, ModelInfo, Platform, PlatformCandidate)
+
 PROJECT = "runtime"
-HOOK_API_VERSION = 1
+HOOK_API_VERSION = 2
 ENTRY_POINT_GROUP = "runtime.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -27,93 +41,103 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def runtime_detect_platforms() -> list[Any]:
+def runtime_detect_platforms() -> list[PlatformCandidate]:
     """Say which devices this plugin can drive here.
 
     Called once, when the engine picks its platform (and by `runtime plugins`).
-    Receives nothing. Returns a list of `runtime.plugins.interfaces.PlatformCandidate`: for each device
-    family the plugin knows, the `Platform` object (or None, with `reason`, when the device or its
-    libraries are absent) and a priority. All answers are collected; the usable candidate with the
-    highest priority wins unless the user forces one with `--device` / `RUNTIME_DEVICE`.
+    Receives nothing. Returns a list of `PlatformCandidate`: for each device family the plugin
+    knows, the `Platform` object (or None, with `reason`, when the device or its libraries are
+    absent) and a priority. All answers are collected; the usable candidate with the highest
+    priority wins unless the user forces one with `--device` / `RUNTIME_DEVICE`.
     """
 
 
 @hookspec(firstresult=True)
-def runtime_attention_backend(platform: Any, model: Any, requested: str | None) -> Any:
+def runtime_attention_backend(platform: Platform, model: ModelInfo,
+                              requested: str | None) -> type[AttentionBackend] | None:
     """Choose the attention backend for this platform, model and KV-cache dtype.
 
-    Called once per engine, after the model config is known and before the KV cache is allocated.
-    `platform` is the chosen `Platform`; `model` is a `runtime.plugins.interfaces.ModelInfo` (head sizes,
-    dtypes, sliding window); `requested` is the user's `--attention-backend` name or None.
-    Returns an `runtime.attention_backends.base.AttentionBackend` subclass, or None to let the next plugin
-    answer. A plugin that cannot honour `requested` for its own platform raises ValueError saying why.
-    First non-None answer wins.
+    Called once per engine (and once per draft model), after the model config is known and
+    before the KV cache is allocated. `model` gives head sizes, dtypes and the sliding window;
+    `requested` is the user's `--attention-backend` name or None. Default: the usable candidate
+    of highest priority among `platform.attention_backend_candidates(model)`, or the one
+    `requested` names, else an `AttentionBackendError` listing every candidate and why. An
+    override returns an `AttentionBackend` subclass, or None to let the next implementation
+    answer. First non-None answer wins.
     """
 
 
 @hookspec
-def runtime_attention_backend_candidates(platform: Any, model: Any) -> list[Any]:
+def runtime_attention_backend_candidates(platform: Platform,
+                                         model: ModelInfo) -> list[BackendCandidate] | None:
     """List the attention backends this plugin considers for this platform and model, with why.
 
-    Called by `runtime plugins` and whenever selection is explained; a platform plugin usually
-    decides `runtime_attention_backend` from the same list with
-    `runtime.plugins.backend_choice.choose_attention_backend`. Receives what `runtime_attention_backend`
-    receives, less `requested`. Returns a list of `runtime.plugins.interfaces.BackendCandidate` — the
-    unusable ones too, each with its reason — or None for platforms the plugin does not serve.
-    All answers are collected.
+    Called by `runtime plugins` and whenever selection is explained. Receives what
+    `runtime_attention_backend` receives, less `requested`. Default: the platform's own
+    `attention_backend_candidates(model)`. A plugin that overrides `runtime_attention_backend`
+    lists its backend here too, so the explanation shows it. Returns `BackendCandidate`s (the
+    unusable ones too, each with its reason) or None. All answers are collected.
     """
 
 
 @hookspec(firstresult=True)
-def runtime_graph_runner(platform: Any, model: Any, enforce_eager: bool) -> Any:
+def runtime_graph_runner(platform: Platform, model: ModelInfo,
+                         enforce_eager: bool) -> GraphRunner | None:
     """Choose how the forward pass is executed (eager, torch.compile, CUDA/HIP graphs, XLA).
 
-    Called once per worker after the model is loaded. Returns a `runtime.plugins.interfaces.GraphRunner`
-    instance, or None (the engine then runs eagerly). The engine calls the runner's `capture`
-    with the model's forward, its `capture_graphs` with a `runtime.plugins.interfaces.CaptureSpec` once
-    the KV cache exists, then `run` every step. First non-None answer wins.
+    Called once per worker after the model is loaded; `enforce_eager` is `--enforce-eager` (or
+    a pipeline-parallel run). Default: `platform.graph_runner(model, enforce_eager)`. Returns a
+    `GraphRunner`; the engine calls its `capture` with the model's forward, its
+    `capture_graphs` with a `CaptureSpec` once the KV cache exists, then `run` every step.
+    First non-None answer wins (None from everyone: the engine runs eagerly).
     """
 
 
 @hookspec(firstresult=True)
-def runtime_communicator(platform: Any, spec: Any) -> Any:
+def runtime_communicator(platform: Platform, spec: CommunicatorSpec) -> Communicator | None:
     """Supply collectives for one process group.
 
-    Called once per group (tensor, pipeline, data parallel) on every rank, when the worker starts.
-    `spec` is a `runtime.plugins.interfaces.CommunicatorSpec`. Returns a `runtime.plugins.interfaces.Communicator`
-    (gloo, NCCL, RCCL, oneCCL, XLA …). First non-None answer wins.
+    Called once per group (world, tensor parallel, pipeline) on every rank, when a worker of a
+    multi-rank layout starts. Default: `platform.communicator(spec)`. Returns a `Communicator`
+    (gloo, NCCL, RCCL, oneCCL, XLA …). First non-None answer wins; None from everyone stops the
+    engine with a message naming the platform.
     """
 
 
 @hookspec(firstresult=True)
-def runtime_quantization_kernel(platform: Any, method: str, params: dict) -> Any:
+def runtime_quantization_kernel(platform: Platform, method: str,
+                                params: dict[str, Any]) -> Any | None:
     """Supply the kernel for a quantization method on this platform.
 
-    Called once per quantization method when the model is built. `method` is the method's name
-    (e.g. "int8", "int4", "fp8", "gguf"); `params` describes the layout (bits, group size, dtypes).
-    Returns a kernel object as documented by that method in `quantization/`, or None to fall back
-    to the method's portable torch reference kernel. First non-None answer wins.
+    Called once per quantization method when the model is built. `method` is the method's
+    kernel name (e.g. "int8", "int4", "fp8", "gguf"); `params` describes the layout (bits, group
+    size, dtypes). Default: `platform.quantization_kernel(method, params)`. Returns a kernel
+    object as documented by that method in `runtime.quantization`, or None to fall back to the
+    method's portable reference kernel. First non-None answer wins.
     """
 
 
 @hookspec(firstresult=True)
-def runtime_custom_op(platform: Any, name: str) -> Any:
+def runtime_custom_op(platform: Platform, name: str) -> Callable | None:
     """Replace a named layer op.
 
-    Called once per op name when the model's layers are built. The names and signatures (the
-    portable implementations live in `runtime/layers`):
+    Called once per op name when a model's layers are built. The names and signatures (the
+    portable implementations, which a replacement must match, are in `runtime.plugins.ops`):
 
     - "rms_norm": (x, weight, eps) -> normed x
     - "add_rms_norm": (x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
     - "silu_and_mul": (x) -> silu(x[..., :d]) * x[..., d:]
     - "rotary_embedding": (positions, query, key, cos_sin_cache, head_size) -> (query, key)
       rotated; query/key are [T, heads * head_size] and may be rotated in place
-    - "fused_moe": (hidden, w13, w2, topk_weights, topk_ids) -> [T, H], the experts' gated-silu
-      MLPs (w13 [E, 2I, H] gate | up, w2 [E, H, I]) summed with the routing weights
     - "linear": (weight) -> fn(x, bias) computing F.linear(x, weight, bias); called once per
       dense (unquantized) layer and the LM head after loading, so it may pre-pack the weight
+    - "fused_moe": the experts of a mixture-of-experts layer (see `runtime.plugins.ops`)
+    - "gelu_tanh_and_mul": (x) -> gelu_tanh(x[..., :d]) * x[..., d:] (Gemma's MLP)
 
-    Each name is asked for on its own, so a plugin may replace one and keep the others.
+    Each name is asked for on its own, so a plugin may replace one and keep the others. A
+    composite op ("add_rms_norm") is taken only from an implementation asked no later than the
+    one answering the op it is built from; otherwise the engine composes it from that op, so
+    replacing "rms_norm" alone changes every norm. Default: `platform.custom_op(name)`.
     Returns a callable with that signature, or None to keep the portable one. First non-None
     answer wins.
     """

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from runtime.platforms.cpu.platform import CpuPlatform
 from runtime.plugins.hookspecs import HOOK_API_VERSION, hookimpl
 from runtime.plugins.interfaces import Platform
 
@@ -24,8 +25,9 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 @hookimpl(tryfirst=True)
 def runtime_custom_op(platform: Platform, name: str) -> Callable | None:
-    """Replace rms_norm on host platforms; every other op and device keeps its own."""
-    if platform.device_type == "cpu" and name == "rms_norm":
+    """Replace rms_norm on the CPU platform (and platforms that subclass it); every other op and
+    platform keeps its own."""
+    if isinstance(platform, CpuPlatform) and name == "rms_norm":
         return fused_rms_norm
     return None
 

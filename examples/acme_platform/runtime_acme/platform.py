@@ -1,0 +1,56 @@
+"""The acme device: what the engine asks a platform, answered by acme.
+
+acme subclasses the plain `Platform`, not the CPU platform, although it computes on the host:
+it gets none of the CPU platform's kernels, only its own answers and the documented defaults.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from runtime.platforms.distributed import TorchDistCommunicator
+from runtime.plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec,
+                                        ModelInfo, Platform)
+
+KV_CACHE_BYTES = 256 << 20  # acme's cache budget when the user asks for none
+
+
+def acme_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm as acme computes it: one fused kernel, the portable op's numerics (normalise in
+    float32, scale in the input dtype)."""
+    return weight * F.rms_norm(x.float(), (x.size(-1),), eps=eps).to(x.dtype)
+
+
+class AcmePlatform(Platform):
+    name = "acme"
+    device_type = "cpu"  # acme's memory is the host's; torch tensors live on "cpu"
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float32, torch.bfloat16)
+
+    def kv_cache_memory_bytes(self, requested: int | None, model_bytes: int) -> int:
+        return requested if requested is not None else KV_CACHE_BYTES
+
+    def describe(self) -> dict[str, Any]:
+        return {"device": "acme (torch on the host CPU)",
+                "default KV cache": f"{KV_CACHE_BYTES >> 20} MiB"}
+
+    def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
+        from runtime_acme.attention import AcmePagedAttention
+        ok, why = AcmePagedAttention.supports(model.head_size, model.dtype, model.kv_cache_dtype,
+                                              model.sliding_window, self.device_type)
+        return [BackendCandidate("acme_paged", AcmePagedAttention if ok else None, 10, why)]
+
+    def communicator(self, spec: CommunicatorSpec) -> Communicator:
+        return TorchDistCommunicator(spec, "gloo", torch.device("cpu"))
+
+    def custom_op(self, name: str) -> Callable | None:
+        return acme_rms_norm if name == "rms_norm" else None
