@@ -1,24 +1,18 @@
 """The example third-party platform (examples/acme_platform), installed as a vendor would ship
 it, passes the conformance suite, and the run says that acme's own code answered."""
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from runtime.testing.install import install_into
 
 ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "acme_platform"
 
 
 def test_the_example_platform_installs_and_passes_the_conformance_suite(tmp_path):
-    src = tmp_path / "src"  # building in place would leave build/ and *.egg-info in the repo
-    shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("__pycache__", "build",
-                                                                "*.egg-info"))
-    site = tmp_path / "site"
-    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index",
-                              "--no-build-isolation", "--quiet", "--target", str(site), str(src)],
-                             capture_output=True, text=True)
-    assert install.returncode == 0, install.stdout + install.stderr
+    site = install_into(EXAMPLE, tmp_path)
     env = {k: v for k, v in os.environ.items()
            if k not in ("RUNTIME_PLUGINS", "RUNTIME_DEVICE", "ACME_VISIBLE_DEVICES")}
     env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])

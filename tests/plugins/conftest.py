@@ -1,13 +1,12 @@
 """Fixtures for the plugin tests: a clean plugin environment, and a really installed plugin."""
 import importlib
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from runtime.plugins.manager import reset_plugin_manager
+from runtime.testing.install import install_into
 
 FAKE_DIST = Path(__file__).parent / "fake_plugin_dist"
 ENV_VARS = ("RUNTIME_PLUGINS", "RUNTIME_DEVICE", "RUNTIME_CPU_COMPILE",
@@ -27,17 +26,7 @@ def clean_plugin_env(monkeypatch):
 @pytest.fixture(scope="session")
 def fake_plugin_site(tmp_path_factory) -> Path:
     """`pip install` the fake plugin distribution into a private directory, once per session."""
-    root = tmp_path_factory.mktemp("fake_plugin")
-    src = root / "src"  # building in place would leave build/ and *.egg-info in the repo
-    shutil.copytree(FAKE_DIST, src, ignore=shutil.ignore_patterns("__pycache__", "build",
-                                                                  "*.egg-info"))
-    site = root / "site"
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index",
-                           "--no-build-isolation", "--quiet", "--target", str(site), str(src)],
-                          capture_output=True, text=True)
-    if proc.returncode:
-        pytest.fail(f"installing the fake plugin failed:\n{proc.stdout}\n{proc.stderr}")
-    return site
+    return install_into(FAKE_DIST, tmp_path_factory.mktemp("fake_plugin"))
 
 
 @pytest.fixture
