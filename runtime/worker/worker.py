@@ -104,6 +104,12 @@ class Worker:
         self.kv_bytes_per_block = sum(  # this rank's layers and KV heads only
             2 * self.config.block_size * m.num_kv_heads * m.head_size * itemsize
             for m in model.modules() if isinstance(m, Attention))
+        if is_fp8(self.kv_cache_dtype) and not self.config.calculate_kv_scales and all(
+                m.impl.k_scale.item() == m.impl.v_scale.item() == 1.0
+                for m in model.modules() if isinstance(m, Attention)):
+            logger.warning("FP8 KV cache with scales 1.0 (the checkpoint has none): K and V "
+                           "below %g lose precision; --calculate-kv-scales sets the scales "
+                           "from the first batch", torch.finfo(self.kv_cache_dtype).smallest_normal)
         self._load_proposer()
         logger.info("loaded %s (%s, %.1f MiB) with attention backend %s, %s execution",
                     mc.architecture, str(mc.dtype).replace("torch.", ""), self.model_bytes / 2**20,

@@ -205,7 +205,8 @@ def test_scales_must_be_positive_and_names_must_be_known():
         backend(TorchPagedAttention, 2, 8, 1, scales=(0.0, 1.0))
     assert kv_cache_torch_dtype("fp8", torch.bfloat16) is E4M3
     assert kv_cache_torch_dtype("auto", torch.bfloat16) is torch.bfloat16
-    with pytest.raises(ValueError, match="must be one of auto, fp8, fp8_e4m3, fp8_e5m2, got 'int8'"):
+    with pytest.raises(ValueError,
+                       match="must be one of auto, fp8, fp8_e4m3, fp8_e5m2, got 'int8'"):
         kv_cache_torch_dtype("int8", torch.bfloat16)
 
 
