@@ -1,7 +1,9 @@
-"""Built-in platform plugins, one package per device family (cpu today; cuda, rocm, xpu, tpu).
+"""Built-in platform plugins, one package per device family: cpu, cuda, rocm, xpu, tpu.
 
-Each package is an ordinary pluggy plugin: its `__init__` holds the `@hookimpl` functions, the
-plugin manager registers it by module name (`runtime.plugins.manager.BUILTIN_PLUGINS`), and it answers
-only for its own device, returning None for any other platform. A platform package may import
-`plugins`, `attention_backends` and `quantization`, never `runtime`.
+Each package is an ordinary pluggy plugin whose `__init__` implements one hook, detection; the
+plugin manager registers it by module name (`runtime.plugins.manager.BUILTIN_PLUGINS`). What a
+platform answers (attention candidates, graph runner, communicator, kernels, custom ops) is a
+method of its `Platform` subclass in `platform.py`. A platform package imports the contract
+(`runtime.plugins`), `runtime.attention_backends`, `runtime.quantization` and other platforms,
+never the engine (`tests/plugins/test_import_graph.py` checks it).
 """

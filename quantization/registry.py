@@ -62,7 +62,8 @@ def from_checkpoint(ckpt: dict) -> QuantizationConfig:
 
 def get_method(name: str) -> type[QuantizationConfig]:
     if name not in _METHODS:
-        raise ValueError(f"unknown quantization method {name!r}; known: {', '.join(sorted(_METHODS))}")
+        raise ValueError(f"unknown quantization method {name!r}; "
+                         f"known: {', '.join(sorted(_METHODS))}")
     return _load(_METHODS[name])
 
 

@@ -39,7 +39,8 @@ DISABLE_ENV = "RUNTIME_CPU_KERNELS"  # "0" turns the native kernels off
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "runtime" / "cpu_kernels"
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "runtime" / "cpu_kernels"
 
 
 def content_key(files: list[Path], cflags: list[str], cpu_model: str) -> str:
@@ -71,7 +72,8 @@ def file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def build_once(folder: Path, name: str, sources: list[Path], cflags: list[str]) -> tuple[Path, bool]:
+def build_once(folder: Path, name: str, sources: list[Path],
+               cflags: list[str]) -> tuple[Path, bool]:
     """The library `folder/<name>.so`, built first if absent; returns it and whether this call
     built it. The build runs under a lock beside the folder, in `folder/build`, and the library
     appears only once complete. Loading it is the caller's job."""

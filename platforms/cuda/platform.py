@@ -159,7 +159,8 @@ class CudaPlatform(Platform):
     def communicator(self, spec: CommunicatorSpec) -> Communicator:
         """NCCL (RCCL on ROCm, through torch's "nccl" backend)."""
         from runtime.platforms.distributed import TorchDistCommunicator
-        return TorchDistCommunicator(spec, "nccl", torch.device("cuda", torch.cuda.current_device()))
+        device = torch.device("cuda", torch.cuda.current_device())
+        return TorchDistCommunicator(spec, "nccl", device)
 
     def quantization_kernel(self, method: str, params: dict[str, Any]) -> Any | None:
         """fp8 w8a8 through torch._scaled_mm on compute capability 8.9+."""

@@ -97,7 +97,7 @@ class EngineCore:
         self.structured.add_request(request)
 
     def _grammar_compiler(self):
-        from runtime.engine.processor import eos_token_ids
+        from runtime.engine.input_processor import eos_token_ids
         from runtime.model_loader.source import load_tokenizer
         from runtime.structured_output.grammar import GrammarCompiler
         tokenizer = load_tokenizer(self.source, self.config.trust_remote_code)

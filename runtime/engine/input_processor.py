@@ -1,12 +1,33 @@
 """Turns what the user passed into token ids, and checks it against the model's limits."""
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from runtime.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from runtime.model_loader.source import ModelSource
+
 # A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
 PromptType = Union[str, list[int], dict]
+
+
+def eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any) -> list[int]:
+    """The tokens that end generation, as `transformers` `generate` would use them."""
+    ids = None
+    if source.format == "hf":
+        try:
+            from transformers import GenerationConfig
+            ids = GenerationConfig.from_pretrained(source.path).eos_token_id
+        except OSError:
+            ids = None
+    if ids is None:
+        ids = getattr(hf_config, "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
 
 
 class InputProcessor:

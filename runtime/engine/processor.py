@@ -12,31 +12,13 @@ from typing import Any
 
 from runtime.config import EngineConfig
 from runtime.engine.core import CoreOutput
-from runtime.engine.input_processor import InputProcessor, PromptType
+from runtime.engine.input_processor import InputProcessor, PromptType, eos_token_ids
 from runtime.engine.output_processor import OutputKind, OutputProcessor
 from runtime.generation_config import generation_defaults
 from runtime.model_loader.source import ModelSource, load_tokenizer
 from runtime.outputs import RequestOutput
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
-
-
-def eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any) -> list[int]:
-    """The tokens that end generation, as `transformers` `generate` would use them."""
-    ids = None
-    if source.format == "hf":
-        try:
-            from transformers import GenerationConfig
-            ids = GenerationConfig.from_pretrained(source.path).eos_token_id
-        except OSError:
-            ids = None
-    if ids is None:
-        ids = getattr(hf_config, "eos_token_id", None)
-    if ids is None:
-        ids = tokenizer.eos_token_id
-    if ids is None:
-        return []
-    return [ids] if isinstance(ids, int) else list(ids)
 
 
 class Processor:

@@ -16,12 +16,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xgrammar as xgr
 
-from runtime.request import Request
 from runtime.structured_output.grammar import GrammarCompiler
+
+if TYPE_CHECKING:
+    from runtime.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Overriding one named op changes it everywhere: composite ops are built from the registered ops."""
+"""Overriding one named op changes it everywhere: composites are built from the registered ops."""
 import pytest
 import torch
 
