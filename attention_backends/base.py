@@ -12,6 +12,12 @@ for backends whose `fp8_kv_cache` is set: each element is stored as `x / scale`,
 format's largest finite value, and read back as `stored * scale`, with one scale for K and one for
 V per layer (`AttentionBackend.k_scale`/`v_scale`, 1.0 unless a checkpoint or
 `--calculate-kv-scales` sets them).
+
+Pooling models run prefill-only steps: metadata with `prefill_only` set holds every request
+whole, and the step neither writes nor reads the KV cache (pooling requests keep no KV). With
+`causal=False` too (encoder-only models, the BERT family) each token attends to all tokens of its
+own request, both ways. Backends whose `supports_encoder_attention` is set run such steps;
+selection passes the others over for a pooling model.
 """
 from __future__ import annotations
 
@@ -57,6 +63,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_decode_tokens: int = 0  # requests with query_len 1 come first: tokens [0, num_decodes)
+    prefill_only: bool = False  # whole requests, no KV cache (pooling models)
+    causal: bool = True  # False (with prefill_only): bidirectional, for encoder-only models
 
     @property
     def num_reqs(self) -> int:
@@ -80,6 +88,8 @@ class AttentionBackend(ABC):
     fp8_kv_cache: bool = False
     # Whether the backend applies `logits_soft_cap` (Gemma 2's attention soft-capping).
     supports_logits_soft_cap: bool = False
+    # Whether the backend runs pooling steps: `AttentionMetadata.prefill_only`, causal or not.
+    supports_encoder_attention: bool = False
 
     @classmethod
     def supports_kv_cache_dtype(cls, dtype: torch.dtype,
@@ -147,5 +157,7 @@ class AttentionBackend(ABC):
 
         query [num_tokens, num_heads, head_size]; key/value [num_tokens, num_kv_heads, head_size].
         Each token attends causally to its own request's context (and only the last
-        `sliding_window` positions, when set). Returns [num_tokens, num_heads, head_size].
+        `sliding_window` positions, when set); a `prefill_only` step leaves the cache untouched,
+        and with `causal` False each token attends to every token of its request.
+        Returns [num_tokens, num_heads, head_size].
         """

@@ -17,7 +17,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Soft-capped layers (Gemma 2) decode through the portable path: the kernel has no cap."""
+    """Soft-capped layers (Gemma 2) decode through the portable path: the kernel has no cap.
+    Prefill-only (pooling) steps, bidirectional or causal, run the portable path too."""
 
     name = "cpu_paged"
 

@@ -61,9 +61,12 @@ class TorchPagedAttention(AttentionBackend):
     name = "torch_paged"
     fp8_kv_cache = True
     supports_logits_soft_cap = True
+    supports_encoder_attention = True
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        if metadata.prefill_only:
+            return self._encode(query, key, value, metadata)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         block_size = k_cache.size(1)
         write_kv(k_cache.view(-1, self.num_kv_heads, self.head_size), metadata.slot_mapping, key,
@@ -87,6 +90,24 @@ class TorchPagedAttention(AttentionBackend):
                 k = read_kv(k_cache[blocks].flatten(0, 1)[:seq_len], self.k_scale, query.dtype)
                 v = read_kv(v_cache[blocks].flatten(0, 1)[:seq_len], self.v_scale, query.dtype)
             out[q_lo:q_hi] = self._prefill(query[q_lo:q_hi], k, v, seq_len)
+        return out
+
+    def _encode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """Prefill-only step: each request attends to its own tokens (all of them unless
+        causal), with no cache."""
+        out = torch.empty_like(query)
+        starts = metadata.query_start_loc_cpu
+        for i in range(metadata.num_reqs):
+            lo, hi = starts[i], starts[i + 1]
+            q, k, v = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+            mask = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=query.device)
+            if metadata.causal:
+                mask = mask.tril()
+            if self.sliding_window is not None:
+                mask = mask.triu(-self.sliding_window + 1)
+            o = attend(q, k, v, self.scale, mask, self.logits_soft_cap)
+            out[lo:hi] = o.squeeze(0).transpose(0, 1)
         return out
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

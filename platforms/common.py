@@ -18,13 +18,16 @@ def module_available(name: str) -> bool:
 def offer_backend(name: str, backend: type[AttentionBackend], priority: int, model: ModelInfo,
                   device_type: str, plugin: str, problems: list[str]) -> BackendCandidate:
     """A candidate for `backend`: usable unless the platform listed `problems` or the backend's
-    own `supports_kv_cache_dtype` or `supports` check refuses the model; the reason names every
-    problem found."""
+    own `supports_kv_cache_dtype` or `supports` check refuses the model, or the model pools and
+    the backend has no `supports_encoder_attention`; the reason names every problem found."""
     ok, why = backend.supports_kv_cache_dtype(model.dtype, model.kv_cache_dtype)
     if ok:
         ok, why = backend.supports(model.head_size, model.dtype, model.kv_cache_dtype,
                                    model.sliding_window, device_type)
     problems = problems + ([] if ok else [why])
+    if model.pooling and not backend.supports_encoder_attention:
+        problems.append("no prefill-only (encoder / pooling) attention, which this pooling "
+                        "model needs")
     if problems:
         return BackendCandidate(name, None, priority, "; ".join(problems), plugin)
     return BackendCandidate(name, backend, priority, "", plugin)

@@ -241,6 +241,9 @@ class ModelInfo:
     # Device graphs are off (--enforce-eager, or pipeline stages): a backend that cannot be
     # recorded as a graph loses nothing then, so a platform may rank it higher.
     enforce_eager: bool = False
+    # A pooling model: prefill-only steps without a KV cache (bidirectional for the BERT
+    # family), which only backends with `supports_encoder_attention` run.
+    pooling: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 

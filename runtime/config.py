@@ -73,6 +73,7 @@ class EngineConfig:
     download_dir: str | None = None  # with a model id: the HF cache folder (default: HF_HUB_CACHE)
     trust_remote_code: bool = False
     model_impl: str = "auto"  # auto | native | transformers (runtime.models.registry)
+    runner: str = "auto"  # auto | generate | pooling (embeddings, classification: runtime.pooling)
     max_logprobs: int = MAX_LOGPROBS  # the most logprobs / prompt_logprobs one request may ask for
     # sampling defaults: "auto" (the model's generation_config.json), "vllm" (none) or a folder
     generation_config: str = "auto"

@@ -9,6 +9,10 @@ from runtime.config import EngineConfig
 from runtime.engine.input_processor import PromptType
 from runtime.engine.llm_engine import LLMEngine
 from runtime.outputs import RequestOutput
+from runtime.pooling import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams,
+                             PoolingRequestOutput, ScoringRequestOutput)
+from runtime.pooling.engine import (PoolingEngine, PromptInput, open_pooling_engine,
+                                    params_list, prompt_list)
 from runtime.progress import GenerateProgress
 from runtime.sampling_params import SamplingParams
 
@@ -21,6 +25,8 @@ class LLM:
     `model` is a Hugging Face folder, a .gguf file, or None for the embedded default
     (SmolLM2-135M-Instruct). `config` is a YAML file of `EngineConfig` fields (as `runtime tune`
     writes); every other keyword is an `EngineConfig` field and wins over the file.
+    `runner="pooling"` (auto-detected for sentence-transformers folders, encoders and
+    `*ForSequenceClassification`) serves `embed`, `classify`, `score` and `encode` instead.
     """
 
     def __init__(self, model: str | None = None, config: str | None = None,
@@ -31,8 +37,9 @@ class LLM:
             kwargs.setdefault("disable_log_stats", True)  # as vLLM's LLM: no periodic stats
         engine_config = (EngineConfig.from_yaml(config, **kwargs) if config is not None
                          else EngineConfig.from_kwargs(**kwargs))
-        self.engine = LLMEngine(engine_config)
-        self.tokenizer = self.engine.tokenizer
+        self.pooling = open_pooling_engine(engine_config)
+        self.engine = None if self.pooling else LLMEngine(engine_config)
+        self.tokenizer = (self.pooling or self.engine).tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -44,6 +51,7 @@ class LLM:
         "prompt_token_ids". `sampling_params` is one for all or one per prompt. Every prompt is
         validated before any is queued, so a bad one raises without starting the others.
         """
+        self._generating("generate")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or self.get_default_sampling_params()
@@ -71,6 +79,7 @@ class LLM:
         """Beam search for each prompt (as transformers' `num_beams`); the best sequences
         first. Each step runs every live beam of every prompt as a one-token request; the
         prefix cache lets the beams share their common blocks."""
+        self._generating("beam_search")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         inputs = self.engine.inputs
@@ -110,6 +119,64 @@ class LLM:
                                                   add_generation_prompt=add_generation_prompt,
                                                   tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _generating(self, method: str) -> None:
+        if self.engine is None:
+            raise ValueError(f"LLM.{method} needs a generation model; this one pools "
+                             f"(runner='pooling'): use embed, classify, score or encode")
+
+    def _pooling_engine(self, method: str) -> PoolingEngine:
+        if self.pooling is None:
+            raise ValueError(f"LLM.{method} needs a pooling model (runner='pooling'); this one "
+                             f"generates")
+        return self.pooling
+
+    def embed(self, prompts: PromptInput | Sequence[PromptInput],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (pooled as the model's sentence-transformers config says,
+        `dimensions` and normalisation from the params)."""
+        prompts = prompt_list(prompts)
+        return self._pooling_engine("embed").embed(
+            prompts, params_list(pooling_params, len(prompts), truncate_prompt_tokens))
+
+    def classify(self, prompts: PromptInput | Sequence[PromptInput],
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Label probabilities per prompt from a `*ForSequenceClassification` model."""
+        prompts = prompt_list(prompts)
+        return self._pooling_engine("classify").classify(
+            prompts, params_list(pooling_params, len(prompts), truncate_prompt_tokens))
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
+              truncate_prompt_tokens: int | None = None,
+              pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """Scores of text pairs: one `data_1` against each of `data_2`, or pairwise for lists of
+        one length. A cross-encoder scores each pair; an embedding model gives the cosine
+        similarity of the two embeddings."""
+        first = [data_1] if isinstance(data_1, str) else list(data_1)
+        second = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second) or not second:
+            raise ValueError(f"score takes one text and a list, or two lists of one length; "
+                             f"got {len(first)} and {len(second)}")
+        params = params_list(pooling_params, 1, truncate_prompt_tokens)[0]
+        return self._pooling_engine("score").score(first, second, params)
+
+    def encode(self, prompts: PromptInput | Sequence[PromptInput],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+               pooling_task: str = "embed") -> list[PoolingRequestOutput]:
+        """The raw pooled tensors: `pooling_task` "embed" (the embedding), "classify" (the
+        label logits) or "token_embed" (every token's hidden state)."""
+        prompts = prompt_list(prompts)
+        return self._pooling_engine("encode").encode(
+            prompts, params_list(pooling_params, len(prompts), truncate_prompt_tokens),
+            pooling_task)
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)

@@ -40,6 +40,12 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def route_path(scope: dict) -> str:
+    """The request's path below --root-path (ASGI servers may include the root path)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 def is_anthropic_path(path: str) -> bool:
     """Routes of the Anthropic Messages API answer errors in Anthropic's shape."""
     return path.startswith("/v1/messages")

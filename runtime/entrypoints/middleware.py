@@ -11,7 +11,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from runtime.entrypoints.errors import APIError, bad_request, is_anthropic_path
+from runtime.entrypoints.errors import APIError, bad_request, is_anthropic_path, route_path
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class RequestContext:
                                       (b"x-request-id", request_id.encode("ascii"))]
             await send(message)
 
-        path = scope["path"]
+        path = route_path(scope)
         try:
             if scope["method"] != "OPTIONS" and path.startswith(self.prefixes) \
                     and not self._authorized(headers):

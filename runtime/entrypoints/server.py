@@ -22,7 +22,8 @@ from starlette.exceptions import HTTPException
 from runtime.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from runtime.entrypoints import anthropic_api, openai_api
 from runtime.entrypoints.chat import render_chat, text_of
-from runtime.entrypoints.errors import APIError, bad_request, is_anthropic_path
+from runtime.entrypoints.errors import (APIError, bad_request, is_anthropic_path,
+                                        route_path)
 from runtime.entrypoints.middleware import ALL_SCOPE_PREFIXES, RequestContext
 from runtime.entrypoints.openapi import build_openapi
 from runtime.entrypoints.protocol import DetokenizeRequest, TokenizeRequest
@@ -85,7 +86,7 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
         log = logger.error if e.status >= 500 else logger.warning
         log("request %s: %d on %s: %s", request.state.request_id, e.status, request.url.path,
             e.message)
-        return e.response(is_anthropic_path(request.url.path))
+        return e.response(is_anthropic_path(route_path(request.scope)))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -110,7 +111,7 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
         logger.exception("request %s: unexpected error on %s", request.state.request_id,
                          request.url.path)
         return APIError(500, f"internal error: {type(e).__name__}").response(
-            is_anthropic_path(request.url.path))
+            is_anthropic_path(route_path(request.scope)))
 
     return app
 

@@ -21,6 +21,14 @@ _BUILTIN: dict[str, str] = {
     "MixtralForCausalLM": "runtime.models.moe:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "runtime.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "runtime.models.moe:Qwen3MoeForCausalLM",
+    # pooling models (runner="pooling"): encoders and classifiers
+    "BertModel": "runtime.models.bert:BertModel",
+    "BertForSequenceClassification": "runtime.models.bert:BertForSequenceClassification",
+    "RobertaModel": "runtime.models.roberta:RobertaModel",
+    "RobertaForSequenceClassification": "runtime.models.roberta:RobertaForSequenceClassification",
+    "XLMRobertaModel": "runtime.models.roberta:XLMRobertaModel",
+    "XLMRobertaForSequenceClassification":
+        "runtime.models.roberta:XLMRobertaForSequenceClassification",
 }
 
 _FALLBACK = "runtime.models.transformers_fallback:TransformersForCausalLM"

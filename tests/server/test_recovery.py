@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -84,10 +85,29 @@ def test_shutdown_timeout_ends_streams_with_the_error_event(server):
     assert server.stop() == 0, server.log()
 
 
+def _self_signed(folder) -> tuple[str, str]:
+    key, cert = str(folder / "key.pem"), str(folder / "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-keyout", key, "-out", cert],
+                   check=True, capture_output=True)
+    return key, cert
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl for a certificate")
 def test_three_fast_kills_make_the_server_exit_non_zero(tiny_llama, tmp_path):
-    server = Server([tiny_llama, *TINY_ARGS, "--max-core-restarts", "2"],
+    """Also HTTPS, --root-path and --api-key-scope all on this server, before the kills."""
+    key, cert = _self_signed(tmp_path)
+    server = Server([tiny_llama, *TINY_ARGS, "--max-core-restarts", "2", "--ssl-keyfile", key,
+                     "--ssl-certfile", cert, "--root-path", "/api", "--api-key", "k",
+                     "--api-key-scope", "all", "--uvicorn-log-level", "warning"],
                     str(tmp_path / "server.log"))
     try:
+        assert server.url.startswith("https://")
+        with httpx.Client(base_url=server.url, verify=False) as https:
+            assert https.get("/metrics").status_code == 401  # scope "all"
+            assert https.get("/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
+            assert https.get("/health").status_code == 200
+            assert https.get("/openapi.json").json()["servers"] == [{"url": "/api"}]
         killed: set[int] = set()
         for _ in range(3):
             assert wait_for(lambda: server.proc.poll() is None

@@ -1,0 +1,190 @@
+"""BERT encoders (`BertModel`) and BERT cross-encoders / classifiers
+(`BertForSequenceClassification`), for the pooling runner.
+
+Bidirectional attention through the attention backend's encoder-only mode (no KV cache). Module
+names follow the Hugging Face checkpoints (`embeddings.*`, `encoder.layer.{i}.*`, `pooler.*`,
+`classifier.*`), so weights load by name. One rank, unquantized.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.layers.attention import Attention
+from runtime.layers.build_context import BuildContext
+from runtime.models.llama import default_weight_loader
+
+ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+# checkpoint tensors that are not weights of ours: buffers, and heads of other tasks
+IGNORED = ("position_ids", "cls.", "lm_head.")
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings,
+                                                config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor) -> torch.Tensor:
+        x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
+             + self.token_type_embeddings(token_type_ids))
+        return self.LayerNorm(x)
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config, ctx: BuildContext) -> None:
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        head_size = hidden // heads
+        self.query = nn.Linear(hidden, hidden)
+        self.key = nn.Linear(hidden, hidden)
+        self.value = nn.Linear(hidden, hidden)
+        self.attn = Attention(heads, head_size, head_size ** -0.5, heads, ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(self.query(x), self.key(x), self.value(x))
+
+
+class BertOutput(nn.Module):
+    """`LayerNorm(dense(x) + residual)`: the output block after attention and after the MLP."""
+
+    def __init__(self, config, in_features: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(in_features, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config, ctx: BuildContext) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(config, ctx)
+        self.output = BertOutput(config, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.self(x), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        if config.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"activation {config.hidden_act!r} is not supported; supported: "
+                             f"{', '.join(ACTIVATIONS)}")
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config, ctx: BuildContext) -> None:
+        super().__init__()
+        self.attention = BertAttention(config, ctx)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutput(config, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attention(x)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config, ctx: BuildContext) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config, ctx)
+                                   for _ in range(config.num_hidden_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layer:
+            x = layer(x)
+        return x
+
+
+class BertPooler(nn.Module):
+    """tanh(dense(first token)): BERT's sentence vector, which its classifier reads."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(first_tokens))
+
+
+class BertModel(nn.Module):
+    """The encoder: token ids, positions (0-based within each request) and token types to the
+    last hidden states [num_tokens, hidden]. The pooling runner pools them."""
+
+    encoder_only = True
+    position_offset = 0  # RoBERTa counts positions from padding_idx + 1
+    checkpoint_prefix = "bert."  # stripped when a task model's checkpoint is loaded
+
+    def __init__(self, config, ctx: BuildContext, add_pooler: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config, ctx)
+        self.pooler = BertPooler(config) if add_pooler else None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        x = self.embeddings(input_ids, positions + self.position_offset, token_type_ids)
+        return self.encoder(x)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_by_name(self, weights, prefix=self.checkpoint_prefix)
+
+
+def load_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 prefix: str = "") -> set[str]:
+    """Copy checkpoint tensors into the parameters of the same name (a leading `prefix` dropped);
+    tensors of heads this model lacks (a pooler it does not use, an MLM head) are skipped."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        name = name.removeprefix(prefix)
+        if name not in params:
+            if name.startswith("pooler.") or any(part in name for part in IGNORED):
+                continue
+            raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                             f"{type(model).__name__}")
+        default_weight_loader(params[name], tensor)
+        loaded.add(name)
+    return loaded
+
+
+class BertForSequenceClassification(nn.Module):
+    """A cross-encoder or classifier: `classify` turns each request's first-token hidden state
+    into its `num_labels` logits (pooler, then the linear classifier)."""
+
+    encoder_only = True
+
+    def __init__(self, config, ctx: BuildContext) -> None:
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config, ctx, add_pooler=True)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.bert(input_ids, positions, token_type_ids)
+
+    def classify(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.bert.pooler(first_tokens))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_by_name(self, weights)
