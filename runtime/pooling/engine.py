@@ -48,14 +48,20 @@ def is_pooling_model(source: ModelSource, hf_config: Any) -> bool:
     if source.format != "gguf" and is_sentence_transformers(source.path):
         return True
     return any(name.endswith(("ForSequenceClassification", "Model"))
+               and not name.endswith("LMHeadModel")  # GPT-2's causal LM is GPT2LMHeadModel
                for name in getattr(hf_config, "architectures", None) or [])
 
 
 def resolve_runner(runner: str, source: ModelSource, hf_config: Any) -> str:
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    pools = is_pooling_model(source, hf_config)
+    architecture = (getattr(hf_config, "architectures", None) or ["this model"])[0]
+    if runner == "generate" and pools and not architecture.endswith("ForCausalLM"):
+        raise ValueError(f"{architecture} is a pooling model (embeddings, classification): "
+                         f"use runner='pooling' or 'auto'")
     if runner == "auto":
-        return "pooling" if is_pooling_model(source, hf_config) else "generate"
+        return "pooling" if pools else "generate"
     return runner
 
 

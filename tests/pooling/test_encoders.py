@@ -121,6 +121,8 @@ def test_bad_pooling_input(tiny_model_factory):
         llm.embed({"prompt_token_ids": [5, 49152]})
     with pytest.raises(ValueError, match="LLM.generate needs a generation model"):
         llm.generate("hello")
+    with pytest.raises(ValueError, match="BertModel is a pooling model"):
+        LLM(path, runner="generate")
 
 
 def test_generation_model_refuses_pooling(tiny_llama):
