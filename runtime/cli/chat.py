@@ -1,9 +1,9 @@
 """`runtime chat`: talk to a model in this process, or to a running server (`--url`).
 
 Replies stream as they are generated. On a terminal, prompt_toolkit gives line editing and a
-history kept in ~/.cache/runtime/chat_history; otherwise lines are read from stdin. `/clear`
-forgets the conversation, `/exit` (or Ctrl-D) leaves, and Ctrl-C stops the reply being written
-while keeping the conversation.
+history (--history-file, default ~/.cache/runtime/chat_history); otherwise lines are read from
+stdin. `/clear` forgets the conversation, `/exit` (or Ctrl-D) leaves, and Ctrl-C stops the
+reply being written while keeping the conversation.
 """
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ def add_chat_parser(subparsers: Any) -> None:
     c.add_argument("--model-name", default=None,
                    help="with --url: the served model to ask (default: the server's first)")
     c.add_argument("--system", default=None, help="a system prompt")
+    c.add_argument("--history-file", default=HISTORY_FILE,
+                   help="where a terminal session keeps its input history (default: %(default)s)")
     add_engine_args(c)
     add_sampling_args(c)
     c.set_defaults(func=chat_command)
@@ -114,13 +116,13 @@ class RemoteChat:
                     yield choice.get("delta", {}).get("content") or ""
 
 
-def _line_reader() -> Callable[[], str]:
+def _line_reader(history_file: str) -> Callable[[], str]:
     """prompt_toolkit with editing and history on a terminal; plain stdin lines otherwise."""
     if sys.stdin.isatty() and sys.stdout.isatty():
         from prompt_toolkit import PromptSession
         from prompt_toolkit.history import FileHistory
-        os.makedirs(os.path.dirname(HISTORY_FILE), exist_ok=True)
-        session = PromptSession(history=FileHistory(HISTORY_FILE))
+        os.makedirs(os.path.dirname(os.path.abspath(history_file)), exist_ok=True)
+        session = PromptSession(history=FileHistory(history_file))
         return lambda: session.prompt("> ")
 
     def read() -> str:
@@ -187,4 +189,4 @@ def _ctrl_c_stops() -> Iterator[threading.Event]:
 
 def chat_command(args: argparse.Namespace) -> int:
     chat = RemoteChat(args) if args.url else LocalChat(args)
-    return run_chat(chat, args.system, _line_reader())
+    return run_chat(chat, args.system, _line_reader(args.history_file))

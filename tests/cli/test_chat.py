@@ -75,3 +75,48 @@ def test_url_chats_with_a_running_server(tiny_llama, local_replies, tmp_path):
     assert done.stdout.strip() == local_replies.stdout.splitlines()[0]
     refused = chat(["--url", server.url], "Hello\n")  # the server is gone now
     assert refused.returncode == 2 and refused.stderr.startswith("error: cannot reach")
+
+
+def test_a_terminal_gets_line_editing_and_history(tiny_llama, tmp_path):
+    """On a terminal, prompt_toolkit reads the lines: Up brings back the last one (no literal
+    ^[[A), and the history is kept in the history file."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    env = {**os.environ, "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1"}
+    history_file = tmp_path / "history"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli.main", "--log-level", "WARNING", "chat",
+         "--model", tiny_llama, *TINY_ARGS, *GREEDY, "--history-file", str(history_file)],
+        stdin=follower, stdout=follower, stderr=follower, cwd=REPO, env=env)
+    os.close(follower)
+    screen = bytearray()
+    prompt_start = b"\x1b[?2004h"  # prompt_toolkit turns bracketed paste on for each prompt
+
+    def wait_for(condition) -> bool:
+        deadline = time.monotonic() + 240
+        while not condition() and time.monotonic() < deadline:
+            if select.select([leader], [], [], 0.5)[0]:
+                screen.extend(os.read(leader, 4096))
+        return condition()
+
+    try:
+        assert wait_for(lambda: screen.count(prompt_start) == 1), bytes(screen)
+        os.write(leader, b"Hello\r")
+        assert wait_for(lambda: screen.count(prompt_start) == 2), bytes(screen)
+        mark = len(screen)
+        os.write(leader, b"\x1b[A")  # Up
+        assert wait_for(lambda: b"Hello" in screen[mark:]), bytes(screen[mark:])
+        os.write(leader, b"\r")
+        assert wait_for(lambda: screen.count(prompt_start) == 3), bytes(screen)
+        os.write(leader, b"/exit\r")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        os.close(leader)
+    assert b"^[[A" not in screen and b"Traceback" not in screen
+    history = history_file.read_text()
+    assert "+Hello" in history and "+/exit" in history
