@@ -68,3 +68,22 @@ def test_user_mistakes_get_one_line_not_a_traceback(tiny_llama, tmp_path, capsys
         assert main(["generate", "x", *argv, *TINY_ARGS]) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1, (argv, err)
+
+
+def test_ctrl_c_during_generation_exits_cleanly(tiny_llama):
+    import signal
+    import time
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli.main", "--log-level", "INFO", "generate", "Tell me",
+         "--model", tiny_llama, *TINY_ARGS, "--max-tokens", "1000", "--temperature", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+    log = b""
+    deadline = time.monotonic() + 240
+    while b"KV cache:" not in log and time.monotonic() < deadline:  # the engine is up
+        log += proc.stderr.readline()
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=120)
+    err = (log + rest).decode()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err, err
