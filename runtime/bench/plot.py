@@ -17,7 +17,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'runtime[bench]'") from None
+        raise SystemExit("error: --plot needs matplotlib: pip install 'runtime[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

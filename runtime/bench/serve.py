@@ -148,12 +148,15 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 def served_model(base_url: str, api_key: str | None = None) -> str:
     """The first model the server lists at /v1/models."""
     import httpx
-    response = httpx.get(base_url.rstrip("/") + "/v1/models", headers=auth_headers(api_key),
-                         timeout=30)
-    response.raise_for_status()
+    try:
+        response = httpx.get(base_url.rstrip("/") + "/v1/models",
+                             headers=auth_headers(api_key), timeout=30)
+        response.raise_for_status()
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot list the models of {base_url}: {e}") from None
     models = response.json().get("data") or []
     if not models:
-        raise RuntimeError(f"{base_url}/v1/models lists no model: pass --model")
+        raise ValueError(f"{base_url}/v1/models lists no model: pass --model")
     return models[0]["id"]
 
 
