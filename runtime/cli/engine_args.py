@@ -30,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte per "
                         "element, scaled per layer (see docs/kv_cache.md)")
-    g.add_argument("--calculate-kv-scales", action="store_true",
+    g.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=False,
                    help="FP8 KV cache: per-layer k/v scales from the first batch instead of the "
                         "checkpoint's (default 1.0)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,

@@ -8,6 +8,7 @@ tokens part early (measured below).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -22,6 +23,7 @@ from parity import PROMPTS, hf_greedy
 from runtime import LLM, SamplingParams
 from runtime.attention_backends.base import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES
 from runtime.attention_backends.torch_paged import quantize_kv
+from runtime.cli.engine_args import add_engine_args, engine_kwargs
 from runtime.layers.attention import Attention
 
 MAX_TOKENS = 12
@@ -154,3 +156,15 @@ def test_a_bad_kv_cache_dtype_lists_the_allowed_values(model_path):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, "
                                          "fp8_e5m2, got 'int8'"):
         LLM(model_path, kv_cache_dtype="int8")
+
+
+def test_the_flags_reach_the_engine_config(capsys):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kwargs = engine_kwargs(parser.parse_args(["--kv-cache-dtype", "fp8_e5m2",
+                                              "--calculate-kv-scales"]))
+    assert kwargs["kv_cache_dtype"] == "fp8_e5m2" and kwargs["calculate_kv_scales"] is True
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "int8"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'int8'" in err and all(name in err for name in KV_CACHE_DTYPES)
