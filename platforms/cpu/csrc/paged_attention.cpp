@@ -46,9 +46,36 @@ using runtime_cpu::load8;  // the overloads below join simd.h's instead of hidin
 inline v8f load8(const c10::Float8_e4m3fn* p) { return fp8_to_float<3, 7>(p); }
 inline v8f load8(const c10::Float8_e5m2* p) { return fp8_to_float<2, 15>(p); }
 
+// A cache in the query's dtype is read 16 lanes at a time (one AVX-512 register), an FP8 one 8.
+template <typename C>
+constexpr bool kFp8 = std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>;
+template <typename C>
+using CacheVec = std::conditional_t<kFp8<C>, v8f, v16f>;
+
+template <typename V, typename T>
+inline V load_vec(const T* p) {
+  if constexpr (std::is_same_v<V, v16f>) return load16(p); else return load8(p);
+}
+
+template <typename V>
+inline void store_vec(float* p, V v) {
+  if constexpr (std::is_same_v<V, v16f>) store16(p, v); else store8(p, v);
+}
+
 // Two accumulators break the FMA dependency chain; n is a multiple of 8.
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t n) {
+  if constexpr (!kFp8<T>) {
+    v16f a0 = {}, a1 = {};
+    int64_t d = 0;
+    for (; d + 32 <= n; d += 32) {
+      a0 += load16(q + d) * load16(k + d);
+      a1 += load16(q + d + 16) * load16(k + d + 16);
+    }
+    if (d + 16 <= n) a0 += load16(q + d) * load16(k + d), d += 16;
+    const float sum = hsum(a0 + a1);
+    return d < n ? sum + hsum(load8(q + d) * load8(k + d)) : sum;
+  }
   v8f a0 = {}, a1 = {};
   int64_t d = 0;
   for (; d + 16 <= n; d += 16) {
@@ -111,8 +138,10 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
       for (int64_t g = 0; g < group; ++g) sums[g] = softmax_numerator(scores.data() + g * n, n);
       for (int64_t g = 0; g < group; ++g) {
         // The weighted sum of V rows, in registers when the head size is known.
-        constexpr int64_t lanes = HEAD > 0 ? HEAD / 8 : 1;
-        v8f regs[lanes] = {};
+        using V = CacheVec<C>;
+        constexpr int64_t width = sizeof(V) / sizeof(float);
+        constexpr int64_t lanes = HEAD > 0 ? HEAD / width : 1;
+        V regs[lanes] = {};
         if constexpr (HEAD == 0) std::fill(acc.begin(), acc.end(), 0.f);
         const float* p = scores.data() + g * n;
         for (int64_t b = first / block_size; b * block_size < len; ++b) {
@@ -123,7 +152,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
           for (int64_t t = lo; t < hi; ++t, v += vt_stride) {
             const float w = p[t - first];
             if constexpr (HEAD > 0) {
-              for (int64_t j = 0; j < lanes; ++j) regs[j] += w * load8(v + 8 * j);
+              for (int64_t j = 0; j < lanes; ++j) regs[j] += w * load_vec<V>(v + width * j);
             } else {
               for (int64_t d = 0; d < head_size; d += 8)
                 store8(acc.data() + d, load8(acc.data() + d) + w * load8(v + d));
@@ -131,7 +160,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
           }
         }
         if constexpr (HEAD > 0)
-          for (int64_t j = 0; j < lanes; ++j) store8(acc.data() + 8 * j, regs[j]);
+          for (int64_t j = 0; j < lanes; ++j) store_vec(acc.data() + width * j, regs[j]);
         T* dst = o_ptr + s * os_stride + (kvh * group + g) * oh_stride;
         const float inv = static_cast<float>(v_scale) / sums[g];
         for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(acc[d] * inv);

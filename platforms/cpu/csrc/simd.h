@@ -161,7 +161,8 @@ inline v16f load16(const c10::BFloat16* p) {
 
 inline v16f load16(const c10::Half* p) {
 #if defined(__AVX512F__)
-  return reinterpret_cast<v16f>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return reinterpret_cast<v16f>(_mm512_cvtph_ps(h));
 #else
   float f[16];
   for (int j = 0; j < 16; ++j) f[j] = static_cast<float>(p[j]);
