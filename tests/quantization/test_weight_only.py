@@ -223,7 +223,7 @@ def test_runtime_plugins_lists_quantization_kernels(capsys, monkeypatch):
     assert plugins_command(argparse.Namespace(device="cpu", json=False)) == 0
     out = capsys.readouterr().out
     assert "Quantization methods:" in out
-    assert "cpu_int8pack_mm (plugin)" in out and "gguf_reference (reference)" in out
+    assert "cpu_int8pack_mm (cpu platform)" in out and "gguf_reference (reference)" in out
     monkeypatch.setenv(KERNEL_ENV, "reference")
     plugins_command(argparse.Namespace(device="cpu", json=False))
     assert "int8_reference (reference)" in capsys.readouterr().out
