@@ -19,6 +19,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto",
                    help="native: our model classes; transformers: the transformers fallback; "
                         "auto: native when the architecture has a class (default)")
+    g.add_argument("--runner", choices=("auto", "generate", "pooling"), default="auto",
+                   help="pooling: embeddings, scoring and classification (/v1/embeddings, "
+                        "/score, /rerank, /classify); auto: pooling for sentence-transformers "
+                        "folders, encoders and *ForSequenceClassification (default)")
     g.add_argument("--device", default=None,
                    help="force a platform by name (default: RUNTIME_DEVICE, else detection)")
     g.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
@@ -101,7 +105,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("model", "tokenizer", "model_impl", "device", "dtype", "kv_cache_memory",
+    names = ("model", "tokenizer", "model_impl", "runner", "device", "dtype", "kv_cache_memory",
              "kv_cache_dtype", "calculate_kv_scales",
              "gpu_memory_utilization", "block_size",
              "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",

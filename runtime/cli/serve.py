@@ -110,6 +110,7 @@ def serve_command(args: argparse.Namespace) -> int:
                          "pip install 'runtime[serve]'") from None
     from runtime.config import EngineConfig
     from runtime.default_model import DEFAULT_MODEL_NAME
+    from runtime.pooling.async_engine import open_async_pooling_engine
     from runtime.stat_logger import StatLogger
 
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
@@ -120,9 +121,9 @@ def serve_command(args: argparse.Namespace) -> int:
     names = args.served_model_name or [kwargs["model"] or DEFAULT_MODEL_NAME]
     metrics = Metrics(names[0])
     config = EngineConfig.from_kwargs(**kwargs)
-    engine = AsyncLLM(config, args.max_queue_len,
-                      metrics if config.disable_log_stats else StatLogger(metrics),
-                      args.max_core_restarts)
+    engine = open_async_pooling_engine(config) or AsyncLLM(
+        config, args.max_queue_len, metrics if config.disable_log_stats else StatLogger(metrics),
+        args.max_core_restarts)
     cors = CORS(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                 args.allow_credentials)
     app = create_app(engine, metrics, names, load_chat_template(args.chat_template),

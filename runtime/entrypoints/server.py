@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import uvicorn
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from runtime.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
-from runtime.entrypoints import anthropic_api, openai_api
+from runtime.entrypoints import anthropic_api, openai_api, pooling_api
 from runtime.entrypoints.chat import render_chat, text_of
 from runtime.entrypoints.errors import (APIError, bad_request, is_anthropic_path,
                                         route_path)
@@ -68,8 +68,10 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
     app.state.server = ServerState(engine, metrics, model_names, chat_template, api_key,
                                    log_requests)
     app.state.exit_code = 0
-    app.include_router(openai_api.router)
-    app.include_router(anthropic_api.router)
+    generating = [Depends(pooling_api.generation_only)]  # a pooling model refuses them
+    app.include_router(openai_api.router, dependencies=generating)
+    app.include_router(anthropic_api.router, dependencies=generating)
+    app.include_router(pooling_api.router)
     app.include_router(router)
     app.add_middleware(RequestContext, api_key=api_key, api_key_scope=api_key_scope,
                        max_body_bytes=max_body_bytes)

