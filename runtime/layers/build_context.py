@@ -18,7 +18,9 @@ class BuildContext:
     `custom_op(name)` asks `custom_op_provider` (a `runtime.layers.custom_ops.CustomOps`, which
     asks the `runtime_custom_op` hook) once per op name;
     `tp_rank`/`tp_size` and `tp_group` (a `runtime.plugins.interfaces.Communicator`) shard the layers;
-    `pp` says which layers this pipeline stage builds and how it reaches its neighbours.
+    `pp` says which layers this pipeline stage builds and how it reaches its neighbours;
+    `max_model_len` is the engine's (rotary caches cover it; None: the config's
+    max_position_embeddings).
     """
 
     dtype: torch.dtype
@@ -30,6 +32,7 @@ class BuildContext:
     tp_group: Any = None
     pp: PipelineStage = field(default_factory=PipelineStage)
     custom_op_provider: Callable[[str], Callable | None] | None = None
+    max_model_len: int | None = None
     _custom_ops: dict[str, Callable | None] = field(default_factory=dict)
 
     def linear_method(self, prefix: str) -> LinearMethod:

@@ -48,7 +48,8 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
-        self.rotary_emb = get_rope(self.head_size, config.max_position_embeddings,
+        self.rotary_emb = get_rope(self.head_size,
+                                   ctx.max_model_len or config.max_position_embeddings,
                                    self.rope_config(config, layer_idx), ctx.dtype)
         self.rotary_op = ctx.custom_op("rotary_embedding") or rotary_embedding
         self.attn = Attention(self.num_heads, self.head_size, self.attention_scale(config),

@@ -72,7 +72,8 @@ class Worker:
                             tp_rank=layout.tp_rank(rank), tp_size=layout.tp_size,
                             tp_group=tp_group,
                             pp=PipelineStage(layout.pp_rank(rank), layout.pp_size, pp_group),
-                            custom_op_provider=CustomOps(self.platform))
+                            custom_op_provider=CustomOps(self.platform),
+                            max_model_len=self.model_config.max_model_len)
 
     def load_model(self) -> None:
         mc = self.model_config

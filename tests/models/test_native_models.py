@@ -72,3 +72,20 @@ def test_moe_tensor_parallel_matches_one_rank(tiny_model_factory):
     finally:
         llm.engine.core.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == single
+
+
+def test_phi3_longrope_short_factors_within_the_original_context(tiny_model_factory):
+    """A long-context checkpoint (original context 64, 256 positions) served with
+    max_model_len 64: transformers rotates such sequences with the short factors, and so must
+    the engine, whose rotary covers max_model_len."""
+    path = tiny_model_factory("Phi3ForCausalLM", **dict(
+        HEAD, max_position_embeddings=256, original_max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                         "long_factor": [4.0, 6.0, 9.0, 12.0, 16.0, 20.0, 24.0, 32.0]}))
+    hf = transformers.Phi3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [p for p in PROMPTS if len(p) + MAX_NEW <= 64]
+    references = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    llm = LLM(path, dtype="float32", kv_cache_memory="8MiB", max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    assert_matches_hf(llm.generate(prompts, params), references)
