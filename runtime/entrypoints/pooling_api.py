@@ -81,6 +81,13 @@ def _prompts(value: Any) -> list:
     return [{"prompt_token_ids": v} if isinstance(v, list) else v for v in value]
 
 
+def _params(**fields: Any) -> PoolingParams:
+    try:
+        return PoolingParams(**fields)
+    except ValueError as e:
+        raise bad_request(str(e), param=next((f for f in fields if f in str(e)), None)) from None
+
+
 async def _run(engine: AsyncPoolingEngine, method: str, *args: Any) -> Any:
     try:
         return await engine.run(getattr(PoolingEngine, method), engine.engine, *args)
@@ -111,8 +118,8 @@ def _encode_vector(vector: list[float], encoding_format: str) -> list[float] | s
 
 @router.post("/v1/embeddings")
 async def create_embedding(body: EmbeddingRequest, raw: Request) -> dict:
-    params = PoolingParams(dimensions=body.dimensions,
-                           truncate_prompt_tokens=body.truncate_prompt_tokens)
+    params = _params(dimensions=body.dimensions,
+                     truncate_prompt_tokens=body.truncate_prompt_tokens)
     model, _, outputs = await _pool_inputs(raw, body, "/v1/embeddings", "embed", params)
     data = [{"object": "embedding", "index": i,
              "embedding": _encode_vector(o.outputs.embedding, body.encoding_format)}
@@ -124,7 +131,7 @@ async def create_embedding(body: EmbeddingRequest, raw: Request) -> dict:
 @router.post("/classify")
 @router.post("/v1/classify")
 async def create_classification(body: ClassificationRequest, raw: Request) -> dict:
-    params = PoolingParams(truncate_prompt_tokens=body.truncate_prompt_tokens)
+    params = _params(truncate_prompt_tokens=body.truncate_prompt_tokens)
     model, engine, outputs = await _pool_inputs(raw, body, "/classify", "classify", params)
     labels = getattr(engine.hf_config, "id2label", None) or {}
     data = []
@@ -152,7 +159,7 @@ async def _score(raw: Request, model: str | None, route: str, first: str | list[
         raise bad_request(f"scoring takes one text and a list, or two lists of one length; "
                           f"got {len(first)} and {len(second)}")
     return model, await _run(engine, "score", first, second,
-                             PoolingParams(truncate_prompt_tokens=truncate))
+                             _params(truncate_prompt_tokens=truncate))
 
 
 @router.post("/score")

@@ -72,6 +72,9 @@ def test_embedding_bad_input(minilm_server):
     cut = httpx.post(url + "/v1/embeddings", json={"input": long, "truncate_prompt_tokens": 256})
     assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 256
     assert error_of(httpx.post(url + "/v1/embeddings", json={"input": []}))["param"] == "input"
+    zero = error_of(httpx.post(url + "/v1/embeddings",
+                               json={"input": "hi", "truncate_prompt_tokens": 0}))
+    assert "truncate_prompt_tokens must be -1 or >= 1" in zero["message"]
     assert error_of(httpx.post(url + "/v1/embeddings",
                                json={"input": "hi", "encoding_format": "int8"}))
     refused = error_of(httpx.post(url + "/v1/completions", json={"prompt": "hi"}))
