@@ -13,6 +13,7 @@ from runtime.plugins.interfaces import CommunicatorSpec, GraphRunner, Platform
 from runtime.plugins.ops import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 from runtime.plugins.selection import explain_attention_backends, explain_platforms, hook_answer
 from runtime.testing.attention_check import CASES, check_attention
+from runtime.testing.prefill_only_check import check_prefill_only
 
 PROMPTS = [[1, 5, 9, 23, 77, 4, 300], [1] + list(range(100, 140)), [1, 42, 43], [1, 7] * 12]
 MAX_TOKENS = 8
@@ -65,6 +66,20 @@ def test_attention_matches_the_portable_backend(platform, model_info, dtype, cas
         pytest.skip(f"{backend.name} declares no logit soft-capping (it refuses such models)")
     check_attention(backend, dtype, platform.device(0), CASES[case],
                     label=f"{backend.name} (answered by {who})")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_pooling_attention_matches_plain_attention(platform, model_info, test_dtype, causal):
+    """A pooling model's steps (whole requests, no KV cache; bidirectional for encoders) on the
+    backend the platform chooses for a pooling model."""
+    info = dataclasses.replace(model_info, dtype=test_dtype, kv_cache_dtype=test_dtype,
+                               pooling=True)
+    backend, who = hook_answer("runtime_attention_backend", platform=platform, model=info,
+                               requested=None)
+    assert backend is not None and backend.supports_encoder_attention, \
+        f"{platform.name} offers no backend with prefill-only (pooling) attention"
+    check_prefill_only(backend, test_dtype, platform.device(0), causal,
+                       label=f"{backend.name} (answered by {who})")
 
 
 def test_unknown_backend_is_refused_clearly(hook, platform, model_info):
@@ -139,19 +154,25 @@ CUSTOM_OPS = {
 }
 
 
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("name", sorted(CUSTOM_OPS))
-def test_custom_op_matches_the_portable_one(hook, platform, test_dtype, name):
-    op = hook.runtime_custom_op(platform=platform, name=name)
+def test_custom_op_matches_the_portable_one(platform, name, dtype):
+    """In every dtype the platform declares (a kernel's bf16 path is a path of its own)."""
+    dtype = DTYPES[dtype]
+    if dtype not in platform.supported_dtypes():
+        pytest.skip(f"{platform.name} does not declare {dtype}")
+    op, who = hook_answer("runtime_custom_op", platform=platform, name=name)
     if op is None:
         pytest.skip(f"{platform.name} keeps the portable {name}")
     portable, make_args = CUSTOM_OPS[name]
-    args = make_args(platform.device(0), test_dtype)
+    args = make_args(platform.device(0), dtype)
     own_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]  # may be in place
-    tol = _tolerance(test_dtype)
+    tol = _tolerance(dtype)
     to_host = lambda out: tuple(o.float().cpu() for o in out) if isinstance(out, tuple) \
         else out.float().cpu()
     torch.testing.assert_close(to_host(op(*own_args)), to_host(portable(*args)), atol=tol,
-                               rtol=tol)
+                               rtol=tol, msg=lambda m: f"{name} answered by {who}, "
+                               f"{str(dtype).removeprefix('torch.')}: {m}")
 
 
 def test_quantization_kernel_hook_answers(hook, platform):
