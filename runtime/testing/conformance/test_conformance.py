@@ -67,6 +67,78 @@ def test_attention_matches_the_portable_backend(platform, model_info, dtype, cas
                     label=f"{backend.name} (answered by {who})")
 
 
+def test_unknown_backend_is_refused_clearly(hook, platform, model_info):
+    with pytest.raises(ValueError, match="no-such-backend"):
+        _backend(hook, platform, model_info, "no-such-backend")
+
+
+def test_backend_candidates_explain_the_choice(platform, model_info):
+    report = explain_attention_backends(platform, model_info)
+    assert report["error"] is None and report["chosen"]
+    rows = report["backends"]
+    assert sum(r["chosen"] for r in rows) == 1
+    assert all(r["reason"] for r in rows if not r["usable"]), "every refusal needs its reason"
+
+
+def test_graph_runner(hook, platform, model_info):
+    runner = hook.runtime_graph_runner(platform=platform, model=model_info, enforce_eager=False)
+    if runner is None:
+        pytest.skip(f"no graph runner for {platform.name}: the engine runs eagerly")
+    assert isinstance(runner, GraphRunner) and runner.name
+    eager = hook.runtime_graph_runner(platform=platform, model=model_info, enforce_eager=True)
+    assert eager is None or isinstance(eager, GraphRunner)
+
+
+_generations: dict[tuple, list[list[int]]] = {}
+
+
+def _generate(model: str, platform: Platform, dtype: torch.dtype,
+              enforce_eager: bool = False) -> list[list[int]]:
+    """Greedy tokens for PROMPTS from an engine on the platform (each setting run once)."""
+    key = (model, platform.name, dtype, enforce_eager)
+    if key not in _generations:
+        from runtime import LLM, SamplingParams
+        llm = LLM(model, device=platform.name, dtype=str(dtype).removeprefix("torch."),
+                  enforce_eager=enforce_eager, **ENGINE)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        _generations[key] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    return _generations[key]
+
+
+def test_generate_matches_transformers(platform, test_dtype, tiny_model):
+    if test_dtype != torch.float32:
+        pytest.skip(f"{platform.name} has no float32: greedy parity needs it")
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                for p in PROMPTS]
+    assert _generate(tiny_model, platform, torch.float32) == want
+
+
+def test_recorded_and_eager_runs_agree(platform, tiny_model):
+    """The graph runner (CUDA graphs, XLA buckets, torch.compile …) changes no token."""
+    dtype = platform.default_dtype()
+    assert _generate(tiny_model, platform, dtype) == \
+           _generate(tiny_model, platform, dtype, enforce_eager=True)
+
+
+CUSTOM_OPS = {
+    "rms_norm": (rms_norm, lambda d, t: (torch.randn(7, 64, device=d, dtype=t),
+                                         torch.randn(64, device=d, dtype=t), 1e-6)),
+    "add_rms_norm": (add_rms_norm, lambda d, t: (torch.randn(7, 64, device=d, dtype=t),
+                                                 torch.randn(7, 64, device=d, dtype=t),
+                                                 torch.randn(64, device=d, dtype=t), 1e-6)),
+    "silu_and_mul": (silu_and_mul, lambda d, t: (torch.randn(7, 128, device=d, dtype=t),)),
+    # positions, query [T, 4 heads * 64], key [T, 2 heads * 64], cos|sin cache, head size
+    "rotary_embedding": (rotary_embedding, lambda d, t: (
+        torch.tensor([0, 3, 9, 1, 30, 31, 2], device=d),
+        torch.randn(7, 256, device=d, dtype=t), torch.randn(7, 128, device=d, dtype=t),
+        torch.randn(32, 64, device=d), 64)),
+}
+
+
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("name", sorted(CUSTOM_OPS))
 def test_custom_op_matches_the_portable_one(platform, name, dtype):
