@@ -71,6 +71,21 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
 
+def prefill_only_metadata(lens: list[int], causal: bool,
+                          device: str | torch.device = "cpu") -> AttentionMetadata:
+    """The metadata of a pooling step: whole requests of `lens` tokens, no KV cache."""
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=torch.empty(len(lens), 0, dtype=torch.int32, device=device),
+        query_start_loc_cpu=starts, seq_lens_cpu=list(lens), max_query_len=max(lens),
+        max_seq_len=max(lens), prefill_only=True, causal=causal)
+
+
 class AttentionBackend(ABC):
     """One attention layer's kernel over the paged KV cache.
 

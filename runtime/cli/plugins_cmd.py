@@ -29,6 +29,9 @@ def add_plugins_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="show what forcing this attention backend would do")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="show the attention candidates for this KV-cache dtype")
+    parser.add_argument("--runner", choices=("generate", "pooling"), default="generate",
+                        help="pooling: the attention candidates for a pooling model (whole "
+                             "requests, no KV cache; bidirectional for encoders)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=plugins_command)
     return parser
@@ -46,7 +49,8 @@ def plugins_command(args: argparse.Namespace) -> int:
     try:
         report["active"] = _active(select_platform(device),
                                    getattr(args, "attention_backend", None),
-                                   getattr(args, "kv_cache_dtype", "auto"))
+                                   getattr(args, "kv_cache_dtype", "auto"),
+                                   getattr(args, "runner", "generate") == "pooling")
     except PlatformError as e:
         report["error"] = str(e)
     if getattr(args, "json", False):
@@ -57,13 +61,13 @@ def plugins_command(args: argparse.Namespace) -> int:
 
 
 def _active(platform: Platform, requested: str | None = None,
-            kv_cache_dtype: str = "auto") -> dict[str, Any]:
+            kv_cache_dtype: str = "auto", pooling: bool = False) -> dict[str, Any]:
     hook = get_plugin_manager().hook
     dtype = platform.default_dtype()
     model = ModelInfo(architecture="sample", dtype=dtype,
                       kv_cache_dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype),
                       head_size=SAMPLE_HEAD_SIZE, num_heads=SAMPLE_HEADS,
-                      num_kv_heads=SAMPLE_HEADS)
+                      num_kv_heads=SAMPLE_HEADS, pooling=pooling)
     try:
         backend = hook.runtime_attention_backend(platform=platform, model=model,
                                                  requested=requested)

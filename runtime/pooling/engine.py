@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from runtime.attention_backends.base import AttentionMetadata
+from runtime.attention_backends.base import prefill_only_metadata
 from runtime.config import EngineConfig
 from runtime.forward_context import forward_context
 from runtime.layers.build_context import BuildContext
@@ -100,6 +100,11 @@ class PoolingEngine:
                          block_size=config.block_size, enforce_eager=True, pooling=True)
         backend = hook.runtime_attention_backend(platform=platform, model=info,
                                                  requested=config.attention_backend)
+        if not getattr(backend, "supports_encoder_attention", False):
+            raise ValueError(f"attention backend {getattr(backend, 'name', backend)} on "
+                             f"{platform.name} has no prefill-only attention, which pooling "
+                             f"models need (torch_paged has it: --attention-backend "
+                             f"torch_paged)")
         worker = Worker(config, platform, source, mc)
         self.device = worker.device
         ctx = BuildContext(dtype=dtype, device=self.device, attention_backend=backend,
@@ -199,22 +204,15 @@ class PoolingEngine:
     def _forward(self, inputs: list[Tokens]) -> tuple[torch.Tensor, list[int]]:
         """The last hidden states of one step's inputs, flat, and where each input starts."""
         lens = [len(t.ids) for t in inputs]
-        starts = [0, *itertools.accumulate(lens)]
         dev = self.device
         ids = torch.tensor([i for t in inputs for i in t.ids], device=dev)
         positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
         types = torch.tensor([i for t in inputs for i in (t.type_ids or [0] * len(t.ids))],
                              device=dev)
-        metadata = AttentionMetadata(
-            slot_mapping=torch.empty(0, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=torch.empty(len(inputs), 0, dtype=torch.int32, device=dev),
-            query_start_loc_cpu=starts, seq_lens_cpu=lens, max_query_len=max(lens),
-            max_seq_len=max(lens), prefill_only=True, causal=not self.encoder_only)
+        metadata = prefill_only_metadata(lens, not self.encoder_only, dev)
         with forward_context(metadata):
             hidden = self.model(ids, positions, types)
-        return hidden, starts
+        return hidden, metadata.query_start_loc_cpu
 
     def run(self, inputs: list[Tokens], task: str) -> list[torch.Tensor]:
         """Per input: its pooled hidden state (embed), its label logits (classify) or its

@@ -2,50 +2,34 @@
 request's own tokens, no KV cache; and selection passing over backends without it."""
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
-import torch.nn.functional as F
 
-from runtime.attention_backends.base import AttentionMetadata
 from runtime.attention_backends.cpu_paged import CpuPagedAttention
 from runtime.attention_backends.flash_attention import FlashAttentionBackend
 from runtime.attention_backends.torch_paged import TorchPagedAttention
 from runtime.attention_backends.triton_paged import TritonPagedAttention
 from runtime.platforms.common import offer_backend
 from runtime.plugins.interfaces import ModelInfo
-
-LENS = [5, 1, 17]
-
-
-def prefill_only_metadata(lens: list[int], causal: bool) -> AttentionMetadata:
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
-    return AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.int64), query_start_loc=torch.tensor(starts),
-        seq_lens=torch.tensor(lens), block_tables=torch.empty(len(lens), 0, dtype=torch.int32),
-        query_start_loc_cpu=starts, seq_lens_cpu=lens, max_query_len=max(lens),
-        max_seq_len=max(lens), prefill_only=True, causal=causal)
-
+from runtime.testing.prefill_only_check import check_prefill_only
 
 @pytest.mark.parametrize("backend", [TorchPagedAttention, CpuPagedAttention])
 @pytest.mark.parametrize("causal", [False, True])
-def test_prefill_only_attention(backend, causal):
-    torch.manual_seed(0)
-    heads, kv_heads, d = 4, 2, 16
-    t = sum(LENS)
-    q, k, v = torch.randn(t, heads, d), torch.randn(t, kv_heads, d), torch.randn(t, kv_heads, d)
-    impl = backend(heads, d, d ** -0.5, kv_heads)
-    # no cache at all: a prefill-only step must not touch it
-    out = impl.forward(q, k, v, torch.empty(0), prefill_only_metadata(LENS, causal))
-    lo = 0
-    for n in LENS:
-        sl = slice(lo, lo + n)
-        ref = F.scaled_dot_product_attention(
-            q[sl].transpose(0, 1), k[sl].transpose(0, 1).repeat_interleave(2, 0),
-            v[sl].transpose(0, 1).repeat_interleave(2, 0), is_causal=causal).transpose(0, 1)
-        torch.testing.assert_close(out[sl], ref, atol=1e-5, rtol=1e-5)
-        lo += n
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_only_attention(backend, causal, dtype):
+    check_prefill_only(backend, dtype, "cpu", causal)
+
+
+def test_the_check_catches_causal_attention_in_an_encoder_step():
+    class AlwaysCausal(TorchPagedAttention):
+        def _encode(self, query, key, value, metadata):
+            return super()._encode(query, key, value, dataclasses.replace(metadata, causal=True))
+
+    with pytest.raises(AssertionError, match="bidirectional.*request 0 of 5 tokens"):
+        check_prefill_only(AlwaysCausal, torch.float32, "cpu", causal=False)
 
 
 def test_selection_passes_over_backends_without_prefill_only_mode():
@@ -58,3 +42,16 @@ def test_selection_passes_over_backends_without_prefill_only_mode():
         assert "no prefill-only (encoder / pooling) attention" in candidate.reason
     usable = offer_backend("torch_paged", TorchPagedAttention, 0, info, "cpu", "test", [])
     assert usable.backend is TorchPagedAttention, usable.reason
+
+
+def test_runtime_plugins_explains_pooling_attention(capsys, monkeypatch):
+    """`runtime plugins --runner pooling` lists the candidates for a pooling model, and a backend
+    without the prefill-only mode with its reason."""
+    from runtime.cli.main import main
+    monkeypatch.setattr(CpuPagedAttention, "supports_encoder_attention", False)
+    assert main(["plugins", "--device", "cpu", "--runner", "pooling", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["active"]["attention_backend"].startswith("torch_paged")
+    rows = {row["name"]: row for row in report["active"]["attention_backends"]}
+    assert not rows["cpu_paged"]["usable"]
+    assert "no prefill-only (encoder / pooling) attention" in rows["cpu_paged"]["reason"]

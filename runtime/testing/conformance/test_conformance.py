@@ -13,6 +13,7 @@ from runtime.plugins.interfaces import CommunicatorSpec, GraphRunner, Platform
 from runtime.plugins.ops import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 from runtime.plugins.selection import explain_attention_backends, explain_platforms, hook_answer
 from runtime.testing.attention_check import CASES, check_attention
+from runtime.testing.prefill_only_check import check_prefill_only
 
 PROMPTS = [[1, 5, 9, 23, 77, 4, 300], [1] + list(range(100, 140)), [1, 42, 43], [1, 7] * 12]
 MAX_TOKENS = 8
@@ -65,6 +66,22 @@ def test_attention_matches_the_portable_backend(platform, model_info, dtype, cas
         pytest.skip(f"{backend.name} declares no logit soft-capping (it refuses such models)")
     check_attention(backend, dtype, platform.device(0), CASES[case],
                     label=f"{backend.name} (answered by {who})")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_pooling_attention_matches_plain_attention(platform, model_info, test_dtype, causal):
+    """A pooling model's steps (whole requests, no KV cache; bidirectional for encoders) on the
+    backend the platform chooses for a pooling model."""
+    info = dataclasses.replace(model_info, dtype=test_dtype, kv_cache_dtype=test_dtype,
+                               pooling=True)
+    backend, who = hook_answer("runtime_attention_backend", platform=platform, model=info,
+                               requested=None)
+    assert backend is not None, f"no plugin supplies attention for {platform.name}"
+    if not backend.supports_encoder_attention:
+        pytest.skip(f"{backend.name} declares no prefill-only attention (pooling models are "
+                    f"refused on {platform.name})")
+    check_prefill_only(backend, test_dtype, platform.device(0), causal,
+                       label=f"{backend.name} (answered by {who})")
 
 
 def test_unknown_backend_is_refused_clearly(hook, platform, model_info):
