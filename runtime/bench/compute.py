@@ -163,6 +163,8 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join([
         f"model {result['model']}, dtype {result['dtype']}, {result['num_threads']} threads, "
         f"allocator {result['machine']['allocator']}",
+        f"cpu {result['machine']['cpu']}, features: "
+        f"{' '.join(result['machine']['features']) or 'none detected'}",
         f"measured matmul peak (GFLOP/s): {peaks}",
         format_table(rows, [("phase", "phase"), ("tokens_per_s", "tok/s"),
                             ("gflops", "GFLOP/s"), ("share", f"of {result['dtype']} peak")]),
