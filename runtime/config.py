@@ -86,6 +86,11 @@ class EngineConfig:
     ray_address: str | None = None  # None: RAY_ADDRESS, else a new local Ray instance
     # speculative decoding: a SpeculativeConfig, or its dict / JSON text; None: off
     speculative_config: Any = None
+    # multi-LoRA (runtime.lora): adapters in max_loras device slots, max_cpu_loras in host memory
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -121,7 +126,16 @@ class EngineConfig:
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the most the "
                              f"sampler returns), got {self.max_logprobs}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.enable_lora and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora runs on one rank for now (tensor_parallel_size and "
+                             "pipeline_parallel_size 1)")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+        for name in ("max_loras", "max_lora_rank", "block_size", "max_num_seqs",
+                     "max_num_batched_tokens",
                      "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -8,6 +8,7 @@ from runtime.beam_search import BeamSearch, BeamSearchGroup, BeamSearchOutput, B
 from runtime.config import EngineConfig
 from runtime.engine.input_processor import PromptType
 from runtime.engine.llm_engine import LLMEngine
+from runtime.lora.request import LoRARequest
 from runtime.outputs import RequestOutput
 from runtime.pooling import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams,
                              PoolingRequestOutput, ScoringRequestOutput)
@@ -44,12 +45,15 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for one prompt or a batch; outputs come back in the prompts' order.
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or
-        "prompt_token_ids". `sampling_params` is one for all or one per prompt. Every prompt is
-        validated before any is queued, so a bad one raises without starting the others.
+        "prompt_token_ids". `sampling_params` is one for all or one per prompt, and so is
+        `lora_request` (None: the base model). Every prompt is validated before any is queued,
+        so a bad one raises without starting the others.
         """
         self._generating("generate")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
@@ -59,14 +63,21 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else \
+            [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
         engine = self.engine
         tokenized = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p, lora in zip(prompts, params, loras):
             text, ids = engine.inputs.tokenize(prompt)
             engine.inputs.validate(ids, p)
+            if lora is not None:
+                engine.processor.check_lora(lora)
             tokenized.append({"prompt": text, "prompt_token_ids": ids})
-        order = {engine.add_request(prompt, p, priority=prio): i
-                 for i, (prompt, p, prio) in enumerate(zip(tokenized, params, priorities))}
+        order = {engine.add_request(prompt, p, priority=prio, lora_request=lora): i
+                 for i, (prompt, p, prio, lora) in
+                 enumerate(zip(tokenized, params, priorities, loras))}
         return self._run(order, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
+from runtime.lora.request import LoRARequest
 from runtime.sampling_params import SamplingParams
 
 
@@ -36,7 +37,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, priority: int = 0, arrival_time: float | None = None,
                  parent_id: str | None = None, sample_index: int = 0,
-                 leader_id: str | None = None) -> None:
+                 leader_id: str | None = None, lora_request: LoRARequest | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
@@ -47,6 +48,7 @@ class Request:
         self.parent_id = parent_id or request_id
         self.sample_index = sample_index
         self.leader_id = leader_id  # sample 0 of the same n > 1 request, whose prompt KV we share
+        self.lora_request = lora_request  # the adapter it runs under (None: the base model)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
@@ -58,6 +60,11 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request else 0
 
     @property
     def num_prompt_tokens(self) -> int:

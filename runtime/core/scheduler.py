@@ -119,6 +119,13 @@ class Scheduler:
             return leader.block_ids[:(request.num_prompt_tokens - 1) // self.kv.block_size]
         return self.kv.find_cached_blocks(request)
 
+    def _lora_fits(self, request: Request) -> bool:
+        """Running requests use at most max_loras adapters, so every step fits the slots."""
+        if request.lora_request is None:
+            return True
+        running = {r.lora_int_id for r in self.running} - {0}
+        return request.lora_int_id in running or len(running) < self.config.max_loras
+
     def _victim(self) -> Request:
         """The running request to preempt: the latest arrival (FCFS) or the least important."""
         if self.config.scheduling_policy == "priority":
@@ -179,6 +186,8 @@ class Scheduler:
         while not out.preempted and budget > 0 and len(self.waiting) > 0 and \
                 len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if not self._lora_fits(request):
+                break
             cached = self._shared_or_cached_blocks(request)
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_computed

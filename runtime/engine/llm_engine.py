@@ -11,6 +11,7 @@ from runtime.config import EngineConfig
 from runtime.engine.core import EngineCore
 from runtime.engine.input_processor import PromptType
 from runtime.engine.processor import Processor
+from runtime.lora.request import LoRARequest
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource, load_config, resolve_model
 from runtime.outputs import RequestOutput
@@ -52,9 +53,11 @@ class LLMEngine:
         self.outputs = self.processor.outputs
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> str:
         """Validate and queue one prompt; raises ValueError (queuing nothing) on bad input."""
-        requests = self.processor.add_request(prompt, params, request_id, priority)
+        requests = self.processor.add_request(prompt, params, request_id, priority,
+                                              lora_request=lora_request)
         for request in requests:
             self.core.add_request(request)
         return requests[0].parent_id

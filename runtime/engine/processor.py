@@ -17,6 +17,8 @@ from runtime.engine.output_processor import OutputKind, OutputProcessor
 from runtime.generation_config import generation_defaults
 from runtime.model_loader.source import ModelSource, load_tokenizer
 from runtime.outputs import RequestOutput
+from runtime.lora.adapter import load_adapter
+from runtime.lora.request import LoRARequest
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
 
@@ -34,12 +36,18 @@ class Processor:
         self.sampling_defaults = generation_defaults(config.generation_config, source)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.config = config
+        self.hf_config = hf_config
+        self.checked_loras: set[LoRARequest] = set()  # adapters found runnable
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
-                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> list[Request]:
+                    output_kind: OutputKind = OutputKind.CUMULATIVE,
+                    lora_request: LoRARequest | None = None) -> list[Request]:
         """Validate one prompt and register it; returns the core requests to queue (one per
         sample). Raises ValueError, registering nothing, on bad input."""
+        if lora_request is not None:
+            self.check_lora(lora_request)
         params = params or self.default_sampling_params()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.outputs.requests:
@@ -60,8 +68,19 @@ class Processor:
             params = params.clone(logprobs=0)  # the ranking needs each token's logprob
         return [Request(sample_id, token_ids, params, max_tokens, priority, arrival,
                         parent_id=request_id, sample_index=k,
-                        leader_id=sample_ids[0] if k else None)
+                        leader_id=sample_ids[0] if k else None, lora_request=lora_request)
                 for k, sample_id in enumerate(sample_ids)]
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Raise ValueError if the engine cannot run this adapter (LoRA off, or the folder is
+        missing, of too high a rank, for modules or shapes this model lacks)."""
+        if lora_request in self.checked_loras:
+            return
+        if not self.config.enable_lora:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is "
+                             "off: start the engine with enable_lora=True (--enable-lora)")
+        load_adapter(lora_request, self.hf_config, self.config.max_lora_rank)
+        self.checked_loras.add(lora_request)
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request without sampling params gets: the --generation-config defaults."""

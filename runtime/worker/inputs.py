@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.lora.request import LoRARequest
 from runtime.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class NewRequestData:
     sample_index: int
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hits and blocks shared with an n > 1 sibling
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
 
 @dataclass
@@ -79,6 +81,7 @@ class ScheduledRequest:
     num_lookahead: int = 0  # slots reserved past token_ids (a draft model writes its KV there)
     # structured outputs: the allowed tokens of each sampled row (1 + len(spec_token_ids) rows)
     grammar_bitmask: np.ndarray | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -33,6 +33,8 @@ class ModelRunner:
         self.graph_runner.capture(self.model.forward, {})
         # proposes tokens for speculative decoding (runtime.spec_decode); set by the worker
         self.proposer = None
+        # puts each step's adapters in their slots (runtime.lora); set by the worker
+        self.lora = None
 
     def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         """Give every attention layer its cache, in the layout its backend asks for.
@@ -109,6 +111,8 @@ class ModelRunner:
             block_tables[i, :len(r.block_ids)] = r.block_ids
         req_of_token = np.repeat(np.arange(len(reqs)), query_lens)
         slots = block_tables[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        if self.lora is not None:
+            self.lora.prepare([r.lora_request for r in reqs], query_lens)
         dev = self.device
         metadata = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev),

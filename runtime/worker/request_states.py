@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.lora.request import LoRARequest
 from runtime.sampling_params import SamplingParams
 from runtime.worker.inputs import ScheduledRequest, StepInput
 
@@ -17,6 +18,7 @@ class RequestState:
     token_ids: list[int]  # prompt + output so far
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 class RequestStates:
@@ -31,7 +33,7 @@ class RequestStates:
             self.requests[new.request_id] = RequestState(
                 new.params, new.sample_index, len(new.prompt_token_ids),
                 list(new.prompt_token_ids) + new.output_token_ids, list(new.block_ids),
-                new.num_computed_tokens)
+                new.num_computed_tokens, new.lora_request)
         for change in step.cached_requests:
             state = self.requests[change.request_id]
             state.token_ids.extend(change.new_token_ids)
@@ -55,4 +57,4 @@ class RequestStates:
             num_prompt_tokens=state.num_prompt_tokens, all_token_ids=state.token_ids,
             spec_token_ids=spec, num_lookahead=step.num_lookahead.get(request_id, 0),
             grammar_bitmask=None if row is None else
-            step.grammar_bitmask[row:row + 1 + len(spec)])
+            step.grammar_bitmask[row:row + 1 + len(spec)], lora_request=state.lora_request)

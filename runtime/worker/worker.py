@@ -102,6 +102,11 @@ class Worker:
                                   graph_runner)
         self.model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         itemsize = self.kv_cache_dtype.itemsize
+        if self.config.enable_lora:
+            from runtime.lora.manager import LoRAManager
+            cfg = self.config
+            self.runner.lora = LoRAManager(model, mc.hf_config, cfg.max_loras, cfg.max_lora_rank,
+                                           cfg.max_cpu_loras, ctx.custom_op, self.device)
         self.kv_bytes_per_block = sum(  # this rank's layers and KV heads only
             2 * self.config.block_size * m.num_kv_heads * m.head_size * itemsize
             for m in model.modules() if isinstance(m, Attention))

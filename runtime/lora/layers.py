@@ -1,0 +1,64 @@
+"""A linear layer with per-token LoRA: the base layer's output plus, for each token with an
+adapter, expand(shrink(x, A[slot]), B[slot]); the adapters sit in `max_loras` fixed slots."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from runtime.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from runtime.lora.adapter import LoRAWeights
+from runtime.lora.ops import LoRABatch
+
+
+class StepLoRA:
+    """The step's token-to-slot map, shared by every LoRA layer (None: no token has one)."""
+
+    def __init__(self) -> None:
+        self.batch: LoRABatch | None = None
+
+
+def slice_sizes(base: LinearBase) -> list[int]:
+    """Output sizes of the fused projections a layer holds (q, k, v / gate, up / one)."""
+    if isinstance(base, QKVParallelLinear):
+        q, kv = base.num_heads * base.head_size, base.num_kv_heads * base.head_size
+        return [q, kv, kv]
+    if isinstance(base, MergedColumnParallelLinear):
+        return [size // base.tp_size for size in base.output_sizes]
+    return [base.output_size]
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: LinearBase, max_loras: int, max_rank: int, step: StepLoRA,
+                 shrink: Callable, expand: Callable) -> None:
+        super().__init__()
+        self.base = base
+        self.step = step
+        self.shrink, self.expand = shrink, expand
+        sizes = slice_sizes(base)
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        weight = next(base.parameters())
+        dtype = weight.dtype if weight.is_floating_point() else torch.get_default_dtype()
+        self.register_buffer("a", torch.zeros(max_loras, len(sizes), max_rank, base.input_size,
+                                              dtype=dtype, device=weight.device))
+        self.register_buffer("b", torch.zeros(max_loras, base.output_size, max_rank,
+                                              dtype=dtype, device=weight.device))
+
+    def set_slot(self, slot: int, slices: dict[int, LoRAWeights]) -> None:
+        """Put one adapter's weights for this layer's slices in `slot` (absent slices: zero)."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for index, w in slices.items():
+            rank = w.a.size(0)
+            self.a[slot, index, :rank].copy_(w.a)
+            self.b[slot, self.offsets[index]:self.offsets[index + 1], :rank].copy_(w.b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        batch = self.step.batch
+        if batch is None:
+            return y
+        flat_x, flat_y = x.reshape(-1, x.size(-1)), y.reshape(-1, y.size(-1))
+        buf = self.shrink(flat_x, self.a, batch)
+        return self.expand(flat_y, buf, self.b, batch, self.offsets).view_as(y)
