@@ -94,7 +94,12 @@ class RemoteChat:
         try:
             return urllib.request.urlopen(request, timeout=600)
         except urllib.error.HTTPError as e:
-            raise ValueError(f"{self.url}{path}: HTTP {e.code}: {e.read().decode(errors='replace')}")
+            detail = e.read().decode(errors="replace")
+            try:
+                detail = json.loads(detail)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass  # not an OpenAI-style error body: show it as it came
+            raise ValueError(f"{self.url}{path}: HTTP {e.code}: {detail}") from None
         except urllib.error.URLError as e:
             raise ValueError(f"cannot reach {self.url}: {e.reason}") from None
 

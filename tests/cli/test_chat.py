@@ -69,10 +69,13 @@ def test_url_chats_with_a_running_server(tiny_llama, local_replies, tmp_path):
                     str(tmp_path / "server.log"))
     try:
         done = chat(["--url", server.url, "--api-key", "k", *GREEDY], "Hello\n/exit\n")
+        unauthorized = chat(["--url", server.url, "--api-key", "wrong"], "Hello\n")
     finally:
         server.stop()
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == local_replies.stdout.splitlines()[0]
+    assert unauthorized.returncode == 2 and "HTTP 401" in unauthorized.stderr
+    assert "Traceback" not in unauthorized.stderr
     refused = chat(["--url", server.url], "Hello\n")  # the server is gone now
     assert refused.returncode == 2 and refused.stderr.startswith("error: cannot reach")
 
