@@ -81,7 +81,7 @@ def _read_config(request: LoRARequest) -> dict[str, Any]:
     lacking = sorted(set(targets) - set(TARGETS))
     if lacking:
         raise ValueError(f"LoRA adapter {request.lora_name!r}: target modules {lacking} are not "
-                         f"in the model; allowed: {sorted(TARGETS)}")
+                         f"among this model's adaptable modules; allowed: {sorted(TARGETS)}")
     return config
 
 
