@@ -70,6 +70,9 @@ class TpuPlatform(Platform):
         import torch_xla.core.xla_model as xm
         used, limit = memory_info(xm.get_memory_info(self.device()))
         if requested is not None:
+            if requested > limit - used:
+                raise ValueError(f"--kv-cache-memory-bytes asks for {requested / GiB:.2f} GiB but "
+                                 f"the TPU has {(limit - used) / GiB:.2f} GiB free")
             return requested
         budget = int(limit * self.memory_utilization) - max(used, model_bytes)
         if budget <= 0:

@@ -90,3 +90,26 @@ def test_ctrl_c_during_generation_exits_cleanly(tiny_llama):
     err = (log + rest).decode()
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err, err
+
+
+def test_a_tpu_kv_budget_above_free_memory_is_refused(monkeypatch):
+    """The TPU platform asks torch_xla for its memory (faked here, at that boundary only)."""
+    import types
+
+    import pytest
+
+    from runtime.platforms.tpu.platform import GiB, TpuPlatform
+    xla_model = types.ModuleType("torch_xla.core.xla_model")
+    xla_model.xla_device = lambda: "xla:0"
+    xla_model.get_memory_info = lambda device: {"bytes_used": 2 * GiB, "bytes_limit": 16 * GiB}
+    core = types.ModuleType("torch_xla.core")
+    core.xla_model = xla_model
+    torch_xla = types.ModuleType("torch_xla")
+    torch_xla.core = core
+    for name, module in (("torch_xla", torch_xla), ("torch_xla.core", core),
+                         ("torch_xla.core.xla_model", xla_model)):
+        monkeypatch.setitem(sys.modules, name, module)
+    tpu = TpuPlatform(1)
+    assert tpu.kv_cache_memory_bytes(4 * GiB, 0) == 4 * GiB
+    with pytest.raises(ValueError, match="asks for 20.00 GiB but the TPU has 14.00 GiB free"):
+        tpu.kv_cache_memory_bytes(20 * GiB, 0)
