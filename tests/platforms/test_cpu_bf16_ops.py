@@ -99,3 +99,25 @@ def test_rotary_on_decode_and_prefill_rows(dtype, rows, rotary_dim):
     tol = ELEMENTWISE_TOL[dtype]
     torch.testing.assert_close(q, want_q, atol=tol, rtol=tol)
     torch.testing.assert_close(k, want_k, atol=tol, rtol=tol)
+
+
+def test_bf16_engine_follows_transformers_in_bf16(tiny_model_factory):
+    """The packed products and the 16-lane kernels together, in a model whose shapes they all
+    take (head size 64): transformers' greedy tokens in bf16 over the first steps (later ones
+    may part on near-ties, as two bf16 implementations do), logprobs within bf16 noise."""
+    import transformers
+
+    from runtime import LLM, SamplingParams
+    from tests.parity import PROMPTS, hf_greedy
+    steps = 4
+    path = tiny_model_factory("LlamaForCausalLM", hidden_size=128, intermediate_size=256,
+                              num_attention_heads=2, num_key_value_heads=1)
+    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    references = [hf_greedy(hf, p, steps) for p in PROMPTS]
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory="32MiB", max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=0)
+    for out, (tokens, logprobs) in zip(llm.generate(PROMPTS, params), references):
+        sample = out.outputs[0]
+        assert sample.token_ids == tokens
+        ours = [next(iter(pos.values())).logprob for pos in sample.logprobs]
+        assert max(abs(a - b) for a, b in zip(ours, logprobs)) < 0.15
