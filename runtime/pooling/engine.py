@@ -90,7 +90,7 @@ class PoolingEngine:
         platform = select_platform(config.device)
         platform.set_num_threads(config.num_threads)
         dtype = config.dtype or platform.default_dtype()
-        mc = ModelConfig.from_hf(hf_config, dtype, config.max_model_len, "native")
+        mc = ModelConfig.from_hf(hf_config, dtype, config.max_model_len, config.model_impl)
         model_cls = pooling_model_class(mc.choice.model_class)
         self.encoder_only = model_cls.encoder_only
         hook = get_plugin_manager().hook
