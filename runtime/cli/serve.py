@@ -42,6 +42,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) to use instead "
                         "of the model's")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto"); needs '
+                        "--tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "pythonic"],
+                   help="how the model writes tool calls, to read them back for "
+                        'tool_choice "auto" (hermes: Hermes, Qwen)')
     g.add_argument("--max-queue-len", type=int, default=1024,
                    help="sequences that may wait for the running batch; more get HTTP 503")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -113,6 +120,8 @@ def serve_command(args: argparse.Namespace) -> int:
     from runtime.pooling.async_engine import open_async_pooling_engine
     from runtime.stat_logger import StatLogger
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise SystemExit("error: HTTPS needs both --ssl-keyfile and --ssl-certfile")
     sock = bind_socket(args.host, args.port)  # a busy port fails now, not after loading
@@ -129,7 +138,8 @@ def serve_command(args: argparse.Namespace) -> int:
     app = create_app(engine, metrics, names, load_chat_template(args.chat_template),
                      args.api_key or os.environ.get("RUNTIME_API_KEY"), args.api_key_scope,
                      args.max_request_body_bytes, cors,
-                     args.enable_log_requests and not args.disable_log_requests)
+                     args.enable_log_requests and not args.disable_log_requests,
+                     args.tool_call_parser, args.enable_auto_tool_choice)
     tls = TLS(args.ssl_keyfile, args.ssl_certfile) if args.ssl_keyfile else None
     return run_server(app, sock, args.shutdown_timeout, tls, args.root_path,
                       args.uvicorn_log_level)

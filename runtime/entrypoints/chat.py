@@ -29,16 +29,17 @@ def text_of(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(texts)
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]], chat_template: str | None,
-                add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of `messages` ({"role", "content"} dicts) rendered with the template."""
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None,
+                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of `messages` ({"role", "content"} dicts, with "tool_calls" and
+    "tool_call_id" where given) rendered with the template, which also renders `tools`."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template: start the server with "
                           "--chat-template, or use /v1/completions", param="messages")
     try:
         text = tokenizer.apply_chat_template(messages, chat_template=chat_template,
                                              add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
+                                             tools=tools, tokenize=False)
     except Exception as e:  # a template may raise on roles or orders it does not accept
         raise bad_request(f"the chat template failed on these messages: {e}",
                           param="messages") from None

@@ -12,6 +12,8 @@ from runtime.engine.async_llm import RequestStream
 from runtime.entrypoints.chat import render_chat, text_of
 from runtime.entrypoints.errors import APIError, bad_request
 from runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from runtime.entrypoints.structured import checked
+from runtime.entrypoints.tool_parsers import ToolChoice, template_messages
 from runtime.entrypoints.serving import (ServerState, check_budget, check_fits, check_model,
                                          final_outputs, merge, new_id, open_streams, sse,
                                          state_of, stream_error, unless_disconnected)
@@ -69,17 +71,24 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
     model = check_model(state, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-    messages = [{"role": m.role, "content": text_of(m.content)} for m in body.messages]
+    tools = ToolChoice.of(body, state.tool_call_parser, state.enable_auto_tool_choice)
+    messages = template_messages(body.messages, text_of)
     prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
-                                  state.chat_template, body.add_generation_prompt)
+                                  state.chat_template, body.add_generation_prompt, tools.tools)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     budget = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs,
                                   defaults=state.engine.processor.sampling_defaults)
+    forced = tools.structured_outputs()
+    if forced is not None:
+        if params.structured_outputs is not None:
+            raise bad_request("a forced tool_choice and a constrained response format both "
+                              "constrain the output: give only one", param="tool_choice")
+        params = params.clone(structured_outputs=checked("tools", json=forced.json))
     request_id = new_id("chatcmpl")
     streams = await open_streams(state, request_id, [{"prompt_token_ids": prompt}], params,
                                  body.stream, body.priority, budget)
-    reply = Reply(request_id, model, "chat.completion", state, params.n, streams)
+    reply = Reply(request_id, model, "chat.completion", state, params.n, streams, tools)
     if body.stream:
         return _event_stream(reply.chat_chunks(body))
     return await unless_disconnected(raw, reply.chat(body), streams)
@@ -155,13 +164,14 @@ class Reply:
     one per prompt, each with n samples; choice index = prompt index * n + sample index."""
 
     def __init__(self, request_id: str, model: str, object: str, state: ServerState, n: int,
-                 streams: list[RequestStream]) -> None:
+                 streams: list[RequestStream], tools: ToolChoice | None = None) -> None:
         self.request_id = request_id
         self.model = model
         self.object = object
         self.tokenizer = state.engine.tokenizer
         self.n = n
         self.streams = streams
+        self.tools = tools  # a chat request's tool choice: reads calls from the output
         self.created = int(time.time())
 
     def _envelope(self, choices: list[dict], usage: dict | None = None,
@@ -276,12 +286,14 @@ class Reply:
 
     async def chat(self, body: ChatCompletionRequest) -> dict:
         output = (await final_outputs(self.streams))[0]
-        choices = [{"index": sample.index,
-                    "message": {"role": "assistant", "content": sample.text},
-                    "logprobs": self._chat_logprobs(sample, body.top_logprobs or 0)
-                    if body.logprobs else None,
-                    "finish_reason": _finish_reason(sample), "stop_reason": sample.stop_reason}
-                   for sample in output.outputs]
+        choices = []
+        for sample in output.outputs:
+            message, calls = self.tools.message(sample.text)
+            choices.append({"index": sample.index, "message": message,
+                            "logprobs": self._chat_logprobs(sample, body.top_logprobs or 0)
+                            if body.logprobs else None,
+                            "finish_reason": "tool_calls" if calls else _finish_reason(sample),
+                            "stop_reason": sample.stop_reason})
         return self._envelope(choices, self._usage())
 
     def chat_chunks(self, body: ChatCompletionRequest) -> AsyncIterator[str]:
@@ -289,20 +301,31 @@ class Reply:
 
     async def _chat_choices(self, body: ChatCompletionRequest) -> AsyncIterator[list[dict]]:
         started: set[int] = set()
+        held: dict[int, str] = {}  # text of outputs that may hold calls, sent when finished
         async for _, output in merge(self.streams):
             choices = []
             for sample in output.outputs:
-                delta: dict[str, str] = {}
+                delta: dict[str, Any] = {}
+                calls = False
                 if sample.index not in started:
                     started.add(sample.index)
                     delta["role"] = "assistant"
-                if sample.text or "role" in delta:
+                if self.tools.reads_calls:
+                    held[sample.index] = held.get(sample.index, "") + sample.text
+                    if sample.finished:
+                        message, calls = self.tools.message(held.pop(sample.index))
+                        delta["content"] = message["content"]
+                        if calls:
+                            delta["tool_calls"] = [{"index": i, **call} for i, call in
+                                                   enumerate(message["tool_calls"])]
+                elif sample.text or "role" in delta:
                     delta["content"] = sample.text
                 logprobs = self._chat_logprobs(sample, body.top_logprobs or 0) \
                     if body.logprobs and sample.token_ids else None
                 if delta or logprobs or sample.finished:
                     choices.append({"index": sample.index, "delta": delta, "logprobs": logprobs,
-                                    "finish_reason": _finish_reason(sample),
+                                    "finish_reason": "tool_calls" if calls
+                                    else _finish_reason(sample),
                                     "stop_reason": sample.stop_reason})
             yield choices
 

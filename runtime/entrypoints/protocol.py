@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from runtime.beam_search import BeamSearchParams
 from runtime.entrypoints.errors import bad_request
@@ -25,12 +25,35 @@ Float = Annotated[float, Field(allow_inf_nan=False)]
 Text = Annotated[str, Field(min_length=1)]
 
 
+def only(*accepted: Any) -> Any:
+    """A field of the official API this server does not honour: absent, null or one of
+    `accepted` (values that ask for nothing) it passes; otherwise a 400 names it."""
+    def check(value: Any) -> Any:
+        if value is not None and value not in accepted:
+            raise ValueError(f"not supported by this server (accepted: "
+                             f"{', '.join(map(repr, (None, *accepted)))})")
+        return value
+    return Annotated[Any, BeforeValidator(check)]
+
+
 class Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
 class StreamOptions(Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(Body):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(Body):
@@ -47,7 +70,8 @@ class SamplingFields(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, Float] | None = None  # not supported: refused when given
+    logit_bias: dict[str, Annotated[Float, Field(ge=-100, le=100)]] | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's extras
     top_k: Annotated[int, Field(strict=True, ge=-1, le=INT64_MAX)] | None = None
     min_p: Annotated[Float, Field(ge=0, le=1)] | None = None
@@ -58,22 +82,35 @@ class SamplingFields(Body):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     priority: Int64 = 0
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    bad_words: list[Text] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The engine's parameters; a bad value is a 400 naming the parameter. `defaults`
         (the --generation-config ones) fill the fields the request leaves out."""
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
+        from runtime.entrypoints.structured import structured_outputs_of
         fields: dict[str, Any] = dict(defaults or {})
+        if self.logit_bias:
+            if not all(k.strip().isdigit() for k in self.logit_bias):
+                raise bad_request("logit_bias keys must be token ids (strings of digits), got "
+                                  f"{[k for k in self.logit_bias if not k.strip().isdigit()][:3]}",
+                                  param="logit_bias")
+            fields["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        fields["structured_outputs"] = structured_outputs_of(self)
         if max_tokens is not None or "max_tokens" not in fields:
             fields["max_tokens"] = max_tokens
         fields.update(n=self.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         for name in ("temperature", "top_p", "stop", "seed", "presence_penalty",
                      "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
                      "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
-                     "skip_special_tokens"):
+                     "skip_special_tokens", "allowed_token_ids", "bad_words"):
             value = getattr(self, name)
             if value is not None:
                 fields[name] = value
@@ -147,6 +184,25 @@ class ChatMessage(Body):
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
+
+
+class FunctionDefinition(Body):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # calls forced by tool_choice always follow the parameters
+
+
+class Tool(Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -156,6 +212,27 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
+    # labels with no effect on the output
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # official fields this server does not honour: a 400 names them
+    audio: only() = None
+    function_call: only("none") = None
+    functions: only() = None
+    modalities: only(["text"]) = None
+    moderation: only() = None
+    prediction: only() = None
+    prompt_cache_options: only() = None
+    prompt_cache_retention: only() = None
+    reasoning_effort: only() = None
+    service_tier: only("auto", "default") = None
+    store: only(False) = None
+    verbosity: only() = None
+    web_search_options: only() = None
 
 
 class AnthropicMessage(Body):
@@ -176,6 +253,19 @@ class MessagesRequest(Body):
     top_k: Annotated[int, Field(strict=True, ge=-1, le=INT64_MAX)] | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    # official fields this server does not honour: a 400 names them
+    tools: only() = None
+    tool_choice: only() = None
+    thinking: only({"type": "disabled"}) = None
+    service_tier: only("auto", "standard_only") = None
+    cache_control: only() = None
+    container: only() = None
+    diagnostics: only() = None
+    inference_geo: only() = None
+    output_config: only() = None
+    speed: only() = None
+    user_profile_id: only() = None
+    workspace_id: only() = None
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """`defaults` (the --generation-config ones) fill the fields the request leaves out."""

@@ -48,7 +48,9 @@ class CORS:
 
 def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
                chat_template: str | None, api_key: str | None, api_key_scope: str,
-               max_body_bytes: int, cors: CORS, log_requests: bool) -> FastAPI:
+               max_body_bytes: int, cors: CORS, log_requests: bool,
+               tool_call_parser: str | None = None,
+               enable_auto_tool_choice: bool = False) -> FastAPI:
     """The server's app; starting it (its lifespan) starts the engine, stopping it stops it.
     If the engine dies for good, the app asks the server to stop (`app.state.stop_server`) and
     sets `app.state.exit_code` to 1."""
@@ -66,7 +68,8 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
 
     app = FastAPI(title="runtime", lifespan=lifespan)
     app.state.server = ServerState(engine, metrics, model_names, chat_template, api_key,
-                                   log_requests)
+                                   log_requests, tool_call_parser=tool_call_parser,
+                                   enable_auto_tool_choice=enable_auto_tool_choice)
     app.state.exit_code = 0
     generating = [Depends(pooling_api.generation_only)]  # a pooling model refuses them
     app.include_router(openai_api.router, dependencies=generating)

@@ -36,6 +36,8 @@ class ServerState:
     chat_template: str | None
     api_key: str | None
     log_requests: bool = False
+    tool_call_parser: str | None = None  # --tool-call-parser
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     # Tokenization and chat templating run here, off the event loop, so that a large request
     # never stalls the streams or /health. One thread: a fast tokenizer is not safe to share
     # between threads.

@@ -146,3 +146,13 @@ def client(tiny_server):
     import openai
     return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key=API_KEY, max_retries=0,
                          timeout=120)
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(tmp_path_factory):
+    """The embedded default model (SmolLM2-135M-Instruct), reading hermes tool calls."""
+    server = Server(["--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--num-threads",
+                     "1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                    str(tmp_path_factory.mktemp("smollm2") / "server.log"))
+    yield server
+    assert server.stop() == 0, server.log()

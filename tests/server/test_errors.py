@@ -38,7 +38,7 @@ def test_api_key_is_required_on_v1(tiny_server):
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": [10 ** 9]}, "prompt"),  # a token id outside the vocabulary
     ({}, "prompt"),
-    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),  # not supported
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),  # biases are in [-100, 100]
 ])
 def test_bad_requests_are_400_with_a_body(tiny_server, body, param):
     reply = httpx.post(tiny_server.url + "/v1/completions", json=body, headers=AUTH)

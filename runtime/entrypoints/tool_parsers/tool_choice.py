@@ -1,0 +1,107 @@
+"""What a chat request's `tools` and `tool_choice` mean for the engine and the reply."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from runtime.entrypoints.errors import bad_request
+from runtime.entrypoints.tool_parsers.parsers import (TOOL_PARSERS, ToolParser,
+                                                      forced_call_schema, forced_calls)
+from runtime.structured_output import StructuredOutputsParams
+
+
+class ToolChoice:
+    """`tools` go to the chat template. "required" or a named function force a call with a
+    grammar built from the parameter schemas; "auto" finds the calls the model chose to write
+    with the server's `--tool-call-parser`; "none" (the default without tools) reads no calls.
+    Without `parallel`, at most one call is made (forced) or read (auto).
+    """
+
+    def __init__(self, tools: list[dict] | None, choice: Any, parser: str | None,
+                 auto_enabled: bool, parallel: bool = True) -> None:
+        self.tools = tools or None
+        self.parallel = parallel
+        self.forced: str | None = None  # the named function
+        self.required = False
+        self.parser: ToolParser | None = None
+        if choice is None:
+            choice = "auto" if self.tools else "none"
+        if self.tools is None and choice != "none":
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        if isinstance(choice, str):
+            self.required = choice == "required"
+        else:
+            name = choice.function.get("name")
+            if name not in {t["function"]["name"] for t in self.tools}:
+                raise bad_request(f"tool_choice names the function {name!r}, which is not "
+                                  "among the tools", param="tool_choice")
+            self.forced = name
+        if choice == "auto":
+            if not auto_enabled or parser is None:
+                raise bad_request('tool_choice "auto" needs the server started with '
+                                  "--enable-auto-tool-choice and --tool-call-parser "
+                                  f"({', '.join(TOOL_PARSERS)}); \"required\" or a named "
+                                  "function work without them", param="tool_choice")
+            self.parser = TOOL_PARSERS[parser]()
+
+    @classmethod
+    def of(cls, body: Any, parser: str | None, auto_enabled: bool) -> "ToolChoice":
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        return cls(tools, body.tool_choice, parser, auto_enabled, body.parallel_tool_calls)
+
+    @property
+    def reads_calls(self) -> bool:
+        return self.parser is not None or self.required or self.forced is not None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The grammar that forces the call, for "required" and a named function."""
+        if not (self.required or self.forced):
+            return None
+        schema = forced_call_schema(self.tools, self.forced)
+        if self.required and not self.parallel:
+            schema["maxItems"] = 1
+        return StructuredOutputsParams(json=schema)
+
+    def message(self, text: str) -> tuple[dict, bool]:
+        """The assistant message for a finished output, and whether it holds calls."""
+        if self.forced or self.required:
+            content, calls = None, forced_calls(text, self.forced)
+            if not calls:
+                content = text
+        elif self.parser is not None:
+            content, calls = self.parser.parse(text)
+        else:
+            content, calls = text, []
+        calls = calls if self.parallel else calls[:1]
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+        return message, bool(calls)
+
+
+def template_messages(messages: list[Any], text_of) -> list[dict]:
+    """Chat messages as chat templates read them: text content, and earlier calls with their
+    arguments as objects (what Hugging Face templates iterate over)."""
+    out = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": text_of(m.content)}
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+def _template_call(call: dict) -> dict:
+    function = dict(call.get("function") or {})
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except ValueError:
+            raise bad_request("a tool call's arguments must be JSON text",
+                              param="messages") from None
+    return {**call, "function": function}
+

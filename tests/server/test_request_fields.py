@@ -1,0 +1,59 @@
+"""No request field is silently dropped: every field of the official OpenAI and Anthropic
+request types (from their own SDKs) is a field of our request bodies, and each one this server
+does not honour is refused with a 400 naming it."""
+from __future__ import annotations
+
+import openai
+import pydantic
+import pytest
+from anthropic.types import message_create_params
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
+from pydantic import BeforeValidator
+
+from runtime.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
+                                          MessagesRequest)
+
+APIS = {
+    "chat": (chat_create_params.CompletionCreateParamsBase, ChatCompletionRequest,
+             {"messages": [{"role": "user", "content": "hi"}]}),
+    "completions": (completion_create_params.CompletionCreateParamsBase, CompletionRequest,
+                    {"prompt": "hi"}),
+    "messages": (message_create_params.MessageCreateParamsBase, MessagesRequest,
+                 {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+}
+
+
+def refused(model: type[pydantic.BaseModel], name: str) -> bool:
+    """Whether the field is one the server refuses (declared with `protocol.only`)."""
+    return any(isinstance(m, BeforeValidator) and m.func.__qualname__.startswith("only.")
+               for m in model.model_fields[name].metadata)
+
+
+@pytest.mark.parametrize("api", sorted(APIS))
+def test_every_official_field_is_declared(api):
+    sdk, model, _ = APIS[api]
+    missing = sorted(set(sdk.__annotations__) - set(model.model_fields))
+    assert not missing, f"{api}: fields the SDK sends that we would drop unseen: {missing}"
+
+
+@pytest.mark.parametrize("api", sorted(APIS))
+def test_refused_fields_name_themselves(api):
+    sdk, model, minimal = APIS[api]
+    names = [n for n in sdk.__annotations__ if refused(model, n)]
+    assert names or api == "completions"
+    for name in names:
+        model.model_validate({**minimal, name: None})  # absent or null asks for nothing
+        with pytest.raises(pydantic.ValidationError) as info:
+            model.model_validate({**minimal, name: "unsupported-value"})
+        assert info.value.errors()[0]["loc"][0] == name
+
+
+def test_the_server_answers_400_with_the_field(client):
+    for name, value in (("audio", {"voice": "alloy", "format": "wav"}),
+                        ("reasoning_effort", "high"), ("store", True)):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", max_tokens=2,
+                                           messages=[{"role": "user", "content": "hi"}],
+                                           extra_body={name: value})
+        assert info.value.body["param"] == name and "not supported" in info.value.body["message"]

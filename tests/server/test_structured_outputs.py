@@ -1,0 +1,96 @@
+"""Structured outputs over HTTP: response_format, vLLM's structured_outputs and guided_* fields,
+on chat and completions, with the official openai client."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+SCHEMA = {"type": "object", "properties": {
+    "color": {"enum": ["red", "green"]}, "size": {"type": "integer", "minimum": 1,
+                                                  "maximum": 9}},
+    "required": ["color", "size"], "additionalProperties": False}
+MESSAGES = [{"role": "user", "content": "Describe a ball."}]
+
+
+def chat(client, **extra):
+    return client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=60,
+                                          temperature=0, extra_body=extra)
+
+
+def test_vllm_fields_constrain_chat_and_completions(client):
+    assert chat(client, guided_choice=["yes", "no"]).choices[0].message.content in ("yes", "no")
+    text = chat(client, guided_regex=r"[a-f]{4}\d").choices[0].message.content
+    assert re.fullmatch(r"[a-f]{4}\d", text), text
+    reply = chat(client, structured_outputs={"json": SCHEMA, "disable_any_whitespace": True})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+    # (not "<" [a-z]+ ">", which special tokens such as <filename> match, and skip_special_tokens
+    # then leaves out of the text)
+    text = chat(client, guided_grammar='root ::= "(" [a-z] [a-z]? [a-z]? ")"')
+    assert re.fullmatch(r"\([a-z]{1,3}\)", text.choices[0].message.content), text
+    completion = client.completions.create(
+        model="tiny", prompt="A ball:", max_tokens=60, temperature=0,
+        extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
+    jsonschema.validate(json.loads(completion.choices[0].text), SCHEMA)
+    stream = client.completions.create(model="tiny", prompt="Pick:", max_tokens=20, stream=True,
+                                       extra_body={"guided_choice": ["alpha", "beta"]})
+    assert "".join(c.choices[0].text for c in stream if c.choices) in ("alpha", "beta")
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(client, tiny_tokenizer):
+    token = tiny_tokenizer.encode(" hello", add_special_tokens=False)[0]
+    reply = client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0,
+                                       logit_bias={str(token): 100})
+    assert reply.choices[0].text == " hello" * 3
+    reply = client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0,
+                                       extra_body={"allowed_token_ids": [token]})
+    assert reply.choices[0].text == " hello" * 3
+    plain = client.completions.create(model="tiny", prompt="x", max_tokens=1, temperature=0)
+    word = plain.choices[0].text.strip()
+    assert word  # the tiny model's first greedy token here is a word, not whitespace
+    banned = client.completions.create(model="tiny", prompt="x", max_tokens=1, temperature=0,
+                                       extra_body={"bad_words": [word]})
+    assert banned.choices[0].text.strip() != word
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"guided_regex": "(open"}, "guided_regex"),
+    ({"structured_outputs": {"json": {"type": "object"}, "regex": "a"}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ({"logit_bias": {"word": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+])
+def test_malformed_constraints_are_a_400_naming_the_field(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, **extra)
+    assert info.value.body["param"] == param or param in info.value.body["message"], \
+        info.value.body
+
+
+class Answer(pydantic.BaseModel):
+    city: str
+    country: str
+    is_capital: bool  # (an unbounded integer field lets a 135M model write digits forever)
+
+
+def test_parse_returns_the_pydantic_model(smollm2_server):
+    client = openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    reply = client.chat.completions.parse(
+        model="SmolLM2-135M-Instruct", response_format=Answer, max_tokens=80, temperature=0,
+        messages=[{"role": "user", "content": "Give the capital of France as JSON."}])
+    answer = reply.choices[0].message.parsed
+    assert isinstance(answer, Answer), reply.choices[0].message.content
+    reply = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", response_format={"type": "json_object"}, max_tokens=200,
+        temperature=0, messages=[{"role": "user", "content": "Paris as a JSON object with "
+                                  "its name and country, nothing else."}])
+    text = reply.choices[0].message.content
+    assert text.startswith("{")  # a JSON object, complete unless max_tokens cut it
+    assert reply.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict), text

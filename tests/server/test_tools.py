@@ -1,0 +1,123 @@
+"""Tool calling on /v1/chat/completions with the default model (SmolLM2-135M-Instruct) and the
+official openai client: forced calls always parse and validate; streamed calls reassemble."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from runtime.entrypoints.tool_parsers import TOOL_PARSERS
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The current time in a time zone.",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+                   "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_server):
+    return openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def check_call(call, tools=TOOLS) -> dict:
+    schema = next(t["function"]["parameters"] for t in tools
+                  if t["function"]["name"] == call.function.name)
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, schema)
+    return arguments
+
+
+def test_required_and_named_calls_parse_and_validate(client):
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                           tool_choice="required", max_tokens=100,
+                                           temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        check_call(call)
+    single = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                            tool_choice="required", parallel_tool_calls=False,
+                                            max_tokens=100, temperature=0)
+    assert len(single.choices[0].message.tool_calls) == 1
+    named = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=100, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and call.id.startswith("call_")
+    check_call(call)
+
+
+def test_streamed_call_reassembles_to_the_same_call(client):
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=100, temperature=0,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    name, arguments, finish = "", "", None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for delta_call in chunk.choices[0].delta.tool_calls or []:
+            name += delta_call.function.name or ""
+            arguments += delta_call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert (name, json.loads(arguments)) == (whole.function.name,
+                                             json.loads(whole.function.arguments))
+    assert finish == "tool_calls"
+
+
+def test_tool_results_go_back_in(client):
+    call = {"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                           tool_choice="none", max_tokens=30, temperature=0)
+    assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+
+
+def test_auto_reads_the_models_own_calls(client):
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                           tool_choice="auto", max_tokens=60, temperature=0)
+    message = reply.choices[0].message
+    assert message.content or message.tool_calls
+    for call in message.tool_calls or []:
+        assert call.function.name in ("get_weather", "get_time")
+
+
+def test_bad_tool_choices_are_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, max_tokens=5,
+            tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="tool_choice needs tools"):
+        client.chat.completions.create(model=MODEL, messages=ASK, tool_choice="required",
+                                       max_tokens=5)
+    with pytest.raises(openai.BadRequestError, match="give only one"):
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                       tool_choice="required", max_tokens=5,
+                                       response_format={"type": "json_object"})
+
+
+@pytest.mark.parametrize("parser, text, calls", [
+    ("hermes", 'Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
+     [("f", {"a": 1})]),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; '
+                    '{"name": "g", "parameters": {}}', [("f", {"a": 1}), ("g", {})]),
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"a": [1, 2]}}]', [("f", {"a": [1, 2]})]),
+    ("pythonic", '[f(a=1, b="x"), g()]', [("f", {"a": 1, "b": "x"}), ("g", {})]),
+    ("hermes", "No call here.", []),
+    ("pythonic", "[f(x)]", []),  # positional arguments: not a call this format writes
+])
+def test_parsers_read_their_formats(parser, text, calls):
+    content, found = TOOL_PARSERS[parser]().parse(text)
+    assert [(c.name, c.arguments) for c in found] == calls
+    assert (content == text) == (not calls)
