@@ -246,7 +246,14 @@ RUNNERS = {"runtime": run_runtime, "hf": run_hf, "vllm": run_vllm}
 def main(spec_path: str, result_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
-    result = RUNNERS[spec["backend"]](spec)
+    if spec.get("task") == "embed":
+        from runtime.bench.embed import EMBED_RUNNERS
+        if spec["backend"] not in EMBED_RUNNERS:
+            raise SystemExit(f"--task embed runs on {', '.join(EMBED_RUNNERS)}, "
+                             f"not {spec['backend']}")
+        result = EMBED_RUNNERS[spec["backend"]](spec)
+    else:
+        result = RUNNERS[spec["backend"]](spec)
     result.update(backend=spec["backend"], allocator=allocator(), python=sys.executable)
     with open(result_path, "w") as f:
         json.dump(result, f)

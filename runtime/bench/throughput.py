@@ -30,6 +30,9 @@ COLUMNS = [("backend", "backend"), ("version", "version"), ("requests_per_s", "r
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="runtime",
                         help=f"comma-separated, run in this order: {', '.join(BACKENDS)}")
+    parser.add_argument("--task", choices=("generate", "embed"), default="generate",
+                        help="embed: a pooling model's embeddings of the prompts (runtime, hf "
+                             "as sentence-transformers' encode runs it); req/s is sentences/s")
     parser.add_argument("--hf-batch-size", type=int, default=64,
                         help="hf: prompts per generate() call")
     parser.add_argument("--vllm-python", default=sys.executable,
@@ -59,7 +62,7 @@ def make_spec(backend: str, model: str, args: argparse.Namespace, dtype: str, th
     """Everything one backend's process needs; the same requests and settings for all."""
     engine = {k: v for k, v in engine_kwargs(args).items() if k not in SHARED}
     return {"backend": backend, "model": model, "tokenizer": args.tokenizer, "dtype": dtype,
-            "num_threads": threads,
+            "num_threads": threads, "task": getattr(args, "task", "generate"),
             "requests": [(r.prompt_token_ids, r.output_len) for r in requests],
             "engine": engine, "kv_cache_memory": parse_size(engine.get("kv_cache_memory")),
             "hf_batch_size": args.hf_batch_size,
