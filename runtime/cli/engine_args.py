@@ -86,6 +86,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                         '"prompt_lookup_min": 1} or {"method": "draft_model", "model": PATH, '
                         '"num_speculative_tokens": 4} (see docs/speculative.md)')
+    g = parser.add_argument_group("LoRA adapters (see docs/lora.md)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve PEFT LoRA adapters on top of the model, mixed in one batch")
+    g.add_argument("--max-loras", type=int, default=1,
+                   help="adapters one step may use (device slots)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept read in host memory, least recently used dropped "
+                        "(default: --max-loras)")
     g = parser.add_argument_group("parallelism (see docs/distributed.md)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks that split every layer (heads, MLP columns, vocabulary)")
@@ -112,6 +121,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
              "enable_chunked_prefill", "scheduling_policy", "attention_backend", "enforce_eager",
              "num_threads", "seed", "revision", "download_dir", "trust_remote_code", "max_logprobs",
              "generation_config", "disable_log_stats", "quantization", "speculative_config",
+             "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
              "tensor_parallel_size",
              "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend",
              "ray_address")

@@ -78,6 +78,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--uvicorn-log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: --log-level)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help='LoRA adapters to serve (with --enable-lora), each name=path or '
+                        'JSON {"name": ..., "path": ...}; a request picks one by its "model"')
+    g.add_argument("--enable-runtime-lora-updating", action="store_true",
+                   help="mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     g.add_argument("--config", default=None,
                    help="a YAML file of these options (e.g. max_num_seqs: 64); flags win")
     for action in p._actions:
@@ -110,6 +115,8 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         from runtime.engine.async_llm import AsyncLLM
         from runtime.entrypoints.chat import load_chat_template
+        from runtime.entrypoints.lora_api import parse_lora_modules
+        from runtime.lora.adapter import load_adapter
         from runtime.entrypoints.server import CORS, TLS, bind_socket, create_app, run_server
         from runtime.metrics import Metrics
     except ImportError as e:
@@ -128,18 +135,31 @@ def serve_command(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     kwargs["model"] = args.model_tag or kwargs["model"]
     names = args.served_model_name or [kwargs["model"] or DEFAULT_MODEL_NAME]
+    try:
+        lora_modules = parse_lora_modules(args.lora_modules)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if (lora_modules or args.enable_runtime_lora_updating) and not args.enable_lora:
+        raise SystemExit("error: --lora-modules and --enable-runtime-lora-updating need "
+                         "--enable-lora")
     metrics = Metrics(names[0])
     config = EngineConfig.from_kwargs(**kwargs)
     engine = open_async_pooling_engine(config) or AsyncLLM(
         config, args.max_queue_len, metrics if config.disable_log_stats else StatLogger(metrics),
         args.max_core_restarts)
+    for lora in lora_modules.values():  # a bad adapter stops the server before it listens
+        try:
+            load_adapter(lora, engine.hf_config, config.max_lora_rank)
+        except ValueError as e:
+            raise SystemExit(f"error: --lora-modules: {e}") from None
     cors = CORS(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                 args.allow_credentials)
     app = create_app(engine, metrics, names, load_chat_template(args.chat_template),
                      args.api_key or os.environ.get("RUNTIME_API_KEY"), args.api_key_scope,
                      args.max_request_body_bytes, cors,
                      args.enable_log_requests and not args.disable_log_requests,
-                     args.tool_call_parser, args.enable_auto_tool_choice)
+                     args.tool_call_parser, args.enable_auto_tool_choice, lora_modules,
+                     args.enable_runtime_lora_updating)
     tls = TLS(args.ssl_keyfile, args.ssl_certfile) if args.ssl_keyfile else None
     return run_server(app, sock, args.shutdown_timeout, tls, args.root_path,
                       args.uvicorn_log_level)

@@ -21,6 +21,7 @@ from runtime.engine.core_proc import (AddRequests, CoreRequest, CoreStats, Faile
 from runtime.engine.input_processor import PromptType
 from runtime.engine.output_processor import OutputKind
 from runtime.engine.processor import Processor
+from runtime.lora.request import LoRARequest
 from runtime.model_loader.source import load_config, resolve_model
 from runtime.outputs import RequestMetrics, RequestOutput
 from runtime.request import RequestStatus
@@ -188,7 +189,8 @@ class AsyncLLM:
         return self.dead_reason
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    priority: int = 0, stream: bool = False) -> RequestStream:
+                    priority: int = 0, stream: bool = False,
+                    lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate and queue a request; its outputs are deltas if `stream`, else one final
         output. Raises ValueError (bad input), QueueFullError, EngineRestartingError or
         EngineDeadError."""
@@ -202,7 +204,8 @@ class AsyncLLM:
         if queued + params.num_samples > self.max_queue_len:
             raise QueueFullError(f"the waiting queue is full ({queued} sequences waiting)")
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
-        requests = self.processor.add_request(prompt, params, request_id, priority, kind)
+        requests = self.processor.add_request(prompt, params, request_id, priority, kind,
+                                              lora_request)
         replica = self.balancer.choose(requests[0].prompt_token_ids)
         handle = RequestStream(self, request_id, requests[0].num_prompt_tokens, params.n)
         self.streams[request_id] = handle

@@ -26,20 +26,25 @@ router = APIRouter()
 @router.get("/v1/models")
 async def list_models(raw: Request) -> dict:
     state = state_of(raw)
-    return {"object": "list", "data": [_model_card(state, name) for name in state.model_names]}
+    return {"object": "list", "data": [_model_card(state, name) for name in
+                                       state.model_names + list(state.lora_modules)]}
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, raw: Request) -> dict:
     state = state_of(raw)
-    if model not in state.model_names:
+    if model not in state.model_names and model not in state.lora_modules:
         raise APIError(404, f"the model {model!r} does not exist", param="model",
                        code="model_not_found")
     return _model_card(state, model)
 
 
 def _model_card(state: ServerState, name: str) -> dict:
+    """A LoRA adapter's card names its base model as `parent` and its folder as `root`."""
+    lora = state.lora_modules.get(name)
     return {"id": name, "object": "model", "created": 0, "owned_by": "runtime",
+            "root": lora.lora_path if lora else name,
+            "parent": state.model_names[0] if lora else None,
             "max_model_len": state.engine.max_model_len}
 
 
@@ -58,7 +63,7 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Any:
                                   state.engine.processor.sampling_defaults)
     request_id = new_id("cmpl")
     streams = await open_streams(state, request_id, prompts, params, body.stream,
-                                 body.priority)
+                                 body.priority, model=model)
     reply = Reply(request_id, model, "text_completion", state, params.n, streams)
     if body.stream:
         return _event_stream(reply.completion_chunks(body))
@@ -87,7 +92,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
         params = params.clone(structured_outputs=checked("tools", json=forced.json))
     request_id = new_id("chatcmpl")
     streams = await open_streams(state, request_id, [{"prompt_token_ids": prompt}], params,
-                                 body.stream, body.priority, budget)
+                                 body.stream, body.priority, budget, model)
     reply = Reply(request_id, model, "chat.completion", state, params.n, streams, tools)
     if body.stream:
         return _event_stream(reply.chat_chunks(body))

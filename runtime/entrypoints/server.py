@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from runtime.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
-from runtime.entrypoints import anthropic_api, openai_api, pooling_api
+from runtime.entrypoints import anthropic_api, lora_api, openai_api, pooling_api
 from runtime.entrypoints.chat import render_chat, text_of
 from runtime.entrypoints.errors import (APIError, bad_request, is_anthropic_path,
                                         route_path)
@@ -28,6 +28,7 @@ from runtime.entrypoints.middleware import ALL_SCOPE_PREFIXES, RequestContext
 from runtime.entrypoints.openapi import build_openapi
 from runtime.entrypoints.protocol import DetokenizeRequest, TokenizeRequest
 from runtime.entrypoints.serving import ServerState, check_model, state_of
+from runtime.lora.request import LoRARequest
 from runtime.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,9 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
                chat_template: str | None, api_key: str | None, api_key_scope: str,
                max_body_bytes: int, cors: CORS, log_requests: bool,
                tool_call_parser: str | None = None,
-               enable_auto_tool_choice: bool = False) -> FastAPI:
+               enable_auto_tool_choice: bool = False,
+               lora_modules: dict[str, LoRARequest] | None = None,
+               enable_runtime_lora_updating: bool = False) -> FastAPI:
     """The server's app; starting it (its lifespan) starts the engine, stopping it stops it.
     If the engine dies for good, the app asks the server to stop (`app.state.stop_server`) and
     sets `app.state.exit_code` to 1."""
@@ -69,11 +72,15 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
     app = FastAPI(title="runtime", lifespan=lifespan)
     app.state.server = ServerState(engine, metrics, model_names, chat_template, api_key,
                                    log_requests, tool_call_parser=tool_call_parser,
-                                   enable_auto_tool_choice=enable_auto_tool_choice)
+                                   enable_auto_tool_choice=enable_auto_tool_choice,
+                                   lora_modules=dict(lora_modules or {}),
+                                   next_lora_id=len(lora_modules or {}) + 1)
     app.state.exit_code = 0
     generating = [Depends(pooling_api.generation_only)]  # a pooling model refuses them
     app.include_router(openai_api.router, dependencies=generating)
     app.include_router(anthropic_api.router, dependencies=generating)
+    if enable_runtime_lora_updating:
+        app.include_router(lora_api.router, dependencies=generating)
     app.include_router(pooling_api.router)
     app.include_router(router)
     app.add_middleware(RequestContext, api_key=api_key, api_key_scope=api_key_scope,

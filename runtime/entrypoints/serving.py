@@ -18,6 +18,7 @@ from runtime.engine.async_llm import (AsyncLLM, EngineDeadError, EngineRestartin
                                       QueueFullError, RequestFailedError, RequestStream)
 from runtime.engine.input_processor import PromptType
 from runtime.entrypoints.errors import APIError, bad_request
+from runtime.lora.request import LoRARequest
 from runtime.metrics import Metrics
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
@@ -38,6 +39,9 @@ class ServerState:
     log_requests: bool = False
     tool_call_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    # --lora-modules and adapters loaded at run time: name -> adapter, chosen by `model`
+    lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
+    next_lora_id: int = 1  # for the next adapter loaded at run time
     # Tokenization and chat templating run here, off the event loop, so that a large request
     # never stalls the streams or /health. One thread: a fast tokenizer is not safe to share
     # between threads.
@@ -60,10 +64,14 @@ def new_id(prefix: str) -> str:
 
 
 def check_model(state: ServerState, model: str | None) -> str:
-    """The name to report for a request that asked for `model` (None: the served one)."""
+    """The name to report for a request that asked for `model` (None: the served one); an
+    adapter's name is reported as it is."""
+    if model in state.lora_modules:
+        return model
     if model is not None and model not in state.model_names:
         raise APIError(400, f"the model {model!r} does not exist; this server serves "
-                       f"{state.model_names}", param="model", code="model_not_found")
+                       f"{state.model_names + list(state.lora_modules)}", param="model",
+                       code="model_not_found")
     return state.model_names[0]
 
 
@@ -101,10 +109,13 @@ def check_budget(state: ServerState, prompt_token_ids: list[int], max_tokens: in
 
 async def open_streams(state: ServerState, request_id: str, prompts: list[PromptType],
                        params: SamplingParams, stream: bool, priority: int = 0,
-                       max_tokens_param: str = "max_tokens") -> list[RequestStream]:
+                       max_tokens_param: str = "max_tokens",
+                       model: str | None = None) -> list[RequestStream]:
     """Tokenize (off the event loop) and queue one engine request per prompt, all or none: a
     400 for bad input or a request that can never fit, a 503 (with Retry-After) when the
-    waiting queue is full or the engine is restarting, a 500 when the engine is dead."""
+    waiting queue is full or the engine is restarting, a 500 when the engine is dead.
+    `model` names a LoRA adapter to run under, or the base model."""
+    lora_request = state.lora_modules.get(model) if model is not None else None
     check_fits(state, len(prompts), params)
     try:
         tokenized = await state.off_loop(_tokenize, state, prompts)
@@ -119,7 +130,8 @@ async def open_streams(state: ServerState, request_id: str, prompts: list[Prompt
     try:
         for i, prompt in enumerate(tokenized):
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(state.engine.add_request(sub_id, prompt, params, priority, stream))
+            streams.append(state.engine.add_request(sub_id, prompt, params, priority, stream,
+                                                    lora_request))
     except BaseException as e:
         for s in streams:
             s.close()

@@ -1,0 +1,74 @@
+"""LoRA adapters behind the server: `--lora-modules` parsed, and the run-time
+`/v1/load_lora_adapter` and `/v1/unload_lora_adapter` routes (mounted only with
+`--enable-runtime-lora-updating`). A request picks an adapter by naming it as its `model`."""
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
+
+from runtime.entrypoints.errors import APIError, bad_request
+from runtime.entrypoints.serving import state_of
+from runtime.lora.request import LoRARequest
+
+router = APIRouter()
+
+
+def parse_lora_modules(values: list[str] | None) -> dict[str, LoRARequest]:
+    """`--lora-modules` entries, `name=path` or vLLM's JSON `{"name": ..., "path": ...}`, as
+    adapters numbered 1, 2, ... in the order given."""
+    modules: dict[str, LoRARequest] = {}
+    for value in values or []:
+        if value.lstrip().startswith("{"):
+            entry = json.loads(value)
+            if not isinstance(entry, dict) or "name" not in entry or "path" not in entry:
+                raise ValueError(f"--lora-modules JSON needs \"name\" and \"path\", got {value}")
+            name, path = entry["name"], entry["path"]
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules takes name=path or JSON, got {value!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        modules[name] = LoRARequest(name, len(modules) + 1, path)
+    return modules
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw: Request) -> PlainTextResponse:
+    """Serve one more adapter under `lora_name`, checked now (a 400 says what is wrong)."""
+    state = state_of(raw)
+    if body.lora_name in state.lora_modules or body.lora_name in state.model_names:
+        raise bad_request(f"the name {body.lora_name!r} is already served", param="lora_name")
+    # ids are never reused: a slot or cached block of an unloaded adapter serves no other
+    lora = LoRARequest(body.lora_name, state.next_lora_id, body.lora_path)
+    try:
+        await state.off_loop(state.engine.processor.check_lora, lora)
+    except ValueError as e:
+        raise bad_request(str(e), param="lora_path") from None
+    state.next_lora_id += 1
+    state.lora_modules[body.lora_name] = lora
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest,
+                              raw: Request) -> PlainTextResponse:
+    """Stop serving an adapter (requests already running under it finish)."""
+    state = state_of(raw)
+    if state.lora_modules.pop(body.lora_name, None) is None:
+        raise APIError(404, f"no LoRA adapter named {body.lora_name!r} is served",
+                       param="lora_name", code="model_not_found")
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
