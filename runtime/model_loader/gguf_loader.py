@@ -32,10 +32,10 @@ from runtime.model_loader.gguf_cache import cached_part
 from runtime.model_loader.gguf_header import gguf_architecture
 from runtime.progress import progress_bar
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 # GGUF files carry no `architectures` list; the engine's model registry needs one.
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                     "qwen3": "Qwen3ForCausalLM"}
+                     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 # Tensors that hold settings rather than parameters (read into the config).
 _SETTINGS_TENSORS = ("rope_freqs.weight",)

@@ -1,0 +1,64 @@
+"""GGUF files of the architectures beyond llama/qwen, written here as llama.cpp's converter
+writes them, run with the same greedy tokens and logprobs as transformers on the same weights."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+import transformers
+
+from runtime import LLM, SamplingParams
+from tests.model_loader.test_gguf_loader import add_tiny_tokenizer
+from tests.parity import assert_matches_hf, hf_greedy
+
+VOCAB = 128
+PROMPTS = [[VOCAB - 1, 5, 9, 12, 40], [VOCAB - 1] + list(range(20, 60))]
+TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# Phi-3 keeps its fused projections: qkv_proj is attn_qkv, gate_up_proj is ffn_up.
+PHI3_LAYER = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+              "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def write_phi3_gguf(path: str, model: torch.nn.Module) -> None:
+    config = model.config
+    writer = gguf.GGUFWriter(path, "phi3")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(VOCAB)
+    add_tiny_tokenizer(writer, VOCAB)
+    writer.add_pad_token_id(0)
+    for name, tensor in model.state_dict().items():
+        module, suffix = name.rsplit(".", 1)
+        gguf_module = TOP.get(module) or \
+            f"blk.{module.split('.')[2]}.{PHI3_LAYER[module.split('.', 3)[3]]}"
+        writer.add_tensor(f"{gguf_module}.{suffix}", tensor.numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_phi3_gguf_matches_transformers(tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
+    config = transformers.Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.2, tie_word_embeddings=False, bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(config).eval()
+    path = str(tmp_path / "tiny-phi3.gguf")
+    write_phi3_gguf(path, model)
+    references = [hf_greedy(model, p, 8) for p in PROMPTS]
+    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB")
+    assert llm.engine.model_config.architecture == "Phi3ForCausalLM"
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    assert_matches_hf(llm.generate(PROMPTS, params), references)
