@@ -26,6 +26,10 @@ WHY = {400: "invalid request (the message names the field and what is allowed)",
        503: "overloaded (the waiting queue is full) or the engine is restarting: retry after "
             "Retry-After seconds"}
 GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+# One Server-Sent Event (before OpenAPI 3.2, an event stream's schema describes each event):
+# `data` is a JSON chunk, an error body, or [DONE]; Anthropic's events are named.
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "event": {"type": "string"}, "data": {"type": "string"}}}
 
 
 def _error(status: int, path: str) -> dict:
@@ -49,8 +53,7 @@ def build_openapi(app: FastAPI, auth_prefixes: tuple[str, ...] | None) -> dict:
                 statuses |= {400, 413}
             if path in GENERATING:
                 statuses |= {500, 503}
-                responses["200"]["content"]["text/event-stream"] = {
-                    "schema": {"type": "string"}}
+                responses["200"]["content"]["text/event-stream"] = {"schema": SSE_EVENT}
             if path == "/v1/models/{model}":
                 statuses.add(404)
             if auth_prefixes is not None and path.startswith(auth_prefixes):
