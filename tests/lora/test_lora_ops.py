@@ -1,0 +1,33 @@
+"""lora_shrink / lora_expand: tokens of different slots (and none) in one call give each token
+its own adapter's x @ A.T @ B.T, slice by slice."""
+from __future__ import annotations
+
+import torch
+
+from runtime.lora.ops import LoRABatch, lora_expand, lora_shrink
+
+
+def make_batch(token_slots: list[int]) -> LoRABatch:
+    slots = torch.tensor(token_slots)
+    return LoRABatch(slots, [(s, (slots == s).nonzero().squeeze(1))
+                             for s in sorted(set(token_slots) - {-1})])
+
+
+def test_each_token_gets_its_slots_delta():
+    torch.manual_seed(0)
+    num_slots, rank, d_in, sizes = 3, 4, 16, [8, 4, 4]
+    offsets = [0, 8, 12, 16]
+    a = torch.randn(num_slots, len(sizes), rank, d_in)
+    b = torch.randn(num_slots, sum(sizes), rank)
+    token_slots = [2, -1, 0, 2, 1, -1, 0]
+    x = torch.randn(len(token_slots), d_in)
+    y0 = torch.randn(len(token_slots), sum(sizes))
+    batch = make_batch(token_slots)
+    got = lora_expand(y0.clone(), lora_shrink(x, a, batch), b, batch, offsets)
+    for t, slot in enumerate(token_slots):
+        want = y0[t].clone()
+        if slot >= 0:
+            for s in range(len(sizes)):
+                lo, hi = offsets[s], offsets[s + 1]
+                want[lo:hi] += b[slot, lo:hi] @ (a[slot, s] @ x[t])
+        torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
