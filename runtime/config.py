@@ -128,6 +128,8 @@ class EngineConfig:
                              f"sampler returns), got {self.max_logprobs}")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
+        if self.enable_lora:  # a captured graph would not see each step's adapter slots
+            self.enforce_eager = True
         if self.enable_lora and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             raise ValueError("enable_lora runs on one rank for now (tensor_parallel_size and "
                              "pipeline_parallel_size 1)")

@@ -167,6 +167,13 @@ class CudaPlatform(Platform):
         from runtime.quantization.cuda import cuda_quantization_kernel
         return cuda_quantization_kernel(method, params, self.capability)
 
+    def custom_op(self, name: str) -> Callable | None:
+        """Multi-LoRA's lora_shrink / lora_expand as Triton kernels; the portable rest."""
+        if name in ("lora_shrink", "lora_expand"):
+            from runtime.lora import triton_ops
+            return getattr(triton_ops, name)
+        return None
+
     def describe(self) -> dict[str, Any]:
         first = self.devices[0]
         return {

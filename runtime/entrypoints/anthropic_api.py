@@ -1,6 +1,7 @@
 """The Anthropic Messages API: /v1/messages, with its streaming events."""
 from __future__ import annotations
 
+import json
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -9,6 +10,10 @@ from fastapi.responses import StreamingResponse
 from runtime.engine.async_llm import RequestStream
 from runtime.entrypoints.chat import render_chat, text_of
 from runtime.entrypoints.protocol import MessagesRequest
+from runtime.entrypoints.structured import checked
+from runtime.entrypoints.tool_parsers import ToolChoice
+from runtime.entrypoints.tool_parsers.anthropic import (anthropic_messages,
+                                                        anthropic_tool_choice, content_blocks)
 from runtime.entrypoints.serving import (check_model, final_outputs, new_id, open_streams, sse,
                                          state_of, stream_error, unless_disconnected)
 from runtime.outputs import CompletionOutput
@@ -23,18 +28,24 @@ async def create_message(body: MessagesRequest, raw: Request) -> Any:
     messages = []
     if body.system is not None:
         messages.append({"role": "system", "content": text_of(body.system)})
-    messages += [{"role": m.role, "content": text_of(m.content)} for m in body.messages]
+    messages += anthropic_messages(body.messages, text_of)
+    tools = anthropic_tool_choice(body, state.tool_call_parser, state.enable_auto_tool_choice)
     prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
-                                  state.chat_template)
+                                  state.chat_template, True, tools.tools)
+    params = body.sampling_params(state.engine.processor.sampling_defaults)
+    forced = tools.structured_outputs()
+    if forced is not None:
+        params = params.clone(structured_outputs=checked("tools", json=forced.json))
     message_id = new_id("msg")
-    streams = await open_streams(state, message_id, [{"prompt_token_ids": prompt}],
-                                 body.sampling_params(state.engine.processor.sampling_defaults),
+    streams = await open_streams(state, message_id, [{"prompt_token_ids": prompt}], params,
                                  body.stream)
     if body.stream:
-        return StreamingResponse(_events(message_id, body.model, streams[0]),
-                                 media_type="text/event-stream",
+        events = _tool_events(message_id, body.model, streams[0], tools) \
+            if tools.reads_calls else _events(message_id, body.model, streams[0])
+        return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    return await unless_disconnected(raw, _message(message_id, body.model, streams), streams)
+    return await unless_disconnected(raw, _message(message_id, body.model, streams, tools),
+                                     streams)
 
 
 def _stop(sample: CompletionOutput) -> tuple[str, str | None]:
@@ -46,15 +57,19 @@ def _stop(sample: CompletionOutput) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-async def _message(message_id: str, model: str, streams: list[RequestStream]) -> dict:
+async def _message(message_id: str, model: str, streams: list[RequestStream],
+                   tools: ToolChoice) -> dict:
     sample = (await final_outputs(streams))[0].outputs[0]
-    return _message_body(message_id, model, [{"type": "text", "text": sample.text}],
-                         streams[0], sample)
+    message, calls = tools.message(sample.text)
+    return _message_body(message_id, model, content_blocks(message), streams[0], sample,
+                         calls)
 
 
 def _message_body(message_id: str, model: str, content: list[dict], stream: RequestStream,
-                  sample: CompletionOutput | None) -> dict:
+                  sample: CompletionOutput | None, calls: bool = False) -> dict:
     stop_reason, stop_sequence = _stop(sample) if sample is not None else (None, None)
+    if calls:
+        stop_reason = "tool_use"
     return {"id": message_id, "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": {"input_tokens": stream.num_prompt_tokens,
@@ -80,6 +95,39 @@ async def _events(message_id: str, model: str, stream: RequestStream) -> AsyncIt
                           "content_block_delta")
         yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
         stop_reason, stop_sequence = _stop(sample)
+        yield sse({"type": "message_delta",
+                   "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                   "usage": {"output_tokens": stream.num_output_tokens}}, "message_delta")
+        yield sse({"type": "message_stop"}, "message_stop")
+    except Exception as e:
+        yield sse(stream_error(e, message_id).body(anthropic=True), "error")
+    finally:
+        stream.close()
+
+
+async def _tool_events(message_id: str, model: str, stream: RequestStream,
+                       tools: ToolChoice) -> AsyncIterator[str]:
+    """The events of an output that may hold tool calls: held until it is complete, then one
+    content block per text or tool_use (its input as one input_json_delta)."""
+    try:
+        yield sse({"type": "message_start",
+                   "message": _message_body(message_id, model, [], stream, None)},
+                  "message_start")
+        text, sample = "", None
+        async for output in stream:
+            sample = output.outputs[0]
+            text += sample.text
+        message, calls = tools.message(text)
+        for index, block in enumerate(content_blocks(message)):
+            start = {**block, "text": ""} if block["type"] == "text" else {**block, "input": {}}
+            delta = {"type": "text_delta", "text": block["text"]} if block["type"] == "text" \
+                else {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            yield sse({"type": "content_block_start", "index": index, "content_block": start},
+                      "content_block_start")
+            yield sse({"type": "content_block_delta", "index": index, "delta": delta},
+                      "content_block_delta")
+            yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+        stop_reason, stop_sequence = ("tool_use", None) if calls else _stop(sample)
         yield sse({"type": "message_delta",
                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                    "usage": {"output_tokens": stream.num_output_tokens}}, "message_delta")

@@ -240,6 +240,18 @@ class AnthropicMessage(Body):
     content: Union[str, list[dict[str, Any]]]
 
 
+class AnthropicTool(Body):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class AnthropicToolChoice(Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
 class MessagesRequest(Body):
     """The Anthropic Messages API."""
 
@@ -253,9 +265,9 @@ class MessagesRequest(Body):
     top_k: Annotated[int, Field(strict=True, ge=-1, le=INT64_MAX)] | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
     # official fields this server does not honour: a 400 names them
-    tools: only() = None
-    tool_choice: only() = None
     thinking: only({"type": "disabled"}) = None
     service_tier: only("auto", "standard_only") = None
     cache_control: only() = None

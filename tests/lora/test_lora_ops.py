@@ -31,3 +31,22 @@ def test_each_token_gets_its_slots_delta():
                 lo, hi = offsets[s], offsets[s + 1]
                 want[lo:hi] += b[slot, lo:hi] @ (a[slot, s] @ x[t])
         torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_kernels_match_the_torch_reference():
+    """Under TRITON_INTERPRET=1 on the CPU (tests/conftest.py sets it without a GPU)."""
+    from runtime.lora import triton_ops
+    torch.manual_seed(1)
+    num_slots, rank, d_in, sizes = 2, 8, 48, [32, 16, 16]
+    offsets = [0, 32, 48, 64]
+    a = torch.randn(num_slots, len(sizes), rank, d_in)
+    b = torch.randn(num_slots, sum(sizes), rank)
+    token_slots = [1, -1, 0, 1, 1, -1]
+    x = torch.randn(len(token_slots), d_in)
+    y0 = torch.randn(len(token_slots), sum(sizes))
+    batch = make_batch(token_slots)
+    buf = triton_ops.lora_shrink(x, a, batch)
+    torch.testing.assert_close(buf, lora_shrink(x, a, batch), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(triton_ops.lora_expand(y0.clone(), buf, b, batch, offsets),
+                               lora_expand(y0.clone(), buf, b, batch, offsets),
+                               rtol=1e-4, atol=1e-4)

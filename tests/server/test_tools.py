@@ -121,3 +121,37 @@ def test_parsers_read_their_formats(parser, text, calls):
     content, found = TOOL_PARSERS[parser]().parse(text)
     assert [(c.name, c.arguments) for c in found] == calls
     assert (content == text) == (not calls)
+
+
+def test_anthropic_tools(smollm2_server):
+    import anthropic
+    claude = anthropic.Anthropic(base_url=smollm2_server.url, api_key="unused", max_retries=0,
+                                 timeout=120)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    reply = claude.messages.create(model=MODEL, max_tokens=100, messages=ASK, tools=tools,
+                                   tool_choice={"type": "any"},
+                                   extra_body={"temperature": 0})  # (not in the SDK's types)
+    uses = [b for b in reply.content if b.type == "tool_use"]
+    assert reply.stop_reason == "tool_use" and uses
+    for use in uses:
+        schema = next(t["input_schema"] for t in tools if t["name"] == use.name)
+        jsonschema.validate(use.input, schema)
+    kwargs = dict(model=MODEL, max_tokens=100, messages=ASK, tools=tools,
+                  extra_body={"temperature": 0},
+                  tool_choice={"type": "tool", "name": "get_time"})
+    (use,) = [b for b in claude.messages.create(**kwargs).content if b.type == "tool_use"]
+    assert use.name == "get_time" and use.id.startswith("toolu_")
+    with claude.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    (streamed,) = [b for b in final.content if b.type == "tool_use"]
+    assert (streamed.name, streamed.input) == (use.name, use.input)
+    assert final.stop_reason == "tool_use"
+    back = ASK + [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                      "content": "12:00"}]}]
+    answer = claude.messages.create(model=MODEL, max_tokens=20, messages=back, tools=tools,
+                                    tool_choice={"type": "none"},
+                                    extra_body={"temperature": 0})
+    assert answer.content[0].type == "text" and answer.stop_reason != "tool_use"

@@ -17,25 +17,23 @@ class ToolChoice:
     Without `parallel`, at most one call is made (forced) or read (auto).
     """
 
-    def __init__(self, tools: list[dict] | None, choice: Any, parser: str | None,
-                 auto_enabled: bool, parallel: bool = True) -> None:
+    def __init__(self, tools: list[dict] | None, choice: str | None, parser: str | None,
+                 auto_enabled: bool, parallel: bool = True, named: str | None = None) -> None:
         self.tools = tools or None
         self.parallel = parallel
         self.forced: str | None = None  # the named function
         self.required = False
         self.parser: ToolParser | None = None
-        if choice is None:
+        if choice is None and named is None:
             choice = "auto" if self.tools else "none"
         if self.tools is None and choice != "none":
             raise bad_request("tool_choice needs tools", param="tool_choice")
-        if isinstance(choice, str):
-            self.required = choice == "required"
-        else:
-            name = choice.function.get("name")
-            if name not in {t["function"]["name"] for t in self.tools}:
-                raise bad_request(f"tool_choice names the function {name!r}, which is not "
+        self.required = choice == "required"
+        if named is not None:
+            if named not in {t["function"]["name"] for t in self.tools}:
+                raise bad_request(f"tool_choice names the function {named!r}, which is not "
                                   "among the tools", param="tool_choice")
-            self.forced = name
+            self.forced = named
         if choice == "auto":
             if not auto_enabled or parser is None:
                 raise bad_request('tool_choice "auto" needs the server started with '
@@ -47,7 +45,11 @@ class ToolChoice:
     @classmethod
     def of(cls, body: Any, parser: str | None, auto_enabled: bool) -> "ToolChoice":
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        return cls(tools, body.tool_choice, parser, auto_enabled, body.parallel_tool_calls)
+        choice = body.tool_choice
+        if isinstance(choice, str) or choice is None:
+            return cls(tools, choice, parser, auto_enabled, body.parallel_tool_calls)
+        return cls(tools, None, parser, auto_enabled, body.parallel_tool_calls,
+                   named=choice.function.get("name"))
 
     @property
     def reads_calls(self) -> bool:

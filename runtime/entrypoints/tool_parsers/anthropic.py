@@ -1,0 +1,66 @@
+"""Anthropic's tools on /v1/messages, in the terms of `ToolChoice`: tools with an
+`input_schema`, tool_choice auto / any / tool / none, `tool_use` and `tool_result` blocks."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from runtime.entrypoints.errors import bad_request
+from runtime.entrypoints.tool_parsers.tool_choice import ToolChoice
+
+
+def anthropic_tool_choice(body: Any, parser: str | None, auto_enabled: bool) -> ToolChoice:
+    tools = [{"type": "function", "function": {
+        "name": t.name, "description": t.description, "parameters": t.input_schema}}
+        for t in body.tools] if body.tools else None
+    choice = body.tool_choice
+    if choice is None:
+        return ToolChoice(tools, None, parser, auto_enabled)
+    parallel = not choice.disable_parallel_tool_use
+    if choice.type == "tool":
+        if choice.name is None:
+            raise bad_request('tool_choice of type "tool" needs a name', param="tool_choice")
+        return ToolChoice(tools, None, parser, auto_enabled, parallel, named=choice.name)
+    kind = {"any": "required"}.get(choice.type, choice.type)
+    return ToolChoice(tools, kind, parser, auto_enabled, parallel)
+
+
+def anthropic_messages(messages: list[Any], text_of) -> list[dict]:
+    """Messages as chat templates read them: `tool_use` blocks become the assistant's
+    tool_calls, each `tool_result` block a "tool" message."""
+    out: list[dict] = []
+    for m in messages:
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        texts = [b for b in m.content if b.get("type") == "text"]
+        uses = [b for b in m.content if b.get("type") == "tool_use"]
+        results = [b for b in m.content if b.get("type") == "tool_result"]
+        if len(texts) + len(uses) + len(results) < len(m.content):
+            kinds = sorted({str(b.get("type")) for b in m.content} -
+                           {"text", "tool_use", "tool_result"})
+            raise bad_request(f"content blocks of type {', '.join(kinds)} are not supported "
+                              "(text, tool_use and tool_result are)", param="messages")
+        for block in results:
+            content = block.get("content", "")
+            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                        "content": content if isinstance(content, str) else text_of(content)})
+        if texts or uses:
+            message: dict[str, Any] = {"role": m.role, "content": text_of(texts)}
+            if uses:
+                message["tool_calls"] = [{"id": b.get("id"), "type": "function", "function": {
+                    "name": b.get("name"), "arguments": b.get("input", {})}} for b in uses]
+            out.append(message)
+    return out
+
+
+def content_blocks(message: dict) -> list[dict]:
+    """An assistant message (`ToolChoice.message`) as Anthropic content blocks."""
+    calls = message.get("tool_calls", [])
+    blocks = [{"type": "text", "text": message["content"] or ""}] \
+        if message["content"] or not calls else []
+    for call in calls:
+        blocks.append({"type": "tool_use", "id": call["id"].replace("call_", "toolu_", 1),
+                       "name": call["function"]["name"],
+                       "input": json.loads(call["function"]["arguments"])})
+    return blocks
