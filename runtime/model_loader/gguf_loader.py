@@ -32,10 +32,13 @@ from runtime.model_loader.gguf_cache import cached_part
 from runtime.model_loader.gguf_header import gguf_architecture
 from runtime.progress import progress_bar
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # GGUF files carry no `architectures` list; the engine's model registry needs one.
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                     "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# llama.cpp stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the weight alone).
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
 
 # Tensors that hold settings rather than parameters (read into the config).
 _SETTINGS_TENSORS = ("rope_freqs.weight",)
@@ -99,6 +102,8 @@ def iterate_gguf_weights(
             weight = _unpermute(weight, hf_config.num_attention_heads)
         elif index["architecture"] == "llama" and ".attn_k." in entry["gguf_name"]:
             weight = _unpermute(weight, hf_config.num_key_value_heads)
+        elif index["architecture"] in _NORM_PLUS_ONE and entry["name"].endswith("norm.weight"):
+            weight = weight - 1
         # The file is memory-mapped read-only; torch wants memory it may write.
         yield entry["name"], torch.from_numpy(np.require(weight, requirements=["C", "W"])).to(dtype)
 
