@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from functools import partial
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -40,9 +42,10 @@ async def create_message(body: MessagesRequest, raw: Request) -> Any:
     streams = await open_streams(state, message_id, [{"prompt_token_ids": prompt}], params,
                                  body.stream)
     if body.stream:
-        events = _tool_events(message_id, body.model, streams[0], tools) \
-            if tools.reads_calls else _events(message_id, body.model, streams[0])
-        return StreamingResponse(events, media_type="text/event-stream",
+        blocks = partial(_tool_blocks, streams[0], tools) if tools.reads_calls \
+            else partial(_text_block, streams[0])
+        return StreamingResponse(_events(message_id, body.model, streams[0], blocks),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     return await unless_disconnected(raw, _message(message_id, body.model, streams, tools),
                                      streams)
@@ -76,27 +79,20 @@ def _message_body(message_id: str, model: str, content: list[dict], stream: Requ
                       "output_tokens": stream.num_output_tokens}}
 
 
-async def _events(message_id: str, model: str, stream: RequestStream) -> AsyncIterator[str]:
-    """message_start, content_block_start, ping, content_block_delta..., content_block_stop,
-    message_delta (stop reason and usage), message_stop."""
+async def _events(message_id: str, model: str, stream: RequestStream,
+                  blocks: Callable[[dict], AsyncIterator[str]]) -> AsyncIterator[str]:
+    """message_start, the content blocks' events, message_delta (stop reason and usage),
+    message_stop; an error event in place of the rest if anything fails. `blocks(stop)` yields
+    the content events and sets stop["reason"] and stop["sequence"]."""
+    stop: dict[str, str | None] = {}
     try:
         yield sse({"type": "message_start",
                    "message": _message_body(message_id, model, [], stream, None)},
                   "message_start")
-        yield sse({"type": "content_block_start", "index": 0,
-                   "content_block": {"type": "text", "text": ""}}, "content_block_start")
-        yield sse({"type": "ping"}, "ping")
-        sample = None
-        async for output in stream:
-            sample = output.outputs[0]
-            if sample.text:
-                yield sse({"type": "content_block_delta", "index": 0,
-                           "delta": {"type": "text_delta", "text": sample.text}},
-                          "content_block_delta")
-        yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
-        stop_reason, stop_sequence = _stop(sample)
+        async for event in blocks(stop):
+            yield event
         yield sse({"type": "message_delta",
-                   "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                   "delta": {"stop_reason": stop["reason"], "stop_sequence": stop["sequence"]},
                    "usage": {"output_tokens": stream.num_output_tokens}}, "message_delta")
         yield sse({"type": "message_stop"}, "message_stop")
     except Exception as e:
@@ -105,34 +101,38 @@ async def _events(message_id: str, model: str, stream: RequestStream) -> AsyncIt
         stream.close()
 
 
-async def _tool_events(message_id: str, model: str, stream: RequestStream,
-                       tools: ToolChoice) -> AsyncIterator[str]:
-    """The events of an output that may hold tool calls: held until it is complete, then one
-    content block per text or tool_use (its input as one input_json_delta)."""
-    try:
-        yield sse({"type": "message_start",
-                   "message": _message_body(message_id, model, [], stream, None)},
-                  "message_start")
-        text, sample = "", None
-        async for output in stream:
-            sample = output.outputs[0]
-            text += sample.text
-        message, calls = tools.message(text)
-        for index, block in enumerate(content_blocks(message)):
-            start = {**block, "text": ""} if block["type"] == "text" else {**block, "input": {}}
-            delta = {"type": "text_delta", "text": block["text"]} if block["type"] == "text" \
-                else {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-            yield sse({"type": "content_block_start", "index": index, "content_block": start},
-                      "content_block_start")
-            yield sse({"type": "content_block_delta", "index": index, "delta": delta},
+async def _text_block(stream: RequestStream, stop: dict) -> AsyncIterator[str]:
+    """One text block, streamed as the tokens come."""
+    yield sse({"type": "content_block_start", "index": 0,
+               "content_block": {"type": "text", "text": ""}}, "content_block_start")
+    yield sse({"type": "ping"}, "ping")
+    sample = None
+    async for output in stream:
+        sample = output.outputs[0]
+        if sample.text:
+            yield sse({"type": "content_block_delta", "index": 0,
+                       "delta": {"type": "text_delta", "text": sample.text}},
                       "content_block_delta")
-            yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
-        stop_reason, stop_sequence = ("tool_use", None) if calls else _stop(sample)
-        yield sse({"type": "message_delta",
-                   "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                   "usage": {"output_tokens": stream.num_output_tokens}}, "message_delta")
-        yield sse({"type": "message_stop"}, "message_stop")
-    except Exception as e:
-        yield sse(stream_error(e, message_id).body(anthropic=True), "error")
-    finally:
-        stream.close()
+    yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+    stop["reason"], stop["sequence"] = _stop(sample)
+
+
+async def _tool_blocks(stream: RequestStream, tools: ToolChoice,
+                       stop: dict) -> AsyncIterator[str]:
+    """An output that may hold tool calls: held until it is complete, then one block per text
+    or tool_use (its input as one input_json_delta)."""
+    text, sample = "", None
+    async for output in stream:
+        sample = output.outputs[0]
+        text += sample.text
+    message, calls = tools.message(text)
+    for index, block in enumerate(content_blocks(message)):
+        start = {**block, "text": ""} if block["type"] == "text" else {**block, "input": {}}
+        delta = {"type": "text_delta", "text": block["text"]} if block["type"] == "text" \
+            else {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        yield sse({"type": "content_block_start", "index": index, "content_block": start},
+                  "content_block_start")
+        yield sse({"type": "content_block_delta", "index": index, "delta": delta},
+                  "content_block_delta")
+        yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+    stop["reason"], stop["sequence"] = ("tool_use", None) if calls else _stop(sample)
