@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI and Anthropic APIs, and how they map onto `SamplingParams`.
 
-Unknown fields are ignored (clients send fields this server has no use for). Besides the
-official fields, the OpenAI routes take vLLM's extras (`top_k`, `min_p`, `repetition_penalty`,
+Every official field is declared: one the server does not honour is declared with `only`, which
+refuses it with a 400 naming it. Fields neither API defines are ignored. Besides the official
+fields, the OpenAI routes take vLLM's extras (`top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `ignore_eos`, `stop_token_ids`, ...), which clients pass in `extra_body`.
 """
 from __future__ import annotations
