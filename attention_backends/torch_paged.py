@@ -95,20 +95,27 @@ class TorchPagedAttention(AttentionBackend):
     def _encode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         """Prefill-only step: each request attends to its own tokens (all of them unless
-        causal), with no cache."""
-        out = torch.empty_like(query)
-        starts = metadata.query_start_loc_cpu
-        for i in range(metadata.num_reqs):
-            lo, hi = starts[i], starts[i + 1]
-            q, k, v = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-            mask = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=query.device)
-            if metadata.causal:
-                mask = mask.tril()
-            if self.sliding_window is not None:
-                mask = mask.triu(-self.sliding_window + 1)
-            o = attend(q, k, v, self.scale, mask, self.logits_soft_cap)
-            out[lo:hi] = o.squeeze(0).transpose(0, 1)
-        return out
+        causal), with no cache. The requests are padded to the longest into one batched
+        attention whose mask hides the padding keys."""
+        lens, num_reqs, dev = metadata.seq_lens, metadata.num_reqs, query.device
+        width = metadata.max_seq_len
+        owner = torch.repeat_interleave(torch.arange(num_reqs, device=dev), lens.long())
+        offset = torch.arange(query.size(0), device=dev) - metadata.query_start_loc[owner]
+        rows = owner * width + offset
+
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [T, h, D] -> [B, h, width, D]
+            out = x.new_zeros(num_reqs * width, *x.shape[1:]).index_copy_(0, rows, x)
+            return out.view(num_reqs, width, *x.shape[1:]).transpose(1, 2)
+
+        pos = torch.arange(width, device=dev)
+        mask = (pos < lens.unsqueeze(1))[:, None, None, :]  # [B, 1, 1, width]: real keys
+        if metadata.causal:
+            mask = mask & (pos[None, :] <= pos[:, None])
+        if self.sliding_window is not None:
+            mask = mask & (pos[None, :] > pos[:, None] - self.sliding_window)
+        o = attend(padded(query), padded(key), padded(value), self.scale, mask,
+                   self.logits_soft_cap)
+        return o.transpose(1, 2).reshape(num_reqs * width, *query.shape[1:])[rows]
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  seq_len: int) -> torch.Tensor:

@@ -189,9 +189,11 @@ class PoolingEngine:
 
     def _batches(self, inputs: list[Tokens]) -> list[list[int]]:
         """Indices of `inputs` in steps of at most max_num_batched_tokens tokens (a longer
-        input runs alone) and max_num_seqs requests."""
+        input runs alone) and max_num_seqs requests; by length, so that a step's requests are
+        alike (the attention pads them to the longest)."""
         steps, step, tokens = [], [], 0
-        for i, t in enumerate(inputs):
+        for i in sorted(range(len(inputs)), key=lambda i: len(inputs[i].ids)):
+            t = inputs[i]
             if step and (tokens + len(t.ids) > self.config.max_num_batched_tokens
                          or len(step) == self.config.max_num_seqs):
                 steps.append(step)
