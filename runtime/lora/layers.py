@@ -7,7 +7,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from runtime.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from runtime.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
+                                   RowParallelLinear)
 from runtime.lora.adapter import LoRAWeights
 from runtime.lora.ops import LoRABatch
 
@@ -29,7 +30,26 @@ def slice_sizes(base: LinearBase) -> list[int]:
     return [base.output_size]
 
 
+def _rank_slice(base: LinearBase, index: int, w: LoRAWeights) -> LoRAWeights:
+    """This tensor-parallel rank's share of one slice's weights, cut as the base layer's: B's
+    output rows for a column-parallel layer (KV heads shared by `kv_replicas` ranks), A's input
+    columns for a row-parallel one."""
+    if base.tp_size == 1:
+        return w
+    if isinstance(base, RowParallelLinear):
+        shard = w.a.size(1) // base.tp_size
+        return LoRAWeights(w.a.narrow(1, base.tp_rank * shard, shard), w.b)
+    rank = base.tp_rank
+    if isinstance(base, QKVParallelLinear) and index > 0:
+        rank //= base.kv_replicas
+    size = slice_sizes(base)[index]
+    return LoRAWeights(w.a, w.b.narrow(0, rank * size, size))
+
+
 class LoRALinear(nn.Module):
+    """With tensor parallelism, a row-parallel layer's shrink sums partial products over the
+    ranks (all-reduce), then every rank adds the same delta to the all-reduced output."""
+
     def __init__(self, base: LinearBase, max_loras: int, max_rank: int, step: StepLoRA,
                  shrink: Callable, expand: Callable) -> None:
         super().__init__()
@@ -50,6 +70,7 @@ class LoRALinear(nn.Module):
         self.a[slot].zero_()
         self.b[slot].zero_()
         for index, w in slices.items():
+            w = _rank_slice(self.base, index, w)
             rank = w.a.size(0)
             self.a[slot, index, :rank].copy_(w.a)
             self.b[slot, self.offsets[index]:self.offsets[index + 1], :rank].copy_(w.b)
@@ -61,4 +82,6 @@ class LoRALinear(nn.Module):
             return y
         flat_x, flat_y = x.reshape(-1, x.size(-1)), y.reshape(-1, y.size(-1))
         buf = self.shrink(flat_x, self.a, batch)
+        if isinstance(self.base, RowParallelLinear) and self.base.tp_size > 1:
+            buf = self.base.tp_group.all_reduce(buf)
         return self.expand(flat_y, buf, self.b, batch, self.offsets).view_as(y)

@@ -62,3 +62,12 @@ def test_prefix_cache_not_shared_across_adapters(llm, lora_setup):
     assert cached(requests["mlp"]) == 0  # same tokens, another adapter: nothing shared
     assert cached(None) == 0
     assert cached(requests["qv"]) > 0 and cached(requests["mlp"]) > 0 and cached(None) > 0
+
+
+def test_tensor_parallel_matches_peft(lora_setup):
+    """tp=2: A and B cut like their base layers (B's rows for q/k/v and gate/up, A's columns for
+    o and down, whose shrink is all-reduced)."""
+    base, requests, refs = lora_setup
+    llm = LLM(base, dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_loras=3,
+              max_lora_rank=16, tensor_parallel_size=2, num_threads=1)
+    run_mixed(llm, requests, refs)
