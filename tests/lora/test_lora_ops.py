@@ -7,27 +7,27 @@ import torch
 from runtime.lora.ops import LoRABatch, lora_expand, lora_shrink
 
 
-def make_batch(token_slots: list[int]) -> LoRABatch:
+def random_case(seed: int, num_slots: int, rank: int, d_in: int, sizes: list[int],
+                token_slots: list[int]):
+    """(x, y, a, b, batch, offsets) for a layer of `sizes` output slices."""
+    torch.manual_seed(seed)
     slots = torch.tensor(token_slots)
-    return LoRABatch(slots, [(s, (slots == s).nonzero().squeeze(1))
-                             for s in sorted(set(token_slots) - {-1})])
+    batch = LoRABatch(slots, [(s, (slots == s).nonzero().squeeze(1))
+                              for s in sorted(set(token_slots) - {-1})])
+    offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return (torch.randn(len(token_slots), d_in), torch.randn(len(token_slots), sum(sizes)),
+            torch.randn(num_slots, len(sizes), rank, d_in),
+            torch.randn(num_slots, sum(sizes), rank), batch, offsets)
 
 
 def test_each_token_gets_its_slots_delta():
-    torch.manual_seed(0)
-    num_slots, rank, d_in, sizes = 3, 4, 16, [8, 4, 4]
-    offsets = [0, 8, 12, 16]
-    a = torch.randn(num_slots, len(sizes), rank, d_in)
-    b = torch.randn(num_slots, sum(sizes), rank)
     token_slots = [2, -1, 0, 2, 1, -1, 0]
-    x = torch.randn(len(token_slots), d_in)
-    y0 = torch.randn(len(token_slots), sum(sizes))
-    batch = make_batch(token_slots)
+    x, y0, a, b, batch, offsets = random_case(0, 3, 4, 16, [8, 4, 4], token_slots)
     got = lora_expand(y0.clone(), lora_shrink(x, a, batch), b, batch, offsets)
     for t, slot in enumerate(token_slots):
         want = y0[t].clone()
         if slot >= 0:
-            for s in range(len(sizes)):
+            for s in range(len(offsets) - 1):
                 lo, hi = offsets[s], offsets[s + 1]
                 want[lo:hi] += b[slot, lo:hi] @ (a[slot, s] @ x[t])
         torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
@@ -36,15 +36,7 @@ def test_each_token_gets_its_slots_delta():
 def test_triton_kernels_match_the_torch_reference():
     """Under TRITON_INTERPRET=1 on the CPU (tests/conftest.py sets it without a GPU)."""
     from runtime.lora import triton_ops
-    torch.manual_seed(1)
-    num_slots, rank, d_in, sizes = 2, 8, 48, [32, 16, 16]
-    offsets = [0, 32, 48, 64]
-    a = torch.randn(num_slots, len(sizes), rank, d_in)
-    b = torch.randn(num_slots, sum(sizes), rank)
-    token_slots = [1, -1, 0, 1, 1, -1]
-    x = torch.randn(len(token_slots), d_in)
-    y0 = torch.randn(len(token_slots), sum(sizes))
-    batch = make_batch(token_slots)
+    x, y0, a, b, batch, offsets = random_case(1, 2, 8, 48, [32, 16, 16], [1, -1, 0, 1, 1, -1])
     buf = triton_ops.lora_shrink(x, a, batch)
     torch.testing.assert_close(buf, lora_shrink(x, a, batch), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(triton_ops.lora_expand(y0.clone(), buf, b, batch, offsets),
