@@ -56,6 +56,9 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Any:
         raise bad_request("suffix is not supported", param="suffix")
     prompts = _completion_prompts(body.prompt)
     if body.use_beam_search:
+        if model in state.lora_modules:
+            raise bad_request("use_beam_search does not run under a LoRA adapter yet",
+                              param="use_beam_search")
         work = _beam_search_completion(state, body, model, new_id("cmpl"), prompts)
         return await unless_disconnected(raw, work, [])
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None

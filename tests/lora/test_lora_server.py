@@ -75,3 +75,10 @@ def test_load_and_unload_at_run_time(server, client, lora_setup, tmp_path):
         complete(client, "all", PROMPTS[0])
     assert httpx.post(url + "/unload_lora_adapter",
                       json={"lora_name": "all"}).status_code == 404
+
+
+def test_beam_search_under_an_adapter_is_refused(client):
+    import openai
+    with pytest.raises(openai.BadRequestError, match="use_beam_search"):
+        client.completions.create(model="qv", prompt=PROMPTS[0], max_tokens=2,
+                                  extra_body={"use_beam_search": True, "n": 2})
