@@ -26,7 +26,7 @@ router = APIRouter()
 @router.post("/v1/messages")
 async def create_message(body: MessagesRequest, raw: Request) -> Any:
     state = state_of(raw)
-    check_model(state, body.model)
+    model = check_model(state, body.model)  # an adapter's name picks that adapter
     messages = []
     if body.system is not None:
         messages.append({"role": "system", "content": text_of(body.system)})
@@ -40,7 +40,7 @@ async def create_message(body: MessagesRequest, raw: Request) -> Any:
         params = params.clone(structured_outputs=checked("tools", json=forced.json))
     message_id = new_id("msg")
     streams = await open_streams(state, message_id, [{"prompt_token_ids": prompt}], params,
-                                 body.stream)
+                                 body.stream, model=model)
     if body.stream:
         blocks = partial(_tool_blocks, streams[0], tools) if tools.reads_calls \
             else partial(_text_block, streams[0])
