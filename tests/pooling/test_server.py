@@ -1,6 +1,6 @@
 """The pooling routes of `runtime serve`: /v1/embeddings through the official openai client on
-the real all-MiniLM-L6-v2, /score and /rerank, /classify on a tiny classifier, and the 400s
-between pooling and generating models."""
+the real all-MiniLM-L6-v2, /score and /rerank, /classify on a tiny classifier, and a pooling
+model's 400s for the generating routes (tests/server/test_pooling_routes.py: the reverse)."""
 from __future__ import annotations
 
 import base64
@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from tests.pooling.test_minilm import SENTENCES, reference_embeddings
-from tests.server.conftest import TINY_ARGS, Server
+from tests.server.conftest import Server
 
 POOLING_ARGS = ["--dtype", "float32", "--num-threads", "1"]
 
@@ -124,18 +124,5 @@ def test_classify(tiny_model_factory, tmp_path):
             assert (torch.tensor(row["probs"]) - probs).abs().max().item() < 1e-4
             assert row["label"] == ["neg", "neu", "pos"][int(probs.argmax())]
             assert row["num_classes"] == 3
-    finally:
-        assert server.stop() == 0, server.log()
-
-
-def test_generation_model_refuses_pooling_routes(tiny_llama, tmp_path):
-    server = Server([tiny_llama, *TINY_ARGS], str(tmp_path / "generate.log"))
-    try:
-        for route, body in (("/v1/embeddings", {"input": "hi"}),
-                            ("/score", {"text_1": "a", "text_2": "b"}),
-                            ("/rerank", {"query": "a", "documents": ["b"]}),
-                            ("/classify", {"input": "hi"})):
-            message = error_of(httpx.post(server.url + route, json=body))["message"]
-            assert "needs a pooling model" in message, (route, message)
     finally:
         assert server.stop() == 0, server.log()
