@@ -1,9 +1,9 @@
 // Fused element-wise layer ops for the CPU: RMSNorm (with the residual add), SiLU-and-mul and
 // the rotary embedding.
 // Each row is one pass over memory instead of the five to eight torch ops of the portable
-// versions, 16 lanes at a time (one AVX-512 register). Every intermediate is rounded to the
-// model dtype where the portable op (and transformers) rounds it, in registers, so bf16 results
-// match them bit for bit up to exp's last ulp.
+// versions, 16 lanes at a time on AVX-512 (one register), 8 elsewhere. Every intermediate is
+// rounded to the model dtype where the portable op (and transformers) rounds it, in registers,
+// so bf16 results match them bit for bit up to exp's last ulp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -29,19 +29,19 @@ void rms_norm_rows(T* out, T* sum, const T* x, const T* residual, const T* weigh
       if (sum != nullptr) {
         T* sr = sum + r * hidden;
         const T* rr = residual + r * hidden;
-        for (int64_t d = 0; d < hidden; d += 16)
-          store16(sr + d, load16(xr + d) + load16(rr + d));
+        for (int64_t d = 0; d < hidden; d += kLanes)
+          storev(sr + d, loadv(xr + d) + loadv(rr + d));
         src = sr;
       }
-      v16f sq = {};
-      for (int64_t d = 0; d < hidden; d += 16) {
-        v16f v = load16(src + d);
+      vecf sq = {};
+      for (int64_t d = 0; d < hidden; d += kLanes) {
+        vecf v = loadv(src + d);
         sq += v * v;
       }
       const float inv = 1.f / std::sqrt(hsum(sq) / static_cast<float>(hidden) +
                                         static_cast<float>(eps));
-      for (int64_t d = 0; d < hidden; d += 16)
-        store16(outr + d, load16(weight + d) * round16<T>(load16(src + d) * inv));
+      for (int64_t d = 0; d < hidden; d += kLanes)
+        storev(outr + d, loadv(weight + d) * roundv<T>(loadv(src + d) * inv));
     }
   });
 }
@@ -94,10 +94,10 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* gate = src + r * 2 * d;
-        for (int64_t j = 0; j < d; j += 16) {
-          v16f g = load16(gate + j);
-          v16f act = round16<scalar_t>(g / (1.f + exp16(v16f{} - g)));
-          store16(dst + r * d + j, act * load16(gate + d + j));
+        for (int64_t j = 0; j < d; j += kLanes) {
+          vecf g = loadv(gate + j);
+          vecf act = roundv<scalar_t>(g / (1.f + expv(vecf{} - g)));
+          storev(dst + r * d + j, act * loadv(gate + d + j));
         }
       }
     });
@@ -114,11 +114,11 @@ void rotate_heads(T* x, int64_t num_heads, int64_t head_size, const float* cos, 
   for (int64_t h = 0; h < num_heads; ++h) {
     T* x1 = x + h * head_size;
     T* x2 = x1 + half;
-    for (int64_t i = 0; i < half; i += 16) {
-      const v16f c = round16<T>(load16(cos + i)), s = round16<T>(load16(sin + i));
-      const v16f a = load16(x1 + i), b = load16(x2 + i);
-      store16(x1 + i, round16<T>(a * c) - round16<T>(b * s));
-      store16(x2 + i, round16<T>(b * c) + round16<T>(a * s));
+    for (int64_t i = 0; i < half; i += kLanes) {
+      const vecf c = roundv<T>(loadv(cos + i)), s = roundv<T>(loadv(sin + i));
+      const vecf a = loadv(x1 + i), b = loadv(x2 + i);
+      storev(x1 + i, roundv<T>(a * c) - roundv<T>(b * s));
+      storev(x2 + i, roundv<T>(b * c) + roundv<T>(a * s));
     }
   }
 }

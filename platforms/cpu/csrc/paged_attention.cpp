@@ -46,11 +46,12 @@ using runtime_cpu::load8;  // the overloads below join simd.h's instead of hidin
 inline v8f load8(const c10::Float8_e4m3fn* p) { return fp8_to_float<3, 7>(p); }
 inline v8f load8(const c10::Float8_e5m2* p) { return fp8_to_float<2, 15>(p); }
 
-// A cache in the query's dtype is read 16 lanes at a time (one AVX-512 register), an FP8 one 8.
+// A cache in the query's dtype is read 16 lanes at a time on AVX-512 (one register), an FP8
+// one and any cache elsewhere 8.
 template <typename C>
 constexpr bool kFp8 = std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>;
 template <typename C>
-using CacheVec = std::conditional_t<kFp8<C>, v8f, v16f>;
+using CacheVec = std::conditional_t<kFp8<C> || kLanes == 8, v8f, v16f>;
 
 template <typename V, typename T>
 inline V load_vec(const T* p) {
@@ -65,7 +66,7 @@ inline void store_vec(float* p, V v) {
 // Two accumulators break the FMA dependency chain; n is a multiple of 8.
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t n) {
-  if constexpr (!kFp8<T>) {
+  if constexpr (std::is_same_v<CacheVec<T>, v16f>) {
     v16f a0 = {}, a1 = {};
     int64_t d = 0;
     for (; d + 32 <= n; d += 32) {

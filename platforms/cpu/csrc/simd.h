@@ -4,7 +4,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -44,9 +44,14 @@ inline v8f load8(const c10::BFloat16* p) {  // bf16 is the top half of a float32
 }
 
 inline v8f load8(const c10::Half* p) {
+#if defined(__F16C__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<v8f>(_mm256_cvtph_ps(h));
+#else
   float f[8];
   for (int j = 0; j < 8; ++j) f[j] = static_cast<float>(p[j]);
   return load8(f);
+#endif
 }
 
 inline void store8(float* p, v8f v) { __builtin_memcpy(p, &v, sizeof(v)); }
@@ -60,7 +65,12 @@ inline void store8(c10::BFloat16* p, v8f v) {  // round to nearest even, as c10 
 }
 
 inline void store8(c10::Half* p, v8f v) {
+#if defined(__F16C__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph(reinterpret_cast<__m256>(v), _MM_FROUND_TO_NEAREST_INT));
+#else
   for (int j = 0; j < 8; ++j) p[j] = static_cast<c10::Half>(v[j]);
+#endif
 }
 
 inline float hsum(v8f v) {
@@ -210,6 +220,49 @@ inline float hsum(v16f v) {  // shuffles, not memcpy: an accumulator whose addre
   const v8f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
   const v8f hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   return hsum(lo + hi);
+}
+
+// The element-wise kernels' vector: 16 lanes where that is one register (AVX-512), 8 elsewhere
+// (GCC lowers a 16-lane generic vector badly without AVX-512: 2-5x slower on AVX2).
+#if defined(__AVX512F__)
+using vecf = v16f;
+using veci = v16i;
+#else
+using vecf = v8f;
+using veci = v8i;
+#endif
+constexpr int64_t kLanes = sizeof(vecf) / sizeof(float);
+
+inline vecf expv(vecf x) { return exp_poly<vecf, veci>(x); }
+
+template <typename T>
+inline vecf loadv(const T* p) {
+  if constexpr (kLanes == 16) return load16(p); else return load8(p);
+}
+
+template <typename T>
+inline void storev(T* p, vecf v) {
+  if constexpr (kLanes == 16) store16(p, v); else store8(p, v);
+}
+
+// x rounded to T and back, in registers: the value a torch op in dtype T would have produced.
+template <typename T>
+inline vecf roundv(vecf x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (kLanes == 16) {
+    return round16<T>(x);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // round to nearest even, as c10
+    v8u32 w;
+    __builtin_memcpy(&w, &x, sizeof(w));
+    w = (w + 0x7fffu + ((w >> 16) & 1u)) & 0xffff0000u;
+    __builtin_memcpy(&x, &w, sizeof(x));
+    return x;
+  } else {
+    T tmp[8];
+    store8(tmp, x);
+    return load8(tmp);
+  }
 }
 
 }  // namespace runtime_cpu
