@@ -67,6 +67,16 @@ class Metrics:
         self.spec_mean_accepted_length = gauge(
             "runtime:spec_decode_mean_accepted_length",
             "Tokens a speculative step emits per request: accepted proposals + 1.")
+        self.grammar_compiles = counter("runtime:structured_output_grammar_compiles",
+                                        "Grammars compiled for structured outputs.")
+        self.grammar_compile_seconds = counter(
+            "runtime:structured_output_grammar_compile_seconds",
+            "Time spent compiling grammars (in the engine core's thread pool).")
+        self.grammar_cache_hits = counter("runtime:structured_output_grammar_cache_hits",
+                                          "Constrained requests whose grammar was cached.")
+        self.grammar_cache_hit_rate = gauge(
+            "runtime:structured_output_grammar_cache_hit_rate",
+            "Share of constrained requests whose grammar was cached.")
         self.model_name = model_name
         self._last = CoreStats(0, 0, 0, 0.0, 0.0, 0)
 
@@ -86,6 +96,14 @@ class Metrics:
                                stats.num_spec_accepted_tokens)
         self.spec_acceptance_rate.set(spec.acceptance_rate)
         self.spec_mean_accepted_length.set(spec.mean_accepted_length)
+        self.grammar_compiles.inc(max(0, stats.num_grammar_compiles - last.num_grammar_compiles))
+        self.grammar_compile_seconds.inc(max(0.0, stats.grammar_compile_seconds
+                                             - last.grammar_compile_seconds))
+        self.grammar_cache_hits.inc(max(0, stats.num_grammar_cache_hits
+                                        - last.num_grammar_cache_hits))
+        looked_up = stats.num_grammar_compiles + stats.num_grammar_cache_hits
+        if looked_up:
+            self.grammar_cache_hit_rate.set(stats.num_grammar_cache_hits / looked_up)
 
     def on_request_added(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

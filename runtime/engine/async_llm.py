@@ -313,7 +313,10 @@ class AsyncLLM:
                          sum(s.num_preemptions for s in live),
                          sum(s.num_spec_drafts for s in live),
                          sum(s.num_spec_draft_tokens for s in live),
-                         sum(s.num_spec_accepted_tokens for s in live))
+                         sum(s.num_spec_accepted_tokens for s in live),
+                         sum(s.num_grammar_compiles for s in live),
+                         sum(s.grammar_compile_seconds for s in live),
+                         sum(s.num_grammar_cache_hits for s in live))
 
     def _on_core_exit(self, replica: int) -> None:
         client = self.replicas[replica]

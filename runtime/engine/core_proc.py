@@ -90,6 +90,10 @@ class CoreStats(msgspec.Struct, array_like=True):
     num_spec_drafts: int = 0
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    # structured outputs, cumulative: grammars compiled, their compile time, cache hits
+    num_grammar_compiles: int = 0
+    grammar_compile_seconds: float = 0.0
+    num_grammar_cache_hits: int = 0
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
@@ -231,7 +235,9 @@ class CoreLoop:
 
     def _stats(self) -> CoreStats:
         scheduler, kv = self.core.scheduler, self.core.kv
-        spec = scheduler.spec_stats
+        spec, grammars = scheduler.spec_stats, self.core.structured
         return CoreStats(len(scheduler.running), scheduler.num_waiting(), self.num_received,
                          kv.usage(), kv.hit_rate(), scheduler.num_preemptions,
-                         spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+                         spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                         *((grammars.num_compiles, grammars.compile_seconds,
+                            grammars.num_cache_hits) if grammars else ()))

@@ -10,6 +10,8 @@ import openai
 import pydantic
 import pytest
 
+from tests.server.conftest import wait_for
+
 SCHEMA = {"type": "object", "properties": {
     "color": {"enum": ["red", "green"]}, "size": {"type": "integer", "minimum": 1,
                                                   "maximum": 9}},
@@ -94,3 +96,17 @@ def test_parse_returns_the_pydantic_model(smollm2_server):
     text = reply.choices[0].message.content
     assert text.startswith("{")  # a JSON object, complete unless max_tokens cut it
     assert reply.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict), text
+
+
+def test_grammar_compiles_and_cache_hits_on_metrics(client, tiny_server):
+    before = (tiny_server.metric("runtime:structured_output_grammar_compiles_total"),
+              tiny_server.metric("runtime:structured_output_grammar_cache_hits_total"))
+    for _ in range(2):  # the second request finds the grammar compiled
+        chat(client, guided_regex=r"metrics-[0-9]")
+
+    def counts():
+        return (tiny_server.metric("runtime:structured_output_grammar_compiles_total"),
+                tiny_server.metric("runtime:structured_output_grammar_cache_hits_total"))
+    assert wait_for(lambda: counts() == (before[0] + 1, before[1] + 1), 10), (before, counts())
+    assert tiny_server.metric("runtime:structured_output_grammar_compile_seconds_total") > 0
+    assert 0 < tiny_server.metric("runtime:structured_output_grammar_cache_hit_rate") < 1
