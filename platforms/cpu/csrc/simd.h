@@ -125,14 +125,12 @@ inline float softmax_numerator(float* row, int64_t n) {
   return sum;
 }
 
-// 16 floats: one AVX-512 register, two AVX2 ones, four SSE/NEON ones. The element-wise layer
-// ops run on these; bf16 and fp16 convert in registers (vcvtneps2bf16 where AVX512-BF16 exists).
+// 16 floats: one AVX-512 register (the kernels use them only there, see `vecf`); bf16 and fp16
+// convert in registers (vcvtneps2bf16 where AVX512-BF16 exists).
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
 typedef uint32_t v16u32 __attribute__((vector_size(64)));
-
-inline v16f exp16(v16f x) { return exp_poly<v16f, v16i>(x); }
 
 inline v16f load16(const float* p) {
   v16f v;
