@@ -115,11 +115,14 @@ def run_runtime(spec: dict[str, Any]) -> dict[str, Any]:
         num_threads=spec["num_threads"], **spec.get("engine", {})))
     requests = requests_of(spec)
     pool = engine.core.kv.pool
+    from runtime.lora.request import parse_lora_modules
+    loras = list(parse_lora_modules(spec.get("lora_modules")).values()) or [None]
 
     def drain(batch: list[tuple[list[int], int]]) -> tuple[list, int]:
-        for ids, n in batch:
+        for i, (ids, n) in enumerate(batch):
             engine.add_request({"prompt_token_ids": ids},
-                               SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+                               SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                               lora_request=loras[i % len(loras)])
         finished, peak = [], 0
         while engine.has_unfinished_requests():
             finished += [out for out in engine.step() if out.finished]

@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Hugging Face folder (vllm)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds one backend may run before it is stopped")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="runtime: LoRA adapters the requests take in turn (request i the "
+                             "adapter i mod N), all in the same batches (docs/lora.md)")
     add_dataset_args(parser)
     add_engine_args(parser)
     common.add_output_args(parser)
@@ -61,11 +64,16 @@ def make_spec(backend: str, model: str, args: argparse.Namespace, dtype: str, th
               requests: list[SampleRequest], tokenizer: Any) -> dict[str, Any]:
     """Everything one backend's process needs; the same requests and settings for all."""
     engine = {k: v for k, v in engine_kwargs(args).items() if k not in SHARED}
+    loras = getattr(args, "lora_modules", None) or []
+    if loras:
+        if backend != "runtime":
+            raise ValueError(f"--lora-modules runs on the runtime backend only, not {backend}")
+        engine.update(enable_lora=True, max_loras=max(engine["max_loras"], len(loras)))
     return {"backend": backend, "model": model, "tokenizer": args.tokenizer, "dtype": dtype,
             "num_threads": threads, "task": getattr(args, "task", "generate"),
             "requests": [(r.prompt_token_ids, r.output_len) for r in requests],
             "engine": engine, "kv_cache_memory": parse_size(engine.get("kv_cache_memory")),
-            "hf_batch_size": args.hf_batch_size,
+            "hf_batch_size": args.hf_batch_size, "lora_modules": loras,
             "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None
             else (tokenizer.eos_token_id or 0),
             "max_model_len": max(len(r.prompt_token_ids) + r.output_len for r in requests)}

@@ -115,8 +115,8 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         from runtime.engine.async_llm import AsyncLLM
         from runtime.entrypoints.chat import load_chat_template
-        from runtime.entrypoints.lora_api import parse_lora_modules
         from runtime.lora.adapter import load_adapter
+        from runtime.lora.request import parse_lora_modules
         from runtime.entrypoints.server import CORS, TLS, bind_socket, create_app, run_server
         from runtime.metrics import Metrics
     except ImportError as e:

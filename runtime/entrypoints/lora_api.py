@@ -1,9 +1,7 @@
-"""LoRA adapters behind the server: `--lora-modules` parsed, and the run-time
-`/v1/load_lora_adapter` and `/v1/unload_lora_adapter` routes (mounted only with
-`--enable-runtime-lora-updating`). A request picks an adapter by naming it as its `model`."""
+"""The run-time LoRA routes, `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (mounted
+only with `--enable-runtime-lora-updating`). A request picks an adapter by naming it as its
+`model`."""
 from __future__ import annotations
-
-import json
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
@@ -14,26 +12,6 @@ from runtime.entrypoints.serving import state_of
 from runtime.lora.request import LoRARequest
 
 router = APIRouter()
-
-
-def parse_lora_modules(values: list[str] | None) -> dict[str, LoRARequest]:
-    """`--lora-modules` entries, `name=path` or vLLM's JSON `{"name": ..., "path": ...}`, as
-    adapters numbered 1, 2, ... in the order given."""
-    modules: dict[str, LoRARequest] = {}
-    for value in values or []:
-        if value.lstrip().startswith("{"):
-            entry = json.loads(value)
-            if not isinstance(entry, dict) or "name" not in entry or "path" not in entry:
-                raise ValueError(f"--lora-modules JSON needs \"name\" and \"path\", got {value}")
-            name, path = entry["name"], entry["path"]
-        else:
-            name, sep, path = value.partition("=")
-            if not sep or not name or not path:
-                raise ValueError(f"--lora-modules takes name=path or JSON, got {value!r}")
-        if name in modules:
-            raise ValueError(f"--lora-modules names {name!r} twice")
-        modules[name] = LoRARequest(name, len(modules) + 1, path)
-    return modules
 
 
 class LoadLoRAAdapterRequest(BaseModel):
