@@ -58,12 +58,13 @@ class LoRALinear(nn.Module):
         self.shrink, self.expand = shrink, expand
         sizes = slice_sizes(base)
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        weight = next(base.parameters())
-        dtype = weight.dtype if weight.is_floating_point() else torch.get_default_dtype()
+        # float32 whatever the model's dtype: the adapters are small, the sums exact enough,
+        # and CPU matmuls of bf16 at these skinny shapes are ~100x slower than float32
+        device = next(base.parameters()).device
         self.register_buffer("a", torch.zeros(max_loras, len(sizes), max_rank, base.input_size,
-                                              dtype=dtype, device=weight.device))
+                                              device=device))
         self.register_buffer("b", torch.zeros(max_loras, base.output_size, max_rank,
-                                              dtype=dtype, device=weight.device))
+                                              device=device))
 
     def set_slot(self, slot: int, slices: dict[int, LoRAWeights]) -> None:
         """Put one adapter's weights for this layer's slices in `slot` (absent slices: zero)."""

@@ -18,11 +18,13 @@ class LoRABatch:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
-    """x [tokens, in], a [slots, slices, rank, in] -> [slices, tokens, rank]: x @ A[slot].T per
-    slice, zero for tokens without an adapter."""
-    out = x.new_zeros(a.size(1), x.size(0), a.size(2))
+    """x [tokens, in], a [slots, slices, rank, in] -> [slices, tokens, rank] in a's dtype:
+    x @ A[slot].T per slice, zero for tokens without an adapter."""
+    out = a.new_zeros(a.size(1), x.size(0), a.size(2))
     for slot, rows in batch.groups:
-        out[:, rows] = torch.einsum("ti,sri->str", x[rows], a[slot])
+        # [tokens, in] @ [in, slices * rank], one matmul for every slice
+        part = x[rows].to(a.dtype) @ a[slot].flatten(0, 1).T
+        out.index_copy_(1, rows, part.view(-1, a.size(1), a.size(2)).transpose(0, 1))
     return out
 
 
@@ -31,7 +33,7 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, batch: LoRA
     """Add buf[s] @ B[slot][offsets[s]:offsets[s + 1]].T into y's columns of slice s, for every
     token with an adapter; y [tokens, out] in place, b [slots, out, rank], buf from shrink."""
     for slot, rows in batch.groups:
-        for s in range(buf.size(0)):
-            lo, hi = offsets[s], offsets[s + 1]
-            y[rows, lo:hi] += buf[s, rows] @ b[slot, lo:hi].T
+        delta = torch.cat([buf[s, rows] @ b[slot, offsets[s]:offsets[s + 1]].T
+                           for s in range(buf.size(0))], dim=1)
+        y.index_add_(0, rows, delta.to(y.dtype))
     return y

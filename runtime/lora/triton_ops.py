@@ -59,7 +59,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Ten
     """As `runtime.lora.ops.lora_shrink`."""
     num_tokens, d_in = x.shape
     num_slices, rank = a.size(1), a.size(2)
-    out = x.new_zeros(num_slices, num_tokens, rank)
+    out = a.new_zeros(num_slices, num_tokens, rank)
     if num_tokens:
         _shrink_kernel[(num_tokens, num_slices)](
             x.contiguous(), a.contiguous(), batch.token_slots, out, num_tokens, d_in, rank,
