@@ -41,8 +41,8 @@ class EngineCore:
             raise ValueError(f"data_parallel_size {config.data_parallel_size} runs engine "
                              "replicas behind the server (runtime serve --data-parallel-size "
                              "N); one engine core, like the offline LLM, is one replica")
-        self.executor = build_executor(config, platform, source, model_config)
         self.source = source
+        self.executor = build_executor(config, platform, source, model_config)
         num_blocks = self.executor.determine_num_blocks()
         if num_blocks < 1:
             raise ValueError("the KV-cache budget holds no block: raise --kv-cache-memory")
@@ -61,10 +61,10 @@ class EngineCore:
         spec = config.speculative_config
         self.step_inputs = StepInputBuilder(self.kv, model_config.max_model_len,
                                             spec is not None and spec.method == "draft_model")
-
-    def _fit_max_model_len(self, cache_tokens: int) -> None:
         # made on the first request with structured_outputs (xgrammar takes seconds to import)
         self.structured = None
+
+    def _fit_max_model_len(self, cache_tokens: int) -> None:
         """Every request must fit the cache alone, or preemption could never make room for it."""
         mc = self.model_config
         if mc.max_model_len <= cache_tokens:
@@ -82,10 +82,10 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
-
         if self.structured is not None:
             self.structured.shutdown()
+        self.executor.shutdown()
+
     def add_request(self, request: Request) -> None:
         """Queue a request; one with structured_outputs first waits for its grammar."""
         if request.params.structured_outputs is None:
@@ -120,18 +120,18 @@ class EngineCore:
     def finish_request(self, request_id: str, status: RequestStatus,
                        stop_reason: int | str | None = None) -> None:
         """End a request early (a stop string matched, or the caller aborted it)."""
-        if self.scheduler.finish_request(request_id, status, stop_reason) is not None:
-            self.step_inputs.finished([request_id])
         if self.structured is not None:
             self.structured.drop(request_id)
+        if self.scheduler.finish_request(request_id, status, stop_reason) is not None:
+            self.step_inputs.finished([request_id])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.structured and self.structured.waiting)
 
     def step(self) -> list[CoreOutput]:
+        outputs = self._admit_compiled() if self.structured is not None else []
         sched = self.scheduler.schedule()
         self.step_inputs.preempted(sched.preempted)
-        outputs = self._admit_compiled() if self.structured is not None else []
         if sched.is_empty:
             if self.structured is not None and not outputs:
                 self.structured.wait(timeout=0.05)  # nothing runs until a grammar is ready

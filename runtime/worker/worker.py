@@ -44,6 +44,7 @@ class Worker:
         self.layout = ParallelLayout.of(config)
         self.init_method = init_method
         self.device = platform.device(local_rank)
+        platform.set_device(self.device)  # before anything touches the device (rank != GPU 0)
         self.hook = get_plugin_manager().hook
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
@@ -59,7 +60,10 @@ class Worker:
                          kv_cache_dtype=self.kv_cache_dtype,
                          head_size=mc.head_size, num_heads=mc.num_heads,
                          num_kv_heads=mc.num_kv_heads, sliding_window=mc.sliding_window,
-                         block_size=self.config.block_size)
+                         block_size=self.config.block_size,
+                         # Pipeline stages exchange hidden states inside the forward pass: they
+                         # run it eagerly.
+                         enforce_eager=self.config.enforce_eager or self.layout.pp_size > 1)
 
     def _build_context(self, backend: type, quant_config) -> BuildContext:
         layout, rank = self.layout, self.rank
@@ -94,19 +98,17 @@ class Worker:
                              f"got {self.source.path}")
         model = self.build_model(mc.choice.model_class, mc.hf_config, mc.dtype, ctx, self.source,
                                  raw_gguf)
-        # Pipeline stages exchange hidden states inside the forward pass: they run it eagerly.
-        eager = self.config.enforce_eager or self.layout.pp_size > 1
         graph_runner = self.hook.runtime_graph_runner(platform=self.platform, model=info,
-                                                      enforce_eager=eager)
+                                                      enforce_eager=info.enforce_eager)
         self.runner = ModelRunner(model, self.device, self.config.block_size, mc.vocab_size,
                                   graph_runner)
-        self.model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        itemsize = self.kv_cache_dtype.itemsize
         if self.config.enable_lora:
             from runtime.lora.manager import LoRAManager
             cfg = self.config
             self.runner.lora = LoRAManager(model, mc.hf_config, cfg.max_loras, cfg.max_lora_rank,
                                            cfg.max_cpu_loras, ctx.custom_op, self.device)
+        self.model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        itemsize = self.kv_cache_dtype.itemsize
         self.kv_bytes_per_block = sum(  # this rank's layers and KV heads only
             2 * self.config.block_size * m.num_kv_heads * m.head_size * itemsize
             for m in model.modules() if isinstance(m, Attention))
