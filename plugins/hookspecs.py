@@ -135,7 +135,7 @@ def runtime_custom_op(platform: Platform, name: str) -> Callable | None:
     - "gelu_tanh_and_mul": (x) -> gelu_tanh(x[..., :d]) * x[..., d:] (Gemma's MLP)
     - "lora_shrink": (x, a, batch) -> [slices, T, rank], and "lora_expand": (y, buf, b, batch,
       offsets) -> y with each token's LoRA delta added in place: the two halves of multi-LoRA,
-      per token slot (portable versions and `LoRABatch` in `runtime.lora.ops`)
+      per token slot (portable versions and `LoRABatch` in `runtime.plugins.lora_ops`)
 
     Each name is asked for on its own, so a plugin may replace one and keep the others. A
     composite op ("add_rms_norm") is taken only from an implementation asked no later than the

@@ -170,8 +170,8 @@ class CudaPlatform(Platform):
     def custom_op(self, name: str) -> Callable | None:
         """Multi-LoRA's lora_shrink / lora_expand as Triton kernels; the portable rest."""
         if name in ("lora_shrink", "lora_expand"):
-            from runtime.lora import triton_ops
-            return getattr(triton_ops, name)
+            from runtime.platforms.cuda import lora_triton
+            return getattr(lora_triton, name)
         return None
 
     def describe(self) -> dict[str, Any]:

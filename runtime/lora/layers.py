@@ -10,7 +10,7 @@ from torch import nn
 from runtime.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear)
 from runtime.lora.adapter import LoRAWeights
-from runtime.lora.ops import LoRABatch
+from runtime.plugins.lora_ops import LoRABatch
 
 
 class StepLoRA:

@@ -11,11 +11,10 @@ import torch
 from torch import nn
 
 from runtime.layers.linear import LinearBase
-from runtime.lora import ops
 from runtime.lora.adapter import TARGETS, LoRAAdapter, load_adapter
 from runtime.lora.layers import LoRALinear, StepLoRA
-from runtime.lora.ops import LoRABatch
 from runtime.lora.request import LoRARequest
+from runtime.plugins.lora_ops import LoRABatch, lora_expand, lora_shrink
 
 _LAYER_NAMES = {layer for layer, _ in TARGETS.values()}
 
@@ -30,8 +29,8 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras
         self.device = device
         self.step = StepLoRA()
-        shrink = custom_op("lora_shrink") or ops.lora_shrink
-        expand = custom_op("lora_expand") or ops.lora_expand
+        shrink = custom_op("lora_shrink") or lora_shrink
+        expand = custom_op("lora_expand") or lora_expand
         self.layers: dict[str, LoRALinear] = {}
         for name, module in list(model.named_modules()):
             if name.rpartition(".")[2] in _LAYER_NAMES and isinstance(module, LinearBase):

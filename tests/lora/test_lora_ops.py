@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.lora.ops import LoRABatch, lora_expand, lora_shrink
+from runtime.plugins.lora_ops import LoRABatch, lora_expand, lora_shrink
 
 
 def random_case(seed: int, num_slots: int, rank: int, d_in: int, sizes: list[int],
@@ -35,10 +35,10 @@ def test_each_token_gets_its_slots_delta():
 
 def test_triton_kernels_match_the_torch_reference():
     """Under TRITON_INTERPRET=1 on the CPU (tests/conftest.py sets it without a GPU)."""
-    from runtime.lora import triton_ops
+    from runtime.platforms.cuda import lora_triton
     x, y0, a, b, batch, offsets = random_case(1, 2, 8, 48, [32, 16, 16], [1, -1, 0, 1, 1, -1])
-    buf = triton_ops.lora_shrink(x, a, batch)
+    buf = lora_triton.lora_shrink(x, a, batch)
     torch.testing.assert_close(buf, lora_shrink(x, a, batch), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(triton_ops.lora_expand(y0.clone(), buf, b, batch, offsets),
+    torch.testing.assert_close(lora_triton.lora_expand(y0.clone(), buf, b, batch, offsets),
                                lora_expand(y0.clone(), buf, b, batch, offsets),
                                rtol=1e-4, atol=1e-4)

@@ -1,13 +1,13 @@
 """`lora_shrink` / `lora_expand` as Triton kernels (punica's BGMV: one program per token, which
 reads its own slot's matrices), for GPU platforms to answer the `runtime_custom_op` hook with.
-Tested on the CPU under TRITON_INTERPRET=1 against `runtime.lora.ops`."""
+Tested on the CPU under TRITON_INTERPRET=1 against `runtime.plugins.lora_ops`."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from runtime.lora.ops import LoRABatch
+from runtime.plugins.lora_ops import LoRABatch
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _expand_kernel(y_ptr, buf_ptr, b_ptr, slots_ptr, offsets_ptr, num_tokens, nu
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
-    """As `runtime.lora.ops.lora_shrink`."""
+    """As `runtime.plugins.lora_ops.lora_shrink`."""
     num_tokens, d_in = x.shape
     num_slices, rank = a.size(1), a.size(2)
     out = a.new_zeros(num_slices, num_tokens, rank)
@@ -69,7 +69,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Ten
 
 def lora_expand(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, batch: LoRABatch,
                 offsets: list[int]) -> torch.Tensor:
-    """As `runtime.lora.ops.lora_expand`; y must be contiguous (it is updated in place)."""
+    """As `runtime.plugins.lora_ops.lora_expand`; y must be contiguous (it is updated in place)."""
     num_tokens, d_out = y.shape
     rank = b.size(2)
     block_n = min(64, triton.next_power_of_2(d_out))
