@@ -115,6 +115,7 @@ def test_granite_matches_transformers(tiny_model_factory, example_plugin):
 def test_granite_needs_the_plugin(tiny_model_factory, monkeypatch):
     monkeypatch.setenv("RUNTIME_PLUGINS", "cpu")
     reset_plugin_manager()
+    # without the plugin only the transformers fallback could run it
     with pytest.raises(ValueError, match="GraniteForCausalLM.* is not supported"):
-        LLM(tiny_model_factory("GraniteForCausalLM", **GRANITE), **OPTIONS)
+        LLM(tiny_model_factory("GraniteForCausalLM", **GRANITE), model_impl="native", **OPTIONS)
     reset_plugin_manager()
