@@ -68,6 +68,11 @@ def test_user_mistakes_get_one_line_not_a_traceback(tiny_llama, tmp_path, capsys
         assert main(["generate", "x", *argv, *TINY_ARGS]) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1, (argv, err)
+    for text in ("model: [unclosed", "- a list"):
+        (tmp_path / "config.yaml").write_text(text)
+        assert main(["serve", "--config", str(tmp_path / "config.yaml")]) == 2, text
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, (text, err)
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--tokenizer", tiny_llama,
                  "--num-prompts", "1", "--input-len", "4", "--output-len", "2"]) == 2
     assert "error: cannot list the models of http://127.0.0.1:9" in capsys.readouterr().err
