@@ -3,6 +3,7 @@ the model's vocabulary."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import xgrammar as xgr
@@ -17,13 +18,10 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     """
     kind = params.kind
     try:
-        if kind == "json":
-            return xgr.Grammar.from_json_schema(
-                params.json if isinstance(params.json, str) else json.dumps(params.json),
-                any_whitespace=not params.disable_any_whitespace)
-        if kind == "json_object":
-            return xgr.Grammar.from_json_schema(
-                '{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
+        if kind in ("json", "json_object"):
+            schema = params.json if kind == "json" else {"type": "object"}
+            return json_schema_grammar(schema if isinstance(schema, str) else json.dumps(schema),
+                                       any_whitespace=not params.disable_any_whitespace)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":
@@ -34,6 +32,22 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     except (RuntimeError, ValueError, TypeError) as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"structured_outputs.{kind} is not a valid {kind}: {message}") from None
+
+
+# xgrammar (0.2.x, mlc-ai/xgrammar#800) writes one character of a string bounded by minLength or
+# maxLength (property values and propertyNames) as a rule of its own that admits the raw control
+# characters U+0000-U+001F, which RFC 8259 forbids in strings, and no escape at all.
+_BOUNDED_STRING_CHAR = re.compile(r'^(\w+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
+# One JSON character: an unescaped one other than a control, '"' or '\\', or an escape.
+_JSON_STRING_CHAR = (r'\1 ::= [^\\0-\\x1f\\"\\\\] | "\\\\" '
+                     r'([\\"\\\\/bfnrt] | "u" [A-Fa-f0-9]{4})')
+
+
+def json_schema_grammar(schema: str, any_whitespace: bool) -> xgr.Grammar:
+    """xgrammar's grammar of the JSON schema, its bounded-string characters made JSON's."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+    ebnf, fixed = _BOUNDED_STRING_CHAR.subn(_JSON_STRING_CHAR, str(grammar))
+    return xgr.Grammar.from_ebnf(ebnf) if fixed else grammar
 
 
 def choice_ebnf(choices: list[str]) -> str:

@@ -1,0 +1,65 @@
+"""The grammars built from JSON constraints admit valid JSON only: no raw control characters
+(U+0000-U+001F) inside strings, which RFC 8259 forbids and strict `json.loads` refuses."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import xgrammar as xgr
+from transformers import AutoTokenizer
+
+from runtime.structured_output import StructuredOutputsParams
+from runtime.structured_output.grammar import GrammarCompiler, build_grammar
+
+BOUNDED = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}},
+           "required": ["a"], "additionalProperties": False}
+CONSTRAINTS = [
+    {"json": BOUNDED},
+    {"json": {"type": "object", "properties": {"a": {"type": "string", "minLength": 1}},
+              "required": ["a"]}},
+    {"json": {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}},
+    {"json_object": True},
+]
+
+
+def accepts(params: StructuredOutputsParams, text: str) -> bool:
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(build_grammar(params))
+    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    return matcher.accept_string(text) and matcher.is_terminated()
+
+
+@pytest.mark.parametrize("kind", CONSTRAINTS, ids=lambda k: json.dumps(k)[:60])
+@pytest.mark.parametrize("whitespace", [False, True])
+@pytest.mark.parametrize("char", ["\x00", "\x10", "\x18", "\t", "\x1f"])
+def test_raw_control_characters_are_refused_in_strings(kind, whitespace, char):
+    params = StructuredOutputsParams(**kind, disable_any_whitespace=not whitespace)
+    escaped = json.dumps({"a": f"x{char}"}, separators=(",", ": "))
+    assert accepts(params, escaped)
+    assert not accepts(params, escaped.replace(json.dumps(char)[1:-1], char))
+
+
+def test_bounded_strings_take_escapes_as_one_character():
+    params = StructuredOutputsParams(json=BOUNDED, disable_any_whitespace=True)
+    for value in ['"a\\nb"', '"\\"\\\\/"', '"\\u00e9\\t"', '"abc"', '""']:
+        assert accepts(params, '{"a": ' + value + "}"), value
+    for value in ['"abcd"', '"a\\nbc"', '"\\x"', '"\\u00e"']:
+        assert not accepts(params, '{"a": ' + value + "}"), value
+
+
+def test_the_mask_refuses_a_token_holding_a_control_character(tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    control = [i for i in range(len(tokenizer)) if any(c < " " for c in tokenizer.decode([i]))]
+    printable = tokenizer.convert_tokens_to_ids("a")
+    assert control
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    matcher = xgr.GrammarMatcher(compiler.compile(
+        StructuredOutputsParams(json=BOUNDED, disable_any_whitespace=True)))
+    assert matcher.accept_string('{"a": "')
+    bitmask = xgr.allocate_token_bitmask(1, len(tokenizer))
+    matcher.fill_next_token_bitmask(bitmask)
+    logits = torch.zeros(1, len(tokenizer))
+    xgr.apply_token_bitmask_inplace(logits, bitmask)
+    allowed = logits[0] == 0
+    assert allowed[printable]
+    assert not allowed[control].any(), [tokenizer.decode([i]) for i in control if allowed[i]]
