@@ -21,15 +21,27 @@ PHI3_LAYER = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output
               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 
 
-def write_phi3_gguf(path: str, model: torch.nn.Module) -> None:
-    config = model.config
-    writer = gguf.GGUFWriter(path, "phi3")
+def add_decoder_shape(writer: gguf.GGUFWriter, config) -> None:
+    """The header fields every decoder architecture of llama.cpp carries."""
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_phi3_gguf(path: str, model: torch.nn.Module) -> None:
+    config = model.config
+    writer = gguf.GGUFWriter(path, "phi3")
+    add_decoder_shape(writer, config)
     writer.add_rope_freq_base(10000.0)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
@@ -41,10 +53,7 @@ def write_phi3_gguf(path: str, model: torch.nn.Module) -> None:
         gguf_module = TOP.get(module) or \
             f"blk.{module.split('.')[2]}.{PHI3_LAYER[module.split('.', 3)[3]]}"
         writer.add_tensor(f"{gguf_module}.{suffix}", tensor.numpy().astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def test_phi3_gguf_matches_transformers(tmp_path, monkeypatch):
@@ -70,12 +79,7 @@ def write_gemma_gguf(path: str, arch: str, model: torch.nn.Module) -> None:
     separate LM head (Gemma ties it)."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    add_decoder_shape(writer, config)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
@@ -93,10 +97,7 @@ def write_gemma_gguf(path: str, arch: str, model: torch.nn.Module) -> None:
         data = tensor.numpy().astype(np.float32)
         writer.add_tensor(f"{names.get_name(module)}.{suffix}",
                           data + 1 if name.endswith("norm.weight") else data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
