@@ -127,17 +127,29 @@ def add_tiny_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
     writer.add_chat_template("{% for m in messages %}<|end|>{{ m['role'] }}: {{ m['content'] }}{% endfor %}")
 
 
-def write_tiny_gguf(path: str, arch: str, config, rope_scaling: dict | None = None) -> dict[str, torch.Tensor]:
-    """Write a random transformers model as llama.cpp would; return the weights a reader must recover."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    writer = gguf.GGUFWriter(path, arch)
+def add_decoder_shape(writer: gguf.GGUFWriter, config) -> None:
+    """The header fields every decoder architecture of llama.cpp carries."""
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_tiny_gguf(path: str, arch: str, config, rope_scaling: dict | None = None) -> dict[str, torch.Tensor]:
+    """Write a random transformers model as llama.cpp would; return the weights a reader must recover."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    writer = gguf.GGUFWriter(path, arch)
+    add_decoder_shape(writer, config)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
@@ -169,10 +181,7 @@ def write_tiny_gguf(path: str, arch: str, config, rope_scaling: dict | None = No
             writer.add_tensor(gguf_name(name), gguf.quants.quantize(data, Q8_0), raw_dtype=Q8_0)
         else:
             writer.add_tensor(gguf_name(name), data.astype(np.float16 if qtype == F16 else np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return expected
 
 

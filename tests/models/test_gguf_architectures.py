@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from runtime import LLM, SamplingParams
-from tests.model_loader.test_gguf_loader import add_tiny_tokenizer
+from tests.model_loader.test_gguf_loader import add_decoder_shape, add_tiny_tokenizer, finish
 from tests.parity import assert_matches_hf, hf_greedy
 
 VOCAB = 128
@@ -19,23 +19,6 @@ TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head
 PHI3_LAYER = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
               "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-
-
-def add_decoder_shape(writer: gguf.GGUFWriter, config) -> None:
-    """The header fields every decoder architecture of llama.cpp carries."""
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-
-
-def finish(writer: gguf.GGUFWriter) -> None:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def write_phi3_gguf(path: str, model: torch.nn.Module) -> None:
