@@ -81,6 +81,8 @@ class EngineConfig:
     quantization: str | None = None  # a method in runtime.quantization.registry; None: the checkpoint's
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # MoE layers: whole experts split across the tensor-parallel group instead of a slice of each
+    enable_expert_parallel: bool = False
     data_parallel_size: int = 1  # engine-core replicas behind the server (AsyncLLM)
     distributed_executor_backend: str | None = None  # None: uniproc for one rank, else mp
     ray_address: str | None = None  # None: RAY_ADDRESS, else a new local Ray instance

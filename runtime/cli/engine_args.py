@@ -100,6 +100,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="ranks that split every layer (heads, MLP columns, vocabulary)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="ranks that each run a consecutive share of the layers")
+    g.add_argument("--enable-expert-parallel", "-ep", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="MoE layers: each tensor-parallel rank holds num_experts / tp whole "
+                        "experts instead of a slice of every expert")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas behind the server, each with tp x pp ranks")
     g.add_argument("--distributed-executor-backend", default=None,
@@ -123,8 +127,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
              "generation_config", "disable_log_stats", "quantization", "speculative_config",
              "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
              "tensor_parallel_size",
-             "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend",
-             "ray_address")
+             "pipeline_parallel_size", "enable_expert_parallel", "data_parallel_size",
+             "distributed_executor_backend", "ray_address")
     return {name: getattr(args, name) for name in names}
 
 

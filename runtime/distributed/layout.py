@@ -19,10 +19,18 @@ if TYPE_CHECKING:
 class ParallelLayout:
     tp_size: int = 1
     pp_size: int = 1
+    enable_expert_parallel: bool = False
 
     @classmethod
     def of(cls, config: EngineConfig) -> "ParallelLayout":
-        return cls(config.tensor_parallel_size, config.pipeline_parallel_size)
+        return cls(config.tensor_parallel_size, config.pipeline_parallel_size,
+                   config.enable_expert_parallel)
+
+    @property
+    def ep_size(self) -> int:
+        """The ranks MoE experts are split across: the tensor-parallel group, under expert
+        parallel."""
+        return self.tp_size if self.enable_expert_parallel else 1
 
     @property
     def world_size(self) -> int:
@@ -57,9 +65,22 @@ def check_model_fits(model_config: ModelConfig, layout: ParallelLayout) -> None:
     if kv_heads % tp and tp % kv_heads:
         raise ValueError(f"tensor_parallel_size {tp} must divide the model's {kv_heads} KV "
                          f"heads, or be a multiple of it (KV heads are then replicated)")
+    experts = num_experts(model_config.hf_config)
+    if experts and experts % layout.ep_size:
+        allowed = [n for n in range(1, experts + 1) if experts % n == 0 and heads % n == 0]
+        raise ValueError(f"expert parallel splits the model's {experts} experts across the "
+                         f"tensor_parallel_size {tp} ranks, which must divide them; allowed: "
+                         f"{allowed}")
     if pp > model_config.num_layers:
         raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's "
                          f"{model_config.num_layers} layers (each stage needs at least one)")
+
+
+def num_experts(hf_config) -> int:
+    """The routed experts of an MoE config (Mixtral's `num_local_experts`, Qwen's
+    `num_experts`); 0 for a dense model."""
+    text = hf_config.get_text_config()
+    return getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 0
 
 
 def layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:

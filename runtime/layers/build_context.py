@@ -18,6 +18,8 @@ class BuildContext:
     `custom_op(name)` asks `custom_op_provider` (a `runtime.layers.custom_ops.CustomOps`, which
     asks the `runtime_custom_op` hook) once per op name;
     `tp_rank`/`tp_size` and `tp_group` (a `runtime.plugins.interfaces.Communicator`) shard the layers;
+    `ep_size` > 1 (expert parallel: the tensor-parallel group's size) gives each rank whole MoE
+    experts instead of a slice of every expert;
     `pp` says which layers this pipeline stage builds and how it reaches its neighbours;
     `max_model_len` is the engine's (rotary caches cover it; None: the config's
     max_position_embeddings).
@@ -30,6 +32,7 @@ class BuildContext:
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: Any = None
+    ep_size: int = 1
     pp: PipelineStage = field(default_factory=PipelineStage)
     custom_op_provider: Callable[[str], Callable | None] | None = None
     max_model_len: int | None = None

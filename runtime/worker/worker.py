@@ -74,7 +74,7 @@ class Worker:
         return BuildContext(dtype=self.model_config.dtype, device=self.device,
                             attention_backend=backend, quant_config=quant_config,
                             tp_rank=layout.tp_rank(rank), tp_size=layout.tp_size,
-                            tp_group=tp_group,
+                            tp_group=tp_group, ep_size=layout.ep_size,
                             pp=PipelineStage(layout.pp_rank(rank), layout.pp_size, pp_group),
                             custom_op_provider=CustomOps(self.platform),
                             max_model_len=self.model_config.max_model_len)
