@@ -69,17 +69,18 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """Mixture of experts with a gated-silu MLP per expert: hidden [T, H]; w13 [E, 2I, H]
     (gate | up rows), w2 [E, H, I]; token t goes to experts topk_ids[t] [k] weighted by
     topk_weights[t] [k]. Returns [T, H] = sum_j w_j * down_e(silu(gate_e(x)) * up_e(x)).
+    An id of -1 is an expert this rank does not hold (expert parallel): it adds nothing.
 
     The (token, expert) pairs are grouped by expert with one sort, then each expert that has
     tokens runs one GEMM pair over its group; the weighted rows are summed back per token."""
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.flatten()
-    order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.size(0)).tolist()
+    counts = torch.bincount(flat_ids + 1, minlength=w13.size(0) + 1).tolist()
+    order = flat_ids.argsort(stable=True)[counts[0]:]  # the -1 pairs sort first
     rows = hidden[order // top_k]
     out = torch.empty_like(rows)
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(counts[1:]):
         if count:
             x = rows[start:start + count]
             out[start:start + count] = silu_and_mul(x @ w13[expert].t()) @ w2[expert].t()

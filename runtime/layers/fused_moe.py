@@ -3,8 +3,10 @@
 The experts' weights live stacked, `w13` [E, 2I, H] (gate | up) and `w2` [E, H, I], so the
 `fused_moe` op (`runtime.plugins.ops.fused_moe`, replaceable through `runtime_custom_op`) runs
 them all at once. Under tensor parallel each rank holds every expert's share of the
-intermediate dimension (columns of gate/up, rows of down) and the partial outputs are summed
-over the group, as the dense MLP does.
+intermediate dimension (columns of gate/up, rows of down); under expert parallel
+(`ctx.ep_size` > 1, vLLM's `enable_expert_parallel`) rank r holds whole experts
+[r * E / ep, (r + 1) * E / ep) and runs them for every token routed to them. Either way the
+partial outputs are summed over the tensor-parallel group, as the dense MLP does.
 """
 from __future__ import annotations
 
@@ -35,28 +37,47 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.tp_rank, self.tp_size, self.tp_group = ctx.tp_rank, ctx.tp_size, ctx.tp_group
-        self.shard = divide(intermediate_size, ctx.tp_size)
+        expert_map = None  # global expert id -> local id, -1 where another rank holds it
+        if ctx.ep_size > 1:
+            if num_experts % ctx.ep_size:
+                raise ValueError(f"{num_experts} experts are not divisible by the "
+                                 f"expert-parallel size {ctx.ep_size}")
+            local = num_experts // ctx.ep_size
+            self.first_expert, self.num_local_experts = ctx.tp_rank * local, local
+            self.shard = intermediate_size
+            expert_map = torch.full((num_experts,), -1, dtype=torch.long)
+            expert_map[self.first_expert:self.first_expert + local] = torch.arange(local)
+        else:
+            self.first_expert, self.num_local_experts = 0, num_experts
+            self.shard = divide(intermediate_size, ctx.tp_size)
+        self.register_buffer("expert_map", expert_map, persistent=False)
         self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * self.shard, hidden_size, dtype=ctx.dtype),
+            torch.empty(self.num_local_experts, 2 * self.shard, hidden_size, dtype=ctx.dtype),
             requires_grad=False)
         self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, self.shard, dtype=ctx.dtype),
+            torch.empty(self.num_local_experts, hidden_size, self.shard, dtype=ctx.dtype),
             requires_grad=False)
         self.op = ctx.custom_op("fused_moe") or fused_moe
 
     def load_expert(self, param: nn.Parameter, loaded: torch.Tensor, expert: int,
                     part: str) -> None:
         """One expert's checkpoint tensor: part "gate" or "up" ([I, H]) into w13, "down"
-        ([H, I]) into w2; this rank's slice of the intermediate dimension."""
-        lo = self.tp_rank * self.shard
+        ([H, I]) into w2; under expert parallel only this rank's experts, whole, else this
+        rank's slice of the intermediate dimension."""
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return
+        lo = 0 if self.expert_map is not None else self.tp_rank * self.shard
         if part == "down":
-            param.data[expert].copy_(loaded[:, lo:lo + self.shard])
+            param.data[local].copy_(loaded[:, lo:lo + self.shard])
         else:
             offset = 0 if part == "gate" else self.shard
-            param.data[expert, offset:offset + self.shard].copy_(loaded[lo:lo + self.shard])
+            param.data[local, offset:offset + self.shard].copy_(loaded[lo:lo + self.shard])
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.renormalize)
+        if self.expert_map is not None:
+            ids = self.expert_map[ids]
         out = self.op(hidden, self.w13_weight, self.w2_weight, weights, ids)
         if self.tp_size > 1:
             out = self.tp_group.all_reduce(out)
