@@ -168,10 +168,14 @@ class CudaPlatform(Platform):
         return cuda_quantization_kernel(method, params, self.capability)
 
     def custom_op(self, name: str) -> Callable | None:
-        """Multi-LoRA's lora_shrink / lora_expand as Triton kernels; the portable rest."""
+        """Multi-LoRA's lora_shrink / lora_expand and fused_moe as Triton kernels; the
+        portable rest."""
         if name in ("lora_shrink", "lora_expand"):
             from runtime.platforms.cuda import lora_triton
             return getattr(lora_triton, name)
+        if name == "fused_moe":
+            from runtime.platforms.cuda.fused_moe_triton import fused_moe
+            return fused_moe
         return None
 
     def describe(self) -> dict[str, Any]:

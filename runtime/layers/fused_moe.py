@@ -7,10 +7,17 @@ intermediate dimension (columns of gate/up, rows of down); under expert parallel
 (`ctx.ep_size` > 1, vLLM's `enable_expert_parallel`) rank r holds whole experts
 [r * E / ep, (r + 1) * E / ep) and runs them for every token routed to them. Either way the
 partial outputs are summed over the tensor-parallel group, as the dense MLP does.
+
+`RUNTIME_MOE_IMPL=naive` (read when the layer is built; default `fused`) swaps the op for
+`naive_moe`, a per-expert loop of three separate GEMMs in the style of transformers' eager
+MoE blocks: the unfused baseline of `docs/benchmarks.md`.
 """
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from runtime.layers.build_context import BuildContext
@@ -27,6 +34,31 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def naive_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """As `runtime.plugins.ops.fused_moe`, the unfused way: for each expert, find its tokens,
+    then gate, up and down as three GEMMs."""
+    out = torch.zeros_like(hidden)
+    inter = w2.size(2)
+    for expert in range(w13.size(0)):
+        token, slot = torch.where(topk_ids == expert)
+        if token.numel():
+            x = hidden[token]
+            gate, up = w13[expert, :inter], w13[expert, inter:]
+            y = (F.silu(x @ gate.t()) * (x @ up.t())) @ w2[expert].t()
+            out.index_add_(0, token, y * topk_weights[token, slot, None].to(y.dtype))
+    return out
+
+
+def moe_op(ctx: BuildContext):
+    """The experts' op: the platform's `fused_moe`, else the portable one; `naive_moe` under
+    RUNTIME_MOE_IMPL=naive."""
+    impl = os.environ.get("RUNTIME_MOE_IMPL", "fused")
+    if impl not in ("fused", "naive"):
+        raise ValueError(f"RUNTIME_MOE_IMPL must be 'fused' or 'naive', got {impl!r}")
+    return naive_moe if impl == "naive" else ctx.custom_op("fused_moe") or fused_moe
 
 
 class FusedMoE(nn.Module):
@@ -57,7 +89,7 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(
             torch.empty(self.num_local_experts, hidden_size, self.shard, dtype=ctx.dtype),
             requires_grad=False)
-        self.op = ctx.custom_op("fused_moe") or fused_moe
+        self.op = moe_op(ctx)
 
     def load_expert(self, param: nn.Parameter, loaded: torch.Tensor, expert: int,
                     part: str) -> None:

@@ -2,6 +2,9 @@
 # The device checks for a lent NVIDIA GPU, in the order that spends a short loan best:
 #   (1) the Triton kernel compiled for the GPU against the portable backend (bf16/fp16, block
 #       sizes 16/256, head sizes 64/128/256, MQA 32:1, sliding window)
+#  (1b) the Triton fused_moe compiled for the GPU against the portable op (fp32/bf16/fp16,
+#       Mixtral- and Qwen3-MoE-like widths), inside a CUDA graph, and a tiny Mixtral through the
+#       engine (graphs and eager) against transformers
 #   (2) CUDA graphs against eager against transformers, token for token
 #   (3) every usable attention backend against the portable one
 #   (4) FP8 w8a8 through torch._scaled_mm (sm89+)
@@ -91,6 +94,8 @@ export WORK GPU
 section 0 "preflight: device, plugins, model" 60 any bash -c preflight
 section 1 "Triton kernel compiled vs portable" 120 gpu \
     "${PYTEST[@]}" tests/device/test_triton_gpu.py tests/platforms/test_triton_paged.py
+section 1b "Triton fused_moe vs portable, tiny Mixtral" 90 gpu \
+    "${PYTEST[@]}" tests/device/test_moe_gpu.py
 section 2 "CUDA graphs vs eager vs transformers" 60 gpu \
     "${PYTEST[@]}" tests/device/test_cuda.py::test_graphs_eager_and_transformers_agree
 section 3 "every usable backend vs portable" 60 gpu \
