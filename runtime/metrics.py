@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import time
+from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 
 from runtime.engine.core_proc import CoreStats
 from runtime.outputs import RequestMetrics
 from runtime.spec_decode.stats import SpecDecodeStats
+from runtime.structured_output.stats import COMPILE_SECONDS_BUCKETS, empty_counts
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
                    160.0)
@@ -69,11 +72,13 @@ class Metrics:
             "Tokens a speculative step emits per request: accepted proposals + 1.")
         self.grammar_compiles = counter("runtime:structured_output_grammar_compiles",
                                         "Grammars compiled for structured outputs.")
-        self.grammar_compile_seconds = counter(
-            "runtime:structured_output_grammar_compile_seconds",
-            "Time spent compiling grammars (in the engine core's thread pool).")
+        self.grammar_compile_seconds = GrammarCompileTimes(model_name)
+        self.registry.register(self.grammar_compile_seconds)
         self.grammar_cache_hits = counter("runtime:structured_output_grammar_cache_hits",
                                           "Constrained requests whose grammar was cached.")
+        self.grammar_cache_misses = counter(
+            "runtime:structured_output_grammar_cache_misses",
+            "Constrained requests whose grammar was not cached (and so was compiled).")
         self.grammar_cache_hit_rate = gauge(
             "runtime:structured_output_grammar_cache_hit_rate",
             "Share of constrained requests whose grammar was cached.")
@@ -97,10 +102,11 @@ class Metrics:
         self.spec_acceptance_rate.set(spec.acceptance_rate)
         self.spec_mean_accepted_length.set(spec.mean_accepted_length)
         self.grammar_compiles.inc(max(0, stats.num_grammar_compiles - last.num_grammar_compiles))
-        self.grammar_compile_seconds.inc(max(0.0, stats.grammar_compile_seconds
-                                             - last.grammar_compile_seconds))
+        self.grammar_compile_seconds.add(stats, last)
         self.grammar_cache_hits.inc(max(0, stats.num_grammar_cache_hits
                                         - last.num_grammar_cache_hits))
+        self.grammar_cache_misses.inc(max(0, stats.num_grammar_cache_misses
+                                          - last.num_grammar_cache_misses))
         looked_up = stats.num_grammar_compiles + stats.num_grammar_cache_hits
         if looked_up:
             self.grammar_cache_hit_rate.set(stats.num_grammar_cache_hits / looked_up)
@@ -131,3 +137,30 @@ class Metrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+class GrammarCompileTimes:
+    """The histogram runtime:structured_output_grammar_compile_seconds, from the engine cores'
+    per-bucket compile counts (cumulative, so a restarted core adds only what is new)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.counts = empty_counts()
+        self.seconds = 0.0
+
+    def add(self, stats: CoreStats, last: CoreStats) -> None:
+        before = last.grammar_compile_counts or empty_counts()
+        for i, (now, then) in enumerate(zip(stats.grammar_compile_counts, before)):
+            self.counts[i] += max(0, now - then)
+        self.seconds += max(0.0, stats.grammar_compile_seconds - last.grammar_compile_seconds)
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        family = HistogramMetricFamily(
+            "runtime:structured_output_grammar_compile_seconds",
+            "Time to compile a grammar (in the engine core's thread pool).",
+            labels=["model_name"])
+        cumulative = list(accumulate(self.counts))
+        family.add_metric([self.model_name],
+                          [(str(le), n) for le, n in zip(COMPILE_SECONDS_BUCKETS, cumulative)]
+                          + [("+Inf", cumulative[-1])], sum_value=self.seconds)
+        return [family]

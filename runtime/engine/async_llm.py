@@ -316,7 +316,10 @@ class AsyncLLM:
                          sum(s.num_spec_accepted_tokens for s in live),
                          sum(s.num_grammar_compiles for s in live),
                          sum(s.grammar_compile_seconds for s in live),
-                         sum(s.num_grammar_cache_hits for s in live))
+                         sum(s.num_grammar_cache_hits for s in live),
+                         sum(s.num_grammar_cache_misses for s in live),
+                         [sum(c) for c in zip(*(s.grammar_compile_counts for s in live
+                                                if s.grammar_compile_counts))])
 
     def _on_core_exit(self, replica: int) -> None:
         client = self.replicas[replica]

@@ -63,6 +63,8 @@ class EngineCore:
                                             spec is not None and spec.method == "draft_model")
         # made on the first request with structured_outputs (xgrammar takes seconds to import)
         self.structured = None
+        # the requests the last step ended with an error (finish_reason "abort"), with it
+        self.failed: list[tuple[Request, str]] = []
 
     def _fit_max_model_len(self, cache_tokens: int) -> None:
         """Every request must fit the cache alone, or preemption could never make room for it."""
@@ -114,8 +116,10 @@ class EngineCore:
             logger.error("request %s: its grammar failed to compile: %s", request.request_id,
                          error)
             request.status = RequestStatus.FINISHED_ABORTED
-        return [CoreOutput(r.request_id, [], finish_reason=r.status.finish_reason)
-                for r, _ in failed]
+            request.stop_reason = f"its grammar failed to compile: {error}"
+            self.failed.append((request, request.stop_reason))
+        return [CoreOutput(r.request_id, [], finish_reason=r.status.finish_reason,
+                           stop_reason=r.stop_reason) for r, _ in failed]
 
     def finish_request(self, request_id: str, status: RequestStatus,
                        stop_reason: int | str | None = None) -> None:
@@ -129,6 +133,7 @@ class EngineCore:
         return self.scheduler.has_unfinished() or bool(self.structured and self.structured.waiting)
 
     def step(self) -> list[CoreOutput]:
+        self.failed.clear()
         outputs = self._admit_compiled() if self.structured is not None else []
         sched = self.scheduler.schedule()
         self.step_inputs.preempted(sched.preempted)
@@ -141,15 +146,24 @@ class EngineCore:
             step_input.grammar_bitmask, step_input.grammar_rows = \
                 self.structured.bitmask(sched.scheduled)
         result = self.executor.execute(step_input)
+        refused = {} if self.structured is None else \
+            self.structured.accept(sched.scheduled, result.sampled)
         finished = self.scheduler.update(sched, result.sampled, result.draft_token_ids)
+        for request_id, error in refused.items():
+            logger.error("request %s: %s", request_id, error)
+            request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED,
+                                                    error)
+            if request is not None:
+                finished.append(request)
+                self.failed.append((request, error))
         self.step_inputs.finished(r.request_id for r in finished)
         if self.structured is not None:
             for r, _ in sched.scheduled:
-                self.structured.advance(r, result.sampled.get(r.request_id, []))
+                self.structured.advance(r)
         for r, _ in sched.scheduled:
             new = result.sampled.get(r.request_id, [])
             plp = result.prompt_logprobs.get(r.request_id)
-            if not new and plp is None:
+            if not new and plp is None and r.request_id not in refused:
                 continue
             outputs.append(CoreOutput(
                 request_id=r.request_id, new_token_ids=new,

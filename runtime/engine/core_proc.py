@@ -90,10 +90,13 @@ class CoreStats(msgspec.Struct, array_like=True):
     num_spec_drafts: int = 0
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
-    # structured outputs, cumulative: grammars compiled, their compile time, cache hits
+    # structured outputs, cumulative: grammars compiled, their compile time, cache hits and
+    # misses, compiles per bucket of runtime.structured_output.stats (empty: none yet)
     num_grammar_compiles: int = 0
     grammar_compile_seconds: float = 0.0
     num_grammar_cache_hits: int = 0
+    num_grammar_cache_misses: int = 0
+    grammar_compile_counts: list[int] = []
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
@@ -188,6 +191,8 @@ class CoreLoop:
             except Exception as e:
                 self._fail_running(e)
                 outputs, changed = [], True
+            if self.core.failed:
+                outputs = self._fail_requests(outputs)
             if outputs or changed:
                 self.outbox.send(self.encoder.encode(Outputs(outputs, self._stats())))
 
@@ -201,6 +206,15 @@ class CoreLoop:
         for r in running:
             self.core.finish_request(r.request_id, RequestStatus.FINISHED_ABORTED)
         self._report({r.parent_id for r in running}, error)
+
+    def _fail_requests(self, outputs: list[CoreOutput]) -> list[CoreOutput]:
+        """The requests the step ended with an error fail on the API side; their final outputs
+        are left out."""
+        failed, self.core.failed = self.core.failed, []
+        for r, error in failed:
+            self._report({r.parent_id}, ValueError(error))
+        ids = {r.request_id for r, _ in failed}
+        return [o for o in outputs if o.request_id not in ids]
 
     def _report(self, request_ids: set[str], error: Exception) -> None:
         self.outbox.send(self.encoder.encode(
@@ -240,4 +254,5 @@ class CoreLoop:
                          kv.usage(), kv.hit_rate(), scheduler.num_preemptions,
                          spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
                          *((grammars.num_compiles, grammars.compile_seconds,
-                            grammars.num_cache_hits) if grammars else ()))
+                            grammars.num_cache_hits, grammars.num_cache_misses,
+                            list(grammars.compile_counts)) if grammars else ()))

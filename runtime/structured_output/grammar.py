@@ -6,6 +6,7 @@ import json
 import re
 from typing import Any
 
+import numpy as np
 import xgrammar as xgr
 
 from runtime.structured_output.params import StructuredOutputsParams
@@ -64,6 +65,12 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=stop_token_ids)
         self.vocab_size = vocab_size
+        self.stop_token_ids = frozenset(stop_token_ids)
+        stop = np.zeros(vocab_size, dtype=np.uint8)
+        stop[[t for t in stop_token_ids if t < vocab_size]] = 1
+        # the bitmask row of a complete grammar: stop tokens only (bit t of word t // 32)
+        self.stop_bitmask = np.packbits(np.pad(stop, (0, -vocab_size % 32)),
+                                        bitorder="little").view(np.int32)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:

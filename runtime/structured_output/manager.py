@@ -6,12 +6,13 @@ never holds the batch. Each sequence (each sample of an n > 1 request) gets its 
 advanced with the tokens the sequence accepts; matchers live in the core with the tokens, so a
 preempted request resumes with its matcher as it was. Speculative proposals are cut to the
 prefix the matcher accepts before they are scheduled, so each proposal row's mask is the
-matcher's state after the proposals before it.
+matcher's state after the proposals before it. A sampled token the matcher refuses (the
+request's other controls left no token its grammar allows) is never accepted: the request ends
+there with an error.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -19,15 +20,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 import xgrammar as xgr
 
 from runtime.structured_output.grammar import GrammarCompiler
+from runtime.structured_output.stats import add_compile_time, empty_counts
 
 if TYPE_CHECKING:
     from runtime.request import Request
-
-logger = logging.getLogger(__name__)
-
 
 class StructuredOutputManager:
     """`make_compiler` builds the vocabulary's compiler; it is called once, on the first
@@ -42,9 +42,12 @@ class StructuredOutputManager:
         self._grammars: dict[tuple, Future] = {}  # compiled grammars, by kind and text
         self.waiting: dict[str, tuple[Request, Future]] = {}  # in arrival order
         self.matchers: dict[str, xgr.GrammarMatcher] = {}
+        # cumulative, for /metrics
         self.num_compiles = 0
         self.num_cache_hits = 0
+        self.num_cache_misses = 0
         self.compile_seconds = 0.0
+        self.compile_counts = empty_counts()  # compiles per COMPILE_SECONDS_BUCKETS bucket
 
     def add_request(self, request: Request) -> None:
         """Start compiling the request's grammar (or reuse it); the request waits here."""
@@ -55,6 +58,7 @@ class StructuredOutputManager:
                 self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="grammar")
             future = self._pool.submit(self._compile, request.params.structured_outputs)
             self._grammars[key] = future
+            self.num_cache_misses += 1
         else:
             self.num_cache_hits += 1
         self.waiting[request.request_id] = (request, future)
@@ -65,9 +69,11 @@ class StructuredOutputManager:
                 self._compiler = self._make_compiler()
         start = time.perf_counter()
         compiled = self._compiler.compile(params)
+        seconds = time.perf_counter() - start
         with self._compiler_lock:
-            self.compile_seconds += time.perf_counter() - start
+            self.compile_seconds += seconds
             self.num_compiles += 1
+            add_compile_time(self.compile_counts, seconds)
         return compiled
 
     def take_ready(self) -> tuple[list[Request], list[tuple[Request, BaseException]]]:
@@ -100,7 +106,9 @@ class StructuredOutputManager:
                                                                       dict[str, int]]:
         """The allowed tokens of every constrained row this step samples: int32 [rows,
         ceil(vocab / 32)], bit t of a row set when token t is allowed, and each request's first
-        row. A request verifying k proposals has k + 1 rows: row j follows proposal j - 1."""
+        row. A request verifying k proposals has k + 1 rows: row j follows proposal j - 1. A
+        complete grammar (its stop token taken, the request going on: ignore_eos) allows only
+        stop tokens."""
         rows: dict[str, int] = {}
         num_rows = 0
         for r, n in scheduled:
@@ -115,6 +123,9 @@ class StructuredOutputManager:
             if r.request_id not in rows:
                 continue
             matcher, row = self.matchers[r.request_id], rows[r.request_id]
+            if matcher.is_terminated():
+                bitmask[row] = torch.from_numpy(self._compiler.stop_bitmask)
+                continue
             for j, token_id in enumerate(r.spec_token_ids):
                 matcher.fill_next_token_bitmask(bitmask, row + j)
                 matcher.accept_token(token_id)
@@ -123,19 +134,39 @@ class StructuredOutputManager:
                 matcher.rollback(len(r.spec_token_ids))
         return bitmask.numpy(), rows
 
-    def advance(self, request: Request, token_ids: list[int]) -> None:
-        """Feed the matcher the tokens the request accepted this step; drop it when the request
-        finished; cut the request's next proposals to the prefix the grammar allows."""
+    def accept(self, scheduled: list[tuple[Request, int]],
+               sampled: dict[str, list[int]]) -> dict[str, str]:
+        """Feed each constrained request's matcher the tokens it sampled this step. A token the
+        grammar refuses, and all after it, are cut from `sampled`; returns those requests, each
+        with why it must end."""
+        refused = {}
+        stop = self._compiler.stop_token_ids if self._compiler is not None else ()
+        for r, _ in scheduled:
+            matcher = self.matchers.get(r.request_id)
+            tokens = sampled.get(r.request_id)
+            if matcher is None or not tokens:
+                continue
+            for i, token_id in enumerate(tokens):
+                if matcher.is_terminated() and token_id in stop:
+                    continue  # the grammar is complete: only stop tokens can follow
+                if matcher.is_terminated() or not matcher.accept_token(token_id):
+                    refused[r.request_id] = (
+                        f"token {token_id} breaks the request's structured_outputs grammar: "
+                        "no token the grammar allows was left by the other sampling controls "
+                        "(allowed_token_ids, bad_words, logit_bias, min_tokens)")
+                    sampled[r.request_id] = tokens[:i]
+                    break
+        return refused
+
+    def advance(self, request: Request) -> None:
+        """After the step's tokens are in: drop the request's matcher if it finished, else cut
+        its next proposals to the prefix the grammar allows."""
         matcher = self.matchers.get(request.request_id)
         if matcher is None:
             return
         if request.is_finished:
             self.drop(request.request_id)
             return
-        for token_id in token_ids:
-            if not matcher.accept_token(token_id):
-                logger.error("request %s: token %d does not follow its grammar",
-                             request.request_id, token_id)
         num_valid = 0
         for token_id in request.spec_token_ids:
             if matcher.is_terminated() or not matcher.accept_token(token_id):

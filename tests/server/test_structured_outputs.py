@@ -59,6 +59,20 @@ def test_logit_bias_allowed_token_ids_and_bad_words(client, tiny_tokenizer):
     assert banned.choices[0].text.strip() != word
 
 
+def test_a_grammar_left_no_token_is_an_error_not_garbage(client, tiny_tokenizer):
+    """allowed_token_ids leave nothing the regex allows: the request fails with the reason (no
+    200 with tokens the grammar refuses), streamed or not, and the next request is served."""
+    letter = tiny_tokenizer.encode("a", add_special_tokens=False)[0]
+    extra = {"guided_regex": "[0-9]+", "allowed_token_ids": [letter]}
+    with pytest.raises(openai.InternalServerError, match="structured_outputs grammar"):
+        chat(client, **extra)
+    with pytest.raises(openai.APIError, match="structured_outputs grammar"):
+        for _ in client.completions.create(model="tiny", prompt="x", max_tokens=5, stream=True,
+                                           extra_body=extra):
+            pass
+    assert chat(client, guided_choice=["yes", "no"]).choices[0].message.content in ("yes", "no")
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ({"guided_regex": "(open"}, "guided_regex"),
@@ -99,14 +113,18 @@ def test_parse_returns_the_pydantic_model(smollm2_server):
 
 
 def test_grammar_compiles_and_cache_hits_on_metrics(client, tiny_server):
-    before = (tiny_server.metric("runtime:structured_output_grammar_compiles_total"),
-              tiny_server.metric("runtime:structured_output_grammar_cache_hits_total"))
-    for _ in range(2):  # the second request finds the grammar compiled
-        chat(client, guided_regex=r"metrics-[0-9]")
+    """Compile times are a histogram; a grammar's first request misses the cache, the next
+    hits it."""
+    names = ["compiles_total", "cache_hits_total", "cache_misses_total", "compile_seconds_count"]
 
     def counts():
-        return (tiny_server.metric("runtime:structured_output_grammar_compiles_total"),
-                tiny_server.metric("runtime:structured_output_grammar_cache_hits_total"))
-    assert wait_for(lambda: counts() == (before[0] + 1, before[1] + 1), 10), (before, counts())
-    assert tiny_server.metric("runtime:structured_output_grammar_compile_seconds_total") > 0
+        return [tiny_server.metric(f"runtime:structured_output_grammar_{n}") for n in names]
+    before = counts()
+    for _ in range(2):  # the second request finds the grammar compiled
+        chat(client, guided_regex=r"metrics-[0-9]")
+    assert wait_for(lambda: [a - b for a, b in zip(counts(), before)] == [1, 1, 1, 1], 10), \
+        (before, counts())
+    assert tiny_server.metric("runtime:structured_output_grammar_compile_seconds_sum") > 0
+    assert tiny_server.metric("runtime:structured_output_grammar_compile_seconds_bucket",
+                              le="+Inf") == counts()[3]
     assert 0 < tiny_server.metric("runtime:structured_output_grammar_cache_hit_rate") < 1

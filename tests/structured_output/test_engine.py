@@ -63,9 +63,12 @@ def generated_schemas() -> list[dict]:
 
 
 def constrained(temperature: float = 1.0, max_tokens: int = 300, seed: int | None = 0,
-                **kind) -> SamplingParams:
+                **fields) -> SamplingParams:
+    """Sampling params with the structured_outputs of `fields`; SamplingParams takes the rest."""
+    kind = {k: fields.pop(k) for k in list(fields)
+            if k in StructuredOutputsParams.__dataclass_fields__}
     return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
-                          structured_outputs=StructuredOutputsParams(**kind))
+                          structured_outputs=StructuredOutputsParams(**kind), **fields)
 
 
 def check_json(outputs, schemas_: list[dict]) -> None:
@@ -156,3 +159,33 @@ def test_preempted_requests_resume_with_their_matcher(tiny_model_factory, genera
     roomy = LLM(tiny_model_factory(), dtype="float32", kv_cache_memory="16MiB")
     assert [o.outputs[0].text for o in outs] == \
         [o.outputs[0].text for o in roomy.generate(prompts, params)]
+
+
+def test_a_grammar_left_no_token_ends_only_that_request(llm):
+    """allowed_token_ids, bad_words or min_tokens can leave no token the grammar allows: that
+    request ends with finish_reason "abort" and the reason, holding no token its grammar
+    refuses; the others in the batch are untouched."""
+    tokenizer = llm.engine.tokenizer
+    letter = tokenizer.convert_tokens_to_ids("a")
+    digits = [tokenizer.convert_tokens_to_ids(d) for d in "0123456789"]
+    dead_ends = [
+        constrained(regex=r"[0-9]+", allowed_token_ids=[letter]),
+        constrained(choice=["7"], bad_words=["7"]),
+        constrained(choice=["7"], min_tokens=4),  # after "7" only its stop token is allowed
+    ]
+    good = [constrained(regex=r, seed=i) for i, r in enumerate(REGEXES)]
+    outs = [o.outputs[0] for o in llm.generate(["Go:"] * 7, dead_ends + good)]
+    for out in outs[:3]:
+        assert out.finish_reason == "abort", out
+        assert "breaks the request's structured_outputs grammar" in out.stop_reason, out
+    assert outs[0].token_ids == [] and outs[1].token_ids == []
+    assert outs[2].token_ids == [digits[7]]
+    for regex, out in zip(REGEXES, outs[3:]):
+        assert out.finish_reason == "stop" and re.fullmatch(regex, out.text), (regex, out)
+
+
+def test_a_complete_grammar_allows_only_its_stop_token_under_ignore_eos(llm):
+    out = llm.generate(["Go:"], constrained(choice=["yes"], ignore_eos=True, max_tokens=5))
+    sample = out[0].outputs[0]
+    assert sample.finish_reason == "length" and sample.text == "yes", sample
+    assert sample.token_ids[-3:] == [llm.engine.tokenizer.eos_token_id] * 3
