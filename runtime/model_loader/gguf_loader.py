@@ -1,9 +1,9 @@
 """Read GGUF checkpoints (llama.cpp's format) as Hugging Face configs, tokenizers and weights.
 
 Weights come out under the parameter names and in the layouts of the transformers model,
-dequantized: GGUF stores dimensions innermost-first, renames every tensor, and for the
-llama architecture stores q/k rows in the interleaved order of llama.cpp's rotary; each
-of those is undone here.
+dequantized: GGUF stores dimensions innermost-first, renames every tensor, stacks the experts
+of a MoE layer into one tensor per projection, and for the llama architecture stores q/k rows
+in the interleaved order of llama.cpp's rotary; each of those is undone here.
 
 Only a file's first load parses it: the completed config, the tokenizer and an index of
 where each tensor lies are cached (runtime/model_loader/gguf_cache.py), and weights are
@@ -32,13 +32,23 @@ from runtime.model_loader.gguf_cache import cached_part
 from runtime.model_loader.gguf_header import gguf_architecture
 from runtime.progress import progress_bar
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe",
+                           "qwen3moe")
 # GGUF files carry no `architectures` list; the engine's model registry needs one.
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                      "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                     "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                     "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                     "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 # llama.cpp stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the weight alone).
 _NORM_PLUS_ONE = ("gemma2", "gemma3")
+
+# MoE architectures -> norm_topk_prob: llama.cpp's graphs renormalise the top-k router weights
+# of qwen3moe and never those of qwen2moe, whatever the original config said (the file does not
+# say).
+_MOE_NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True}
+# Stacked expert tensors ([experts, out, in]) come out one expert at a time, as
+# `...experts.{j}.gate_proj.weight`, the per-expert names of Hugging Face checkpoints.
+_EXPERTS = ".mlp.experts."
 
 # Tensors that hold settings rather than parameters (read into the config).
 _SETTINGS_TENSORS = ("rope_freqs.weight",)
@@ -93,6 +103,10 @@ def iterate_gguf_weights(
         start = entry["offset"]
         raw = data[start:start + stored.itemsize * math.prod(entry["data_shape"])]
         raw = raw.view(stored).reshape(entry["data_shape"])
+        if _EXPERTS in entry["name"]:
+            yield from _split_experts(entry["name"], _dequantize(raw, gguf.GGMLQuantizationType(
+                entry["type"])).reshape(entry["shape"]), dtype)
+            continue
         if raw_linear and entry["name"].endswith(_LINEAR_WEIGHTS) and \
                 getattr(gguf.quants, gguf.GGMLQuantizationType(entry["type"]).name, None):
             yield entry["name"], _raw_weight(raw, entry, index["architecture"], hf_config)
@@ -106,6 +120,15 @@ def iterate_gguf_weights(
             weight = weight - 1
         # The file is memory-mapped read-only; torch wants memory it may write.
         yield entry["name"], torch.from_numpy(np.require(weight, requirements=["C", "W"])).to(dtype)
+
+
+def _split_experts(name: str, stacked: np.ndarray, dtype: torch.dtype
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`...experts.gate_proj.weight` [E, out, in] -> E tensors `...experts.{j}.gate_proj.weight`."""
+    head, _, tail = name.partition(_EXPERTS)
+    experts = torch.from_numpy(np.require(stacked, requirements=["C", "W"])).to(dtype)
+    for j, weight in enumerate(experts):
+        yield f"{head}{_EXPERTS}{j}.{tail}", weight
 
 
 def _raw_weight(raw: np.ndarray, entry: dict, arch: str, hf_config: PretrainedConfig):
@@ -135,6 +158,8 @@ def _build_model(path: str, folder: str) -> None:
     if arch == "llama":
         # transformers leaves attention_bias at False even when the file has the biases.
         config.attention_bias = any(t.name == "blk.0.attn_q.bias" for t in reader.tensors)
+    if arch in _MOE_NORM_TOPK_PROB:
+        _complete_moe_config(reader, arch, config)
     scaling = _rope_scaling(reader, config)
     if scaling:
         if getattr(config, "rope_parameters", None) is not None:  # transformers >= 5
@@ -151,13 +176,32 @@ def _build_model(path: str, folder: str) -> None:
         if tensor.name not in hf_names:
             model = type(config).__name__
             raise ValueError(f"GGUF tensor {tensor.name!r} ({arch}) matches no parameter of {model}")
+        shape = [int(d) for d in reversed(tensor.shape)]
+        if tensor.name.endswith(".ffn_gate_inp_shexp.weight") and len(shape) == 1:
+            shape = [1, *shape]  # older converters squeezed the [1, hidden] shared-expert gate
         tensors.append({
             "name": hf_names[tensor.name], "gguf_name": tensor.name, "type": int(tensor.tensor_type),
             "offset": int(tensor.data_offset), "dtype": tensor.data.dtype.str,
-            "data_shape": list(tensor.data.shape), "shape": [int(d) for d in reversed(tensor.shape)],
+            "data_shape": list(tensor.data.shape), "shape": shape,
         })
     with open(os.path.join(folder, _TENSOR_INDEX), "w") as f:
         json.dump({"architecture": arch, "tensors": tensors}, f, indent=1)
+
+
+def _complete_moe_config(reader: gguf.GGUFReader, arch: str, config: PretrainedConfig) -> None:
+    """The expert sizes transformers' GGUF config leaves at their defaults, with llama.cpp's
+    fallbacks when a key is absent (an expert of n_ff / n_expert_used, a shared expert of n_ff),
+    and the router's renormalisation as llama.cpp runs it."""
+    def field(key: str, default):
+        value = reader.fields.get(key.format(arch=arch))
+        return default if value is None else value.contents()
+
+    config.moe_intermediate_size = field(gguf.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
+                                         config.intermediate_size // config.num_experts_per_tok)
+    if arch == "qwen2moe":
+        config.shared_expert_intermediate_size = field(
+            gguf.Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, config.intermediate_size)
+    config.norm_topk_prob = _MOE_NORM_TOPK_PROB[arch]
 
 
 def _build_tokenizer(path: str, folder: str) -> None:
@@ -212,6 +256,11 @@ def _hf_names(hf_config: PretrainedConfig, arch: str) -> dict[str, str]:
         gguf_name = name_map.get_name(module)
         if gguf_name is not None:
             names[f"{gguf_name}.{suffix}"] = hf_name
+    if arch in _MOE_NORM_TOPK_PROB:  # the stacked experts, whatever transformers' own layout
+        for layer in range(hf_config.num_hidden_layers):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                stacked = f"model.layers.{layer}{_EXPERTS}{proj}"
+                names[f"{name_map.get_name(stacked)}.weight"] = f"{stacked}.weight"
     return names
 
 
