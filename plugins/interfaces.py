@@ -62,8 +62,13 @@ class Platform(ABC):
         """Facts shown by `runtime plugins` (device name, memory, ISA features …)."""
         return {}
 
-    def set_num_threads(self, num_threads: int | None) -> None:
-        """Apply the user's thread count, where the device has host threads to set."""
+    def set_threads(self, num_threads: int | None, host_rank: int, host_ranks: int) -> None:
+        """Share out and bind the host's threads for one rank.
+
+        Called once in the process that runs rank `host_rank` of the `host_ranks` ranks on
+        this host (the engine's own process for a single rank, else each worker process),
+        before its model loads. `num_threads` is the user's `--num-threads` (None: the
+        platform decides). The default does nothing (a device with no host threads to set)."""
 
     def set_memory_utilization(self, fraction: float | None) -> None:
         """Apply `--gpu-memory-utilization`: the share of device memory the engine may take in all

@@ -84,6 +84,10 @@ class EngineConfig:
     # MoE layers: whole experts split across the tensor-parallel group instead of a slice of each
     enable_expert_parallel: bool = False
     data_parallel_size: int = 1  # engine-core replicas behind the server (AsyncLLM)
+    # set by the server for each replica: which of the data_parallel_size_local replicas on this
+    # host a core is (the host's cores are shared out between all their ranks)
+    data_parallel_rank: int = 0
+    data_parallel_size_local: int = 1
     distributed_executor_backend: str | None = None  # None: uniproc for one rank, else mp
     ray_address: str | None = None  # None: RAY_ADDRESS, else a new local Ray instance
     # speculative decoding: a SpeculativeConfig, or its dict / JSON text; None: off

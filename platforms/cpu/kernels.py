@@ -28,13 +28,17 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "threads.cpp"]
 HEADERS = [CSRC / "simd.h"]
 LIBRARY = "runtime_cpu_kernels"
 # The host's own ISA; on x86 GCC would otherwise keep znver/AVX2 code at 128-bit vectors.
 X86 = platform.machine() in ("x86_64", "AMD64")
+# -fopenmp: at::parallel_for is a `#pragma omp parallel` in ATen's headers, so without it every
+# kernel runs on one thread. The library then needs libgomp.so.1, which resolves to the copy
+# torch has already loaded: one OpenMP runtime, one thread pool, torch's thread count.
 CFLAGS = (["-O3", "-march=native", "-mprefer-vector-width=256"] if X86
-          else ["-O3", "-mcpu=native"]) + ["-fopenmp-simd"]
+          else ["-O3", "-mcpu=native"]) + ["-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 DISABLE_ENV = "RUNTIME_CPU_KERNELS"  # "0" turns the native kernels off
 
 
@@ -86,7 +90,8 @@ def build_once(folder: Path, name: str, sources: list[Path],
         staging.mkdir(parents=True, exist_ok=True)
         logger.info("building the CPU kernels into %s (once per host, about a minute)", folder)
         build_and_load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
-                       build_directory=str(staging), is_python_module=False, verbose=False)
+                       extra_ldflags=LDFLAGS, build_directory=str(staging),
+                       is_python_module=False, verbose=False)
         os.replace(staging / f"{name}.so", library)
         return library, True
 

@@ -3,6 +3,7 @@ its own answers: the native-kernel attention backend and fused ops (when the ker
 torch.compile on request, gloo collectives and torch's native int8/int4 kernels."""
 from __future__ import annotations
 
+import logging
 import os
 import platform as pyplatform
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ import torch
 from runtime.plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec,
                                         EagerRunner, GraphRunner, ModelInfo, Platform)
 
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 # The KV cache gets this share of the memory available when the engine starts (the weights are
@@ -153,12 +156,37 @@ class CpuPlatform(Platform):
         # The weights already sit in RAM, so MemAvailable has accounted for `model_bytes`.
         return kv_cache_budget(requested, available_memory_bytes())
 
-    def set_num_threads(self, num_threads: int | None) -> None:
-        if num_threads is None:
-            return
-        if num_threads < 1:
+    def set_threads(self, num_threads: int | None, host_rank: int, host_ranks: int) -> None:
+        """Bind the rank's OpenMP threads one per core, as `RUNTIME_CPU_OMP_THREADS_BIND` says
+        (`platforms/cpu/threads.py`); with `nobind`, the usable cores shared out evenly."""
+        from runtime.platforms.cpu import threads
+        if num_threads is not None and num_threads < 1:
             raise ValueError(f"thread count must be at least 1, got {num_threads}")
-        torch.set_num_threads(num_threads)
+        nodes, usable, spec = threads.numa_nodes(), threads.usable_cpus(), threads.bind_spec()
+        cpus = threads.plan_cpus(spec, host_rank, host_ranks, num_threads,
+                                 threads.reserved_cpus(), nodes, usable)
+        if cpus is None:
+            torch.set_num_threads(num_threads or max(1, len(usable) // host_ranks))
+            return
+        failed = self.kernel_build_error()
+        if failed:
+            logger.warning("threads not pinned one per core (the CPU kernels did not build: "
+                           "%s); rank %d runs %d threads on CPUs %s", failed, host_rank,
+                           len(cpus), cpus)
+            torch.set_num_threads(len(cpus))
+        else:
+            tids = torch.ops.runtime_cpu.bind_threads(cpus, threads.nodes_of(cpus, nodes))
+            if len(set(tids)) != len(cpus):
+                logger.warning("binding ran on %d threads for %d CPUs; threads not pinned "
+                               "one per core", len(set(tids)), len(cpus))
+            logger.info("rank %d: %d threads pinned to CPUs %s (NUMA nodes %s)", host_rank,
+                        len(cpus), cpus, threads.nodes_of(cpus, nodes))
+        # The main thread (OpenMP thread 0) keeps the rank's whole share where ranks share the
+        # host or the list was asked for. A lone rank under `auto` is often the user's own
+        # Python process: its main thread stays free, or every process it starts later would
+        # inherit the share.
+        lone = host_ranks == 1 and spec == "auto"
+        os.sched_setaffinity(0, usable if lone else cpus)
 
     def describe(self) -> dict[str, Any]:
         available = available_memory_bytes()

@@ -6,7 +6,6 @@ last stage's tp_rank 0.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -91,10 +90,8 @@ def layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
     return start, start + base + (pp_rank < extra)
 
 
-def threads_per_rank(num_threads: int | None, local_ranks: int) -> int:
-    """The user's thread count, else this machine's usable cores shared out between the ranks
-    on it (several ranks each taking every core would oversubscribe them)."""
-    if num_threads is not None:
-        return num_threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // local_ranks)
+def host_share(config: EngineConfig, index: int, count: int) -> tuple[int, int]:
+    """A rank's place among all the ranks on its host, (index, count), from its place among
+    its engine's ranks there: data-parallel replica r's ranks come after the earlier ones'."""
+    return (config.data_parallel_rank * count + index,
+            config.data_parallel_size_local * count)

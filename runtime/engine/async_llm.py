@@ -130,7 +130,8 @@ class AsyncLLM:
         self.num_blocks = 0
         self.dead_reason: str | None = None
         n = config.data_parallel_size
-        self._replica_config = dataclasses.replace(config, data_parallel_size=1)
+        self._replica_config = dataclasses.replace(config, data_parallel_size=1,
+                                                   data_parallel_size_local=n)
         self.replicas = [self._client(i) for i in range(n)]
         self.balancer = LoadBalancer(n, config.block_size, config.enable_prefix_caching)
         self.owner: dict[str, tuple[int, int]] = {}  # request id -> (replica, its sequences)
@@ -144,7 +145,8 @@ class AsyncLLM:
     def _client(self, replica: int) -> CoreClient:
         name = "the engine core" if self.config.data_parallel_size == 1 \
             else f"data-parallel replica {replica}"
-        return CoreClient(self._replica_config, name)
+        config = dataclasses.replace(self._replica_config, data_parallel_rank=replica)
+        return CoreClient(config, name)
 
     @property
     def tokenizer(self) -> Any:

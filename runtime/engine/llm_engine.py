@@ -24,7 +24,6 @@ logger = logging.getLogger(__name__)
 def build_core(config: EngineConfig, source: ModelSource, hf_config: Any) -> EngineCore:
     """Select the platform, load the model and allocate its KV cache (in this process)."""
     platform = select_platform(config.device)
-    platform.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
     dtype = config.dtype or platform.default_dtype()
     if dtype not in platform.supported_dtypes():

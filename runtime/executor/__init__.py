@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from runtime.plugins.interfaces import Platform
 from runtime.config import EngineConfig
-from runtime.distributed.layout import ParallelLayout, check_model_fits
+from runtime.distributed.layout import ParallelLayout, check_model_fits, host_share
 from runtime.executor.base import Executor
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource
@@ -24,6 +24,7 @@ def build_executor(config: EngineConfig, platform: Platform, source: ModelSource
                              f"asks for {layout.world_size}: choose 'mp' or 'ray'")
         from runtime.executor.uniproc import UniprocExecutor
         from runtime.worker.worker import Worker
+        platform.set_threads(config.num_threads, *host_share(config, 0, 1))
         return UniprocExecutor(Worker(config, platform, source, model_config))
     if backend == "mp":
         from runtime.executor.multiproc import MultiprocExecutor

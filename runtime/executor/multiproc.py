@@ -168,7 +168,7 @@ def worker_main(config: EngineConfig, platform_name: str, source: ModelSource,
     parent = os.getppid()
     keeps_output = rank == ParallelLayout.of(config).output_rank
     try:
-        worker = start_worker(config, platform_name, source, model_config, rank, rank,
+        worker = start_worker(config, platform_name, source, model_config, rank, rank, rank,
                               world_size, init_method)
         conn.send(("ok", None))
         while True:

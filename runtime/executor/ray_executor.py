@@ -90,10 +90,12 @@ class RayExecutor(Executor):
         nodes = self._get([a.node.remote() for a in self.actors])
         master_ip = nodes[0][1]
         init_method = f"tcp://{master_ip}:{self._get([self.actors[0].free_port.remote()])[0]}"
-        on_node = [[n for n, _ in nodes].count(node) for node, _ in nodes]
-        # Ray gives each actor its own device (it sets the visible devices), hence local rank 0.
+        hosts = [node for node, _ in nodes]
+        # Ray gives each actor its own device (it sets the visible devices), hence local rank 0;
+        # the host's cores are shared out between the actors on it.
         self._get([a.start.remote(config, platform.name, source, model_config, rank, 0,
-                                  on_node[rank], init_method)
+                                  hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank]),
+                                  init_method)
                    for rank, a in enumerate(self.actors)])
         logger.info("started %d Ray workers (tp %d x pp %d) on %d node(s)", layout.world_size,
                     layout.tp_size, layout.pp_size, len({n for n, _ in nodes}))

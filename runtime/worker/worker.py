@@ -13,7 +13,7 @@ from runtime.plugins.manager import get_plugin_manager
 from runtime.plugins.selection import select_platform
 from runtime.config import EngineConfig
 from runtime.distributed.groups import init_groups
-from runtime.distributed.layout import ParallelLayout, threads_per_rank
+from runtime.distributed.layout import ParallelLayout, host_share
 from runtime.distributed.pipeline import PipelineStage
 from runtime.forward_context import forward_context, get_forward_context
 from runtime.layers.attention import Attention
@@ -196,13 +196,14 @@ class Worker:
 
 
 def start_worker(config: EngineConfig, platform_name: str, source: ModelSource,
-                 model_config: ModelConfig, rank: int, local_rank: int, local_ranks: int,
-                 init_method: str) -> Worker:
+                 model_config: ModelConfig, rank: int, local_rank: int, host_index: int,
+                 host_ranks: int, init_method: str) -> Worker:
     """A worker in a process of its own (a multiprocessing child or a Ray actor): picks the
-    engine's platform by name, shares the machine's cores out between its `local_ranks`
-    ranks, and loads this rank's part of the model."""
+    engine's platform by name, takes its share of the host's cores (it is rank `host_index`
+    of the engine's `host_ranks` ranks there) and loads this rank's part of the model on
+    device `local_rank`."""
     platform = select_platform(platform_name)
-    platform.set_num_threads(threads_per_rank(config.num_threads, local_ranks))
+    platform.set_threads(config.num_threads, *host_share(config, host_index, host_ranks))
     torch.manual_seed(config.seed)
     worker = Worker(config, platform, source, model_config, rank, local_rank, init_method)
     worker.load_model()

@@ -127,7 +127,8 @@ def test_every_rank_binds_its_own_gpu(monkeypatch, fresh_plugins):
                         lambda self: self.platform.kv_cache_memory_bytes(None, 0))
     config = EngineConfig(tensor_parallel_size=4)
     for rank in range(4):
-        worker = start_worker(config, "cuda", None, None, rank, rank, 4, "tcp://127.0.0.1:1")
+        worker = start_worker(config, "cuda", None, None, rank, rank, rank, 4,
+                              "tcp://127.0.0.1:1")
         assert worker.device == torch.device("cuda", rank)
     assert state.calls == [(call, rank) for rank in range(4)
                            for call in ("set_device", "mem_get_info")]
