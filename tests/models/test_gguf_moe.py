@@ -1,7 +1,9 @@
 """GGUF files of the MoE architectures (qwen2moe, qwen3moe), written here as llama.cpp's converter
-writes them (experts stacked per projection, Q8_0), run with the same greedy tokens and logprobs
-as transformers on the same weights."""
+writes them (experts stacked per projection; Q8_0, F16 and F32 tensors), run with the same greedy
+tokens and logprobs as transformers on the same weights."""
 from __future__ import annotations
+
+import re
 
 import gguf
 import numpy as np
@@ -10,7 +12,7 @@ import torch
 import transformers
 
 from runtime import LLM, SamplingParams
-from runtime.model_loader.gguf_loader import load_gguf_config
+from runtime.model_loader.gguf_loader import iterate_gguf_weights, load_gguf_config
 from tests.model_loader.test_gguf_loader import add_decoder_shape, add_tiny_tokenizer, finish
 from tests.parity import assert_matches_hf, hf_greedy
 
@@ -36,9 +38,9 @@ def _q8_0(data: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
 
 def write_moe_gguf(path: str, arch: str, model: torch.nn.Module) -> None:
     """As convert_hf_to_gguf.py's Qwen2MoeModel: gguf's tensor names, each projection's experts
-    stacked into one [experts, out, in] tensor (quantized to Q8_0 here), the shared-expert gate
-    squeezed to [hidden] (as older converters wrote it). The model's expert weights are replaced
-    by their dequantized values, so it is the reference for the file."""
+    stacked into one [experts, out, in] tensor (Q8_0 here), other matrices F16 but the router's
+    (F32), the shared-expert gate squeezed to [hidden] (as older converters wrote it). The
+    model's weights are replaced by what the file holds, so it is the reference for the file."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     add_decoder_shape(writer, config)
@@ -71,10 +73,30 @@ def write_moe_gguf(path: str, arch: str, model: torch.nn.Module) -> None:
             down, down_ref = _q8_0(data)
             writer.add_tensor(f"{names.get_name(f'{module}.down_proj')}.weight", down, raw_dtype=Q8_0)
             tensor.copy_(down_ref)
+        elif module.endswith("shared_expert_gate"):
+            writer.add_tensor(f"{names.get_name(module)}.{suffix}", data.squeeze(0))
+        elif data.ndim == 2 and not module.endswith(".mlp.gate"):  # the router stays F32
+            writer.add_tensor(f"{names.get_name(module)}.{suffix}", data.astype(np.float16))
+            tensor.copy_(tensor.half().float())
         else:
-            writer.add_tensor(f"{names.get_name(module)}.{suffix}",
-                              data.squeeze(0) if module.endswith("shared_expert_gate") else data)
+            writer.add_tensor(f"{names.get_name(module)}.{suffix}", data)
     finish(writer)
+
+
+def assert_weights_equal(weights, model: torch.nn.Module) -> None:
+    """The reader's tensors, one per expert, equal the model's (stacked) weights in its shapes."""
+    state, size, seen = model.state_dict(), model.config.moe_intermediate_size, set()
+    for name, tensor in weights:
+        expert = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+        if expert is None:
+            expected, seen = state[name], seen | {name}
+        else:
+            block, j, part = expert.group(1), int(expert.group(2)), expert.group(3)
+            stacked = state[f"{block}.{'down_proj' if part == 'down' else 'gate_up_proj'}"][j]
+            expected = {"gate": stacked[:size], "up": stacked[size:], "down": stacked}[part]
+            seen |= {f"{block}.down_proj" if part == "down" else f"{block}.gate_up_proj"}
+        assert tensor.shape == expected.shape and torch.equal(tensor, expected), name
+    assert seen == set(state)
 
 
 @pytest.mark.parametrize("arch", sorted(CASES))
@@ -94,6 +116,7 @@ def test_moe_gguf_matches_transformers(arch, tmp_path, monkeypatch):
     read = load_gguf_config(path)
     for key in ("num_experts", "num_experts_per_tok", "norm_topk_prob", *overrides):
         assert getattr(read, key) == getattr(config, key), key
+    assert_weights_equal(iterate_gguf_weights(path, read, torch.float32), model)
     references = [hf_greedy(model, p, 8) for p in PROMPTS]
     llm = LLM(path, dtype="float32", kv_cache_memory="4MiB")
     assert llm.engine.model_config.architecture == cls.__name__
