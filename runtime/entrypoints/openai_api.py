@@ -12,8 +12,7 @@ from runtime.engine.async_llm import RequestStream
 from runtime.entrypoints.chat import render_chat, text_of
 from runtime.entrypoints.errors import APIError, bad_request
 from runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from runtime.entrypoints.structured import checked
-from runtime.entrypoints.tool_parsers import ToolChoice, template_messages
+from runtime.entrypoints.tool_parsers import CallReader, ToolChoice, template_messages
 from runtime.entrypoints.serving import (ServerState, check_budget, check_fits, check_model,
                                          final_outputs, merge, new_id, open_streams, sse,
                                          state_of, stream_error, unless_disconnected)
@@ -87,12 +86,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
     budget = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs,
                                   defaults=state.engine.processor.sampling_defaults)
-    forced = tools.structured_outputs()
-    if forced is not None:
-        if params.structured_outputs is not None:
-            raise bad_request("a forced tool_choice and a constrained response format both "
-                              "constrain the output: give only one", param="tool_choice")
-        params = params.clone(structured_outputs=checked("tools", json=forced.json))
+    params = tools.constrain(params, "response_format")
     request_id = new_id("chatcmpl")
     streams = await open_streams(state, request_id, [{"prompt_token_ids": prompt}], params,
                                  body.stream, body.priority, budget, model)
@@ -309,28 +303,33 @@ class Reply:
 
     async def _chat_choices(self, body: ChatCompletionRequest) -> AsyncIterator[list[dict]]:
         started: set[int] = set()
-        held: dict[int, str] = {}  # text of outputs that may hold calls, sent when finished
+        readers: dict[int, CallReader] = {}  # per sample: its calls, read as they are written
+        called: set[int] = set()  # samples that made calls
         async for _, output in merge(self.streams):
             choices = []
             for sample in output.outputs:
                 delta: dict[str, Any] = {}
-                calls = False
                 if sample.index not in started:
                     started.add(sample.index)
                     delta["role"] = "assistant"
                 if self.tools.reads_calls:
-                    held[sample.index] = held.get(sample.index, "") + sample.text
+                    reader = readers.setdefault(sample.index, self.tools.reader())
+                    read = reader.feed(sample.text)
                     if sample.finished:
-                        message, calls = self.tools.message(held.pop(sample.index))
-                        delta["content"] = message["content"]
-                        if calls:
-                            delta["tool_calls"] = [{"index": i, **call} for i, call in
-                                                   enumerate(message["tool_calls"])]
+                        read.add(reader.finish())
+                    read = self.tools.limit(read)
+                    if read.content:
+                        delta["content"] = read.content
+                    if read.calls:
+                        delta["tool_calls"] = read.calls
+                        called.add(sample.index)
                 elif sample.text or "role" in delta:
                     delta["content"] = sample.text
                 logprobs = self._chat_logprobs(sample, body.top_logprobs or 0) \
                     if body.logprobs and sample.token_ids else None
                 if delta or logprobs or sample.finished:
+                    calls = sample.finished and sample.index in called \
+                        and not readers[sample.index].failed
                     choices.append({"index": sample.index, "delta": delta, "logprobs": logprobs,
                                     "finish_reason": "tool_calls" if calls
                                     else _finish_reason(sample),

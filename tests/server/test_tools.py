@@ -8,7 +8,8 @@ import jsonschema
 import openai
 import pytest
 
-from runtime.entrypoints.tool_parsers import TOOL_PARSERS
+from runtime.entrypoints.tool_parsers import TOOL_PARSERS, Delta
+from runtime.entrypoints.tool_parsers.streaming import assemble
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "function": {
@@ -59,18 +60,36 @@ def test_required_and_named_calls_parse_and_validate(client):
     check_call(call)
 
 
-def test_streamed_call_reassembles_to_the_same_call(client):
-    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=100, temperature=0,
-                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
-    name, arguments, finish = "", "", None
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        for delta_call in chunk.choices[0].delta.tool_calls or []:
-            name += delta_call.function.name or ""
-            arguments += delta_call.function.arguments or ""
+def streamed_calls(stream) -> tuple[list[dict], int, str | None]:
+    """The calls reassembled from a chat stream's tool_calls deltas, the number of chunks that
+    carried them, and the finish reason."""
+    calls: dict[int, dict] = {}
+    chunks, finish = 0, None
+    for chunk in stream:
+        deltas = chunk.choices[0].delta.tool_calls or []
+        chunks += bool(deltas)
+        for d in deltas:
+            if d.id is not None:  # the first delta of a call: its id, type and name
+                assert d.index not in calls and d.type == "function" and d.function.name
+                calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+            else:
+                assert d.function.name is None
+            calls[d.index]["arguments"] += d.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
-    assert (name, json.loads(arguments)) == (whole.function.name,
-                                             json.loads(whole.function.arguments))
+    return [calls[i] for i in sorted(calls)], chunks, finish
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_calls_come_token_by_token_and_reassemble_exactly(client, tool_choice):
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=100, temperature=0,
+                  tool_choice=tool_choice)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    calls, chunks, finish = streamed_calls(client.chat.completions.create(stream=True,
+                                                                          **kwargs))
+    assert [(c["name"], c["arguments"]) for c in calls] == \
+        [(w.function.name, w.function.arguments) for w in whole]
+    assert chunks > len(calls) + 3  # the arguments came in pieces, as the tokens did
     assert finish == "tool_calls"
 
 
@@ -110,17 +129,47 @@ def test_bad_tool_choices_are_a_400(client):
 @pytest.mark.parametrize("parser, text, calls", [
     ("hermes", 'Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
      [("f", {"a": 1})]),
+    ("hermes", '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call><tool_call>'
+               '{"name": "g", "arguments": "{\\"b\\": 2}"}</tool_call>', [("f", {"a": 1}), ("g", {"b": 2})]),
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; '
                     '{"name": "g", "parameters": {}}', [("f", {"a": 1}), ("g", {})]),
     ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"a": [1, 2]}}]', [("f", {"a": [1, 2]})]),
     ("pythonic", '[f(a=1, b="x"), g()]', [("f", {"a": 1, "b": "x"}), ("g", {})]),
     ("hermes", "No call here.", []),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1', []),  # cut short
     ("pythonic", "[f(x)]", []),  # positional arguments: not a call this format writes
 ])
 def test_parsers_read_their_formats(parser, text, calls):
     content, found = TOOL_PARSERS[parser]().parse(text)
-    assert [(c.name, c.arguments) for c in found] == calls
+    assert [(c.name, json.loads(c.arguments)) for c in found] == calls
     assert (content == text) == (not calls)
+
+
+HERMES_OUTPUT = ('Let me look.  <tool_call>\n{"name": "get_weather", "arguments": {"city": '
+                 '"Paris \\"}{\\" Nord", "days": [1, {"x": null}]}}\n</tool_call>\n'
+                 '<tool_call>{"arguments": {"zone": "UTC"}, "name": "get_time"}</tool_call>')
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 7])
+def test_hermes_reader_streams_what_parse_reads(piece):
+    """In pieces of any size, the calls' deltas come as they are written (the first with id,
+    type and name) and join to exactly what the whole text parses to."""
+    parser = TOOL_PARSERS["hermes"]()
+    content, whole = parser.parse(HERMES_OUTPUT)
+    reader, read, first_call_pieces = parser.reader(), Delta(), 0
+    for i in range(0, len(HERMES_OUTPUT), piece):
+        delta = reader.feed(HERMES_OUTPUT[i:i + piece])
+        first_call_pieces += any(c["index"] == 0 for c in delta.calls)
+        read.add(delta)
+    read.add(reader.finish())
+    assert not reader.failed and read.content == content == "Let me look."
+    streamed = [(c.name, c.arguments) for c in assemble(read.calls)]
+    assert streamed == [(c.name, c.arguments) for c in whole]
+    assert whole[0].arguments == '{"city": "Paris \\"}{\\" Nord", "days": [1, {"x": null}]}'
+    # the first call streamed as it was written; the second (keys reordered) came whole
+    assert first_call_pieces >= len(whole[0].arguments) // piece
+    assert [c["function"]["arguments"] for c in read.calls if c["index"] == 1] == \
+        [whole[1].arguments]
 
 
 def test_anthropic_tools(smollm2_server):

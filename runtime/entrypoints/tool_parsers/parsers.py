@@ -1,45 +1,25 @@
-"""Tool-call parsers: text in, (content left over, calls) out."""
+"""Tool-call parsers, one per model family's format: text in, (content left over, calls) out."""
 from __future__ import annotations
 
 import ast
 import json
-import re
-import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def openai(self, index: int | None = None) -> dict:
-        call = {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
-        return call if index is None else {"index": index, **call}
+from runtime.entrypoints.tool_parsers.calls import ToolCall, call_of
+from runtime.entrypoints.tool_parsers.streaming import CallReader, HermesReader, WholeReader
 
 
 class ToolParser:
-    """Finds the calls a model wrote in its own format; text it cannot read stays content."""
+    """Finds the calls a model wrote in its own format; text it cannot read stays content.
+    `reader` reads an output as it streams; a format only readable whole is parsed at its end."""
 
     name = ""
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         raise NotImplementedError
 
-
-def _call(obj: Any, arguments_key: str) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    arguments = obj.get(arguments_key, obj.get("arguments", {}))
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    return ToolCall(obj["name"], arguments) if isinstance(arguments, dict) else None
+    def reader(self) -> CallReader:
+        return WholeReader(self.parse)
 
 
 def _json_values(text: str) -> list[Any]:
@@ -59,21 +39,17 @@ def _json_values(text: str) -> list[Any]:
 
 
 class HermesParser(ToolParser):
-    """Hermes / Qwen: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number."""
+    """Hermes / Qwen: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number;
+    streamed as they are written (`HermesReader`)."""
 
     name = "hermes"
-    BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        calls = []
-        for body in self.BLOCK.findall(text):
-            values = _json_values(body)
-            call = _call(values[0], "arguments") if len(values) == 1 else None
-            if call is None:
-                return text, []
-            calls.append(call)
-        content = text[:text.find("<tool_call>")].strip() if calls else text
-        return content or None, calls
+        content, calls = self.reader().read(text)
+        return (content or None) if calls else text, calls
+
+    def reader(self) -> CallReader:
+        return HermesReader()
 
 
 class Llama3JsonParser(ToolParser):
@@ -86,7 +62,7 @@ class Llama3JsonParser(ToolParser):
         body = text.strip().removeprefix("<|python_tag|>").strip()
         if not body.startswith("{"):
             return text, []
-        calls = [_call(v, "parameters") for v in _json_values(body)]
+        calls = [call_of(v, "parameters") for v in _json_values(body)]
         if not calls or None in calls:
             return text, []
         return None, calls
@@ -104,7 +80,7 @@ class MistralParser(ToolParser):
         content, _, body = text.partition(self.MARK)
         values = _json_values(body.strip())
         items = values[0] if len(values) == 1 and isinstance(values[0], list) else values
-        calls = [_call(v, "arguments") for v in items]
+        calls = [call_of(v, "arguments") for v in items]
         if not calls or None in calls:
             return text, []
         return content.strip() or None, calls
@@ -131,34 +107,9 @@ class PythonicParser(ToolParser):
                 arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
             except ValueError:
                 return text, []
-            calls.append(ToolCall(node.func.id, arguments))
+            calls.append(ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
         return None, calls
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)}
-
-
-def forced_call_schema(tools: list[dict], choice: str | None) -> dict:
-    """The JSON schema a forced output follows: the named function's parameters, or (choice
-    None: "required") a non-empty list of {"name", "parameters"} calls of any tool."""
-    functions = {t["function"]["name"]: t["function"] for t in tools}
-    if choice is not None:
-        return functions[choice].get("parameters") or {"type": "object"}
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"const": name},
-                                          "parameters": f.get("parameters") or {"type": "object"}},
-         "required": ["name", "parameters"], "additionalProperties": False}
-        for name, f in functions.items()]}}
-
-
-def forced_calls(text: str, choice: str | None) -> list[ToolCall]:
-    """The calls in an output that followed `forced_call_schema`; [] when it was cut short."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return []
-    if choice is not None:
-        return [ToolCall(choice, value)] if isinstance(value, dict) else []
-    calls = [_call(v, "parameters") for v in value] if isinstance(value, list) else []
-    return [] if None in calls else calls

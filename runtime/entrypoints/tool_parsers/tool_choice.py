@@ -5,8 +5,11 @@ import json
 from typing import Any
 
 from runtime.entrypoints.errors import bad_request
-from runtime.entrypoints.tool_parsers.parsers import (TOOL_PARSERS, ToolParser,
-                                                      forced_call_schema, forced_calls)
+from runtime.entrypoints.structured import checked
+from runtime.entrypoints.tool_parsers.parsers import TOOL_PARSERS, ToolParser
+from runtime.entrypoints.tool_parsers.streaming import (CallReader, Delta, NamedCallReader,
+                                                        RequiredCallsReader, TextReader)
+from runtime.sampling_params import SamplingParams
 from runtime.structured_output import StructuredOutputsParams
 
 
@@ -64,31 +67,64 @@ class ToolChoice:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema)
 
+    def constrain(self, params: SamplingParams, format_param: str) -> SamplingParams:
+        """`params` with the grammar that forces the call, if there is one; a 400 when the
+        request constrains the output otherwise too (`format_param` names how)."""
+        forced = self.structured_outputs()
+        if forced is None:
+            return params
+        if params.structured_outputs is not None:
+            raise bad_request(f"a forced tool_choice and {format_param} both constrain the "
+                              "output: give only one", param="tool_choice")
+        return params.clone(structured_outputs=checked("tools", json=forced.json))
+
+    def reader(self) -> CallReader:
+        """A reader for one output (one per sample): its content and call deltas."""
+        if self.forced is not None:
+            return NamedCallReader(self.forced)
+        if self.required:
+            return RequiredCallsReader()
+        return self.parser.reader() if self.parser is not None else TextReader()
+
+    def limit(self, delta: Delta) -> Delta:
+        """Without `parallel`, only the first call."""
+        if not self.parallel:
+            delta.calls = [c for c in delta.calls if c["index"] == 0]
+        return delta
+
     def message(self, text: str) -> tuple[dict, bool]:
         """The assistant message for a finished output, and whether it holds calls."""
-        if self.forced or self.required:
-            content, calls = None, forced_calls(text, self.forced)
-            if not calls:
-                content = text
-        elif self.parser is not None:
-            content, calls = self.parser.parse(text)
-        else:
-            content, calls = text, []
+        content, calls = self.reader().read(text)
         calls = calls if self.parallel else calls[:1]
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": (content or None) if calls else content}
         if calls:
             message["tool_calls"] = [c.openai() for c in calls]
         return message, bool(calls)
 
 
-def template_messages(messages: list[Any], text_of) -> list[dict]:
+def forced_call_schema(tools: list[dict], choice: str | None) -> dict:
+    """The JSON schema a forced output follows: the named function's parameters, or (choice
+    None: "required") a non-empty list of {"name", "parameters"} calls of any tool."""
+    functions = {t["function"]["name"]: t["function"] for t in tools}
+    if choice is not None:
+        return functions[choice].get("parameters") or {"type": "object"}
+    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "properties": {"name": {"const": name},
+                                          "parameters": f.get("parameters") or {"type": "object"}},
+         "required": ["name", "parameters"], "additionalProperties": False}
+        for name, f in functions.items()]}}
+
+
+def template_messages(messages: list[Any], text_of, param: str = "messages") -> list[dict]:
     """Chat messages as chat templates read them: text content, and earlier calls with their
-    arguments as objects (what Hugging Face templates iterate over)."""
+    arguments as objects (what Hugging Face templates iterate over). `param` names the request
+    field they came from, for errors."""
     out = []
     for m in messages:
         message: dict[str, Any] = {"role": m.role, "content": text_of(m.content)}
         if m.tool_calls:
-            message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+            message["tool_calls"] = [_template_call(c, param) for c in m.tool_calls]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         if m.name is not None:
@@ -97,13 +133,13 @@ def template_messages(messages: list[Any], text_of) -> list[dict]:
     return out
 
 
-def _template_call(call: dict) -> dict:
+def _template_call(call: dict, param: str) -> dict:
     function = dict(call.get("function") or {})
     if isinstance(function.get("arguments"), str):
         try:
             function["arguments"] = json.loads(function["arguments"])
         except ValueError:
             raise bad_request("a tool call's arguments must be JSON text",
-                              param="messages") from None
+                              param=param) from None
     return {**call, "function": function}
 
