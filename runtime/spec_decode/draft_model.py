@@ -20,7 +20,7 @@ from torch import nn
 from runtime.forward_context import forward_context
 from runtime.layers.attention import Attention, zero_new_blocks
 from runtime.sampling.batch import SamplingBatch
-from runtime.sampling.sampler import exponential_race, random_probs
+from runtime.sampling.sampler import argmax, exponential_race, random_probs
 from runtime.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -75,14 +75,14 @@ class DraftModelProposer:
         distribution under the request's temperature and filters (returned as q)."""
         params = [r.params for r in reqs]
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1).tolist(), None
+            return argmax(logits).tolist(), None
         empty = [[] for _ in reqs]
         batch = SamplingBatch.build(params, empty, empty, [runner._generator(r) for r in reqs],
                                     self.device, self.vocab_size)
         probs = random_probs(logits, batch)
         tokens = exponential_race(probs.clone(), batch.generators)
         if batch.greedy is not None:
-            tokens = torch.where(batch.greedy, logits.argmax(dim=-1), tokens)
+            tokens = torch.where(batch.greedy, argmax(logits), tokens)
         return tokens.tolist(), probs
 
     @torch.inference_mode()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.sampling.batch import SamplingBatch
-from runtime.sampling.sampler import exponential_race, random_probs
+from runtime.sampling.sampler import argmax, exponential_race, random_probs
 
 
 @dataclass
@@ -36,7 +36,7 @@ def rejection_sample(logits: torch.Tensor, batch: SamplingBatch,
                      requests: list[Verification]) -> list[list[int]]:
     """The tokens each request emits (its accepted drafts, then one token of the target's):
     1 to k + 1 of them. `logits` [R, V] are after penalties; `batch` describes its R rows."""
-    argmax = logits.argmax(dim=-1).tolist() if any(v.greedy for v in requests) else None
+    best = argmax(logits).tolist() if any(v.greedy for v in requests) else None
     probs = None if batch.all_greedy else random_probs(logits, batch)
     accept = _accept_random(probs, requests) if probs is not None else {}
 
@@ -46,9 +46,9 @@ def rejection_sample(logits: torch.Tensor, batch: SamplingBatch,
         k = len(v.draft_token_ids)
         if v.greedy:
             a = 0
-            while a < k and v.draft_token_ids[a] == argmax[v.offset + a]:
+            while a < k and v.draft_token_ids[a] == best[v.offset + a]:
                 a += 1
-            emitted.append(v.draft_token_ids[:a] + [argmax[v.offset + a]])
+            emitted.append(v.draft_token_ids[:a] + [best[v.offset + a]])
             continue
         a = accept[i]
         emitted.append(v.draft_token_ids[:a])
