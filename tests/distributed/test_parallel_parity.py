@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from runtime import LLM, SamplingParams
+from tests.models.test_native_models import CASES as NATIVE
 from tests.parity import PROMPTS, assert_matches_hf, hf_greedy
 
 MAX_NEW = 12
@@ -23,6 +24,11 @@ CASES = {
                        1, 2),
     # 1 KV head, replicated on both tensor-parallel ranks of each stage; 4 processes.
     "tp2xpp2-one-kv-head": ("LlamaForCausalLM", dict(num_key_value_heads=1), 2, 2),
+    # the native families: stage 0 a sliding layer, stage 1 a global one (Gemma); the final
+    # soft-cap on the last stage only; fused checkpoint tensors split on either stage (Phi-3);
+    # experts loaded only by the stage holding their layer (Qwen3-MoE)
+    **{f"pp2-{case}": (*NATIVE[case], 1, 2) for case in ("gemma2", "gemma3", "phi3",
+                                                        "qwen3-moe")},
 }
 
 
