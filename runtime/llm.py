@@ -12,8 +12,8 @@ from runtime.lora.request import LoRARequest
 from runtime.outputs import RequestOutput
 from runtime.pooling import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams,
                              PoolingRequestOutput, ScoringRequestOutput)
-from runtime.pooling.engine import (PoolingEngine, PromptInput, open_pooling_engine,
-                                    params_list, prompt_list)
+from runtime.engine.pooling_engine import PoolingEngine, open_pooling_engine
+from runtime.pooling.processor import PromptInput, params_list, prompt_list
 from runtime.progress import GenerateProgress
 from runtime.sampling_params import SamplingParams
 

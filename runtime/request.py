@@ -5,6 +5,7 @@ import enum
 import time
 
 from runtime.lora.request import LoRARequest
+from runtime.pooling.params import PoolingParams
 from runtime.sampling_params import SamplingParams
 
 
@@ -28,7 +29,8 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    """One sequence being generated (a request with n > 1 becomes n of these).
+    """One sequence being generated (a request with n > 1 becomes n of these), or one prompt
+    being pooled (`pooling_params` set: it samples nothing and finishes with its prompt).
 
     There are no phases: `num_computed_tokens` says how much of `all_token_ids` has its KV in
     the cache, and each step schedules some of the rest.
@@ -37,7 +39,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, priority: int = 0, arrival_time: float | None = None,
                  parent_id: str | None = None, sample_index: int = 0,
-                 leader_id: str | None = None, lora_request: LoRARequest | None = None) -> None:
+                 leader_id: str | None = None, lora_request: LoRARequest | None = None,
+                 pooling_params: PoolingParams | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
@@ -49,6 +52,7 @@ class Request:
         self.sample_index = sample_index
         self.leader_id = leader_id  # sample 0 of the same n > 1 request, whose prompt KV we share
         self.lora_request = lora_request  # the adapter it runs under (None: the base model)
+        self.pooling_params = pooling_params
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule

@@ -132,7 +132,6 @@ def serve_command(args: argparse.Namespace) -> int:
                          "pip install 'runtime[serve]'") from None
     from runtime.config import EngineConfig
     from runtime.default_model import DEFAULT_MODEL_NAME
-    from runtime.pooling.async_engine import open_async_pooling_engine
     from runtime.stat_logger import StatLogger
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -152,7 +151,7 @@ def serve_command(args: argparse.Namespace) -> int:
                          "--enable-lora")
     metrics = Metrics(names[0])
     config = EngineConfig.from_kwargs(**kwargs)
-    engine = open_async_pooling_engine(config) or AsyncLLM(
+    engine = AsyncLLM(
         config, args.max_queue_len, metrics if config.disable_log_stats else StatLogger(metrics),
         args.max_core_restarts)
     for lora in lora_modules.values():  # a bad adapter stops the server before it listens

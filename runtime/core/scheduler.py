@@ -7,6 +7,10 @@ the waiting queue, to be recomputed (from the prefix cache where possible) later
 
 With speculative decoding, a running request's proposed tokens are scheduled after its own, as
 ordinary tokens (budget, slots); `update` rolls back the rejected ones.
+
+Pooling requests are prompts only: each finishes in the step that computes its last prompt
+token, and its blocks are freed then. An encoder's (`encoder_only`) hold no KV at all and are
+never chunked: one longer than the budget runs alone, whole, in a step of its own.
 """
 from __future__ import annotations
 
@@ -75,10 +79,12 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
+                 encoder_only: bool = False) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.encoder_only = encoder_only
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -191,12 +197,16 @@ class Scheduler:
             cached = self._shared_or_cached_blocks(request)
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_computed
-            if not chunked and num_new > budget:
-                break
-            num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, cached,
-                                          self._lookahead(num_computed + num_new)):
-                break
+            if self.encoder_only:
+                if num_new > budget and out.scheduled:
+                    break  # it runs whole, alone, next step
+            else:
+                if not chunked and num_new > budget:
+                    break
+                num_new = min(num_new, budget)
+                if not self.kv.allocate_slots(request, num_new, cached,
+                                              self._lookahead(num_computed + num_new)):
+                    break
             self.waiting.pop()
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_computed
@@ -204,9 +214,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append((request, num_new))
-            budget -= num_new
+            budget = max(0, budget - num_new)
 
-        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.num_batched_tokens = sum(n for _, n in out.scheduled)
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]],
@@ -237,6 +247,9 @@ class Scheduler:
             if request.request_id in self.held and \
                     request.num_computed_tokens >= request.num_prompt_tokens:
                 self._release_held(request)
+            if request.pooling_params is not None and \
+                    request.num_computed_tokens >= request.num_prompt_tokens:
+                request.status = RequestStatus.FINISHED_STOPPED  # pooled: nothing to generate
             if request.is_finished:
                 self._retire(request)
                 finished.append(request)

@@ -11,7 +11,10 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import defaultdict
 from typing import Any, Protocol
+
+import torch
 
 from runtime.config import EngineConfig
 from runtime.distributed.load_balancer import LoadBalancer
@@ -20,10 +23,13 @@ from runtime.engine.core_proc import (AddRequests, CoreRequest, CoreStats, Faile
                                       FinishRequests, Outputs, Ready, RequestsFailed)
 from runtime.engine.input_processor import PromptType
 from runtime.engine.output_processor import OutputKind
+from runtime.engine.pooling_engine import pooling_config, pooling_request
 from runtime.engine.processor import Processor
 from runtime.lora.request import LoRARequest
 from runtime.model_loader.source import load_config, resolve_model
 from runtime.outputs import RequestMetrics, RequestOutput
+from runtime.pooling.models import resolve_runner
+from runtime.pooling.processor import PoolingInput, PoolingProcessor
 from runtime.request import RequestStatus
 from runtime.sampling_params import SamplingParams
 
@@ -114,6 +120,10 @@ class AsyncLLM:
     With `data_parallel_size` N > 1 there are N core processes, each a whole engine (with its
     own tensor/pipeline-parallel workers); a LoadBalancer picks one per request. A replica that
     dies fails its own requests and leaves the rotation until its restart is up.
+
+    A pooling model (`runner`, or auto-detected) serves `encode` instead of `add_request`: its
+    requests go through the same cores, batched together by their schedulers; `pooling` (the
+    model's PoolingProcessor, set by `start`) prepares them and shapes their results.
     """
 
     def __init__(self, config: EngineConfig, max_queue_len: int = 1024,
@@ -124,12 +134,18 @@ class AsyncLLM:
         self.max_core_restarts = max_core_restarts
         self.source = resolve_model(config.model, config.tokenizer)
         self.hf_config = load_config(self.source, config.trust_remote_code)
+        pools = resolve_runner(config.runner, self.source, self.hf_config) == "pooling"
+        if pools:
+            config = pooling_config(config)
         self.processor: Processor | None = None
+        self.pooling: PoolingProcessor | None = None
         self.streams: dict[str, RequestStream] = {}
+        self.pooled: dict[str, asyncio.Future] = {}  # pooling request id -> its result
         self.stats = CoreStats(0, 0, 0, 0.0, 0.0, 0)
         self.num_blocks = 0
         self.dead_reason: str | None = None
         n = config.data_parallel_size
+        self._pools = pools
         self._replica_config = dataclasses.replace(config, data_parallel_size=1,
                                                    data_parallel_size_local=n)
         self.replicas = [self._client(i) for i in range(n)]
@@ -173,8 +189,11 @@ class AsyncLLM:
             raise failed
         readies = results
         self.num_blocks = min(r.num_blocks for r in readies)
-        self.processor = Processor(self.config, self.source, self.hf_config,
-                                   min(r.max_model_len for r in readies))
+        max_model_len = min(r.max_model_len for r in readies)
+        self.processor = Processor(self.config, self.source, self.hf_config, max_model_len)
+        if self._pools:
+            self.pooling = PoolingProcessor(self.config, self.source, self.hf_config,
+                                            max_model_len)
         for i in range(len(self.replicas)):
             self._watch(i)
 
@@ -196,15 +215,7 @@ class AsyncLLM:
         """Validate and queue a request; its outputs are deltas if `stream`, else one final
         output. Raises ValueError (bad input), QueueFullError, EngineRestartingError or
         EngineDeadError."""
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
-        if not any(r.is_alive for r in self.replicas):
-            raise EngineRestartingError("the engine core is restarting")
-        queued = sum(s.num_waiting + sent - s.num_received
-                     for s, sent, r in zip(self._replica_stats, self._num_sent, self.replicas)
-                     if r.dead_reason is None)
-        if queued + params.num_samples > self.max_queue_len:
-            raise QueueFullError(f"the waiting queue is full ({queued} sequences waiting)")
+        self._check_admission(params.num_samples)
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
         requests = self.processor.add_request(prompt, params, request_id, priority, kind,
                                               lora_request)
@@ -219,10 +230,47 @@ class AsyncLLM:
             self.listener.on_request_added(handle.num_prompt_tokens)
         return handle
 
+    def _check_admission(self, num_seqs: int) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if not any(r.is_alive for r in self.replicas):
+            raise EngineRestartingError("the engine core is restarting")
+        queued = sum(s.num_waiting + sent - s.num_received
+                     for s, sent, r in zip(self._replica_stats, self._num_sent, self.replicas)
+                     if r.dead_reason is None)
+        if queued + num_seqs > self.max_queue_len:
+            raise QueueFullError(f"the waiting queue is full ({queued} sequences waiting)")
+
+    async def encode(self, inputs: list[PoolingInput], priority: int = 0) -> list[torch.Tensor]:
+        """Pool `inputs` (from `self.pooling`): each is a request of the cores, scheduled with
+        whatever else they run; returns their results in order. Raises as `add_request` does,
+        or the error of a request that failed; leaving early aborts those still running."""
+        self._check_admission(len(inputs))
+        loop = asyncio.get_running_loop()
+        futures, batches = [], defaultdict(list)
+        for item in inputs:
+            replica = self.balancer.choose(item.prompt_token_ids)
+            self.balancer.started(replica, 1)
+            self.owner[item.request_id] = (replica, 1)
+            self.pooled[item.request_id] = future = loop.create_future()
+            futures.append(future)
+            batches[replica].append(CoreRequest.of(pooling_request(item, priority)))
+        for replica, requests in batches.items():
+            self.replicas[replica].send(AddRequests(requests))
+            self._num_sent[replica] += len(requests)
+        try:
+            return list(await asyncio.gather(*futures))
+        finally:
+            for item in inputs:
+                if item.request_id in self.pooled:
+                    self.abort(item.request_id)
+
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks in the core (a no-op once it has finished)."""
         handle = self.streams.pop(request_id, None)
         sample_ids, output = self.processor.abort_request(request_id)
+        if self.pooled.pop(request_id, None) is not None:
+            sample_ids = [request_id]
         replica = self._release(request_id)
         if sample_ids and replica is not None and self.replicas[replica].dead_reason is None:
             self.replicas[replica].send(FinishRequests(
@@ -232,7 +280,7 @@ class AsyncLLM:
 
     def fail_all(self, reason: str) -> None:
         """End every request in flight with an error (their streams send the error event)."""
-        for request_id in list(self.streams):
+        for request_id in [*self.streams, *self.pooled]:
             self._fail_request(request_id, EngineDeadError(reason))
 
     async def shutdown(self) -> None:
@@ -280,6 +328,12 @@ class AsyncLLM:
     def _handle(self, replica: int, message: Outputs) -> None:
         self._replica_stats[replica] = message.stats
         self.stats = self._total_stats()
+        for out in message.outputs:
+            future = self.pooled.pop(out.request_id, None) if out.pooling_output is not None \
+                else None
+            if future is not None:
+                future.set_result(out.pooling_output.tensor())
+                self._release(out.request_id)
         results, stopped = self.processor.process_outputs(message.outputs)
         if stopped:
             self.replicas[replica].send(FinishRequests(
@@ -395,4 +449,7 @@ class AsyncLLM:
         handle = self.streams.get(request_id)
         if handle is not None:
             handle.put(error)
+        future = self.pooled.get(request_id)
+        if future is not None and not future.done():
+            future.set_exception(error)
         self.abort(request_id)

@@ -4,6 +4,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import msgspec
+import torch
+
 from runtime.attention_backends.base import kv_cache_torch_dtype
 from runtime.plugins.interfaces import Platform
 from runtime.config import EngineConfig
@@ -13,10 +16,25 @@ from runtime.core.step_input import StepInputBuilder
 from runtime.executor import build_executor
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource
+from runtime.pooling.models import is_encoder_only
 from runtime.request import Request, RequestStatus
 from runtime.worker.inputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+
+class PooledTensor(msgspec.Struct, array_like=True):
+    """A pooling request's result as it crosses to the API process: float32, native order."""
+
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "PooledTensor":
+        return cls(list(tensor.shape), tensor.float().contiguous().numpy().tobytes())
+
+    def tensor(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(self.data), dtype=torch.float32).view(self.shape)
 
 
 @dataclass
@@ -30,6 +48,7 @@ class CoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    pooling_output: PooledTensor | None = None  # a pooling request's result, when it finishes
 
 
 class EngineCore:
@@ -43,7 +62,10 @@ class EngineCore:
                              "N); one engine core, like the offline LLM, is one replica")
         self.source = source
         self.executor = build_executor(config, platform, source, model_config)
-        num_blocks = self.executor.determine_num_blocks()
+        # An encoder's pooling requests keep no KV: one block, never handed out, keeps the
+        # block pool well-formed.
+        self.encoder_only = is_encoder_only(config, model_config)
+        num_blocks = 1 if self.encoder_only else self.executor.determine_num_blocks()
         if num_blocks < 1:
             raise ValueError("the KV-cache budget holds no block: raise --kv-cache-memory")
         self.executor.init_kv_cache(num_blocks)
@@ -55,9 +77,11 @@ class EngineCore:
                     "rank over all stages)", num_blocks,
                     config.block_size, num_blocks * config.block_size,
                     num_blocks * per_block / 2**20)
-        self._fit_max_model_len(num_blocks * config.block_size)
+        if not self.encoder_only:
+            self._fit_max_model_len(num_blocks * config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, model_config.max_model_len)
+        self.scheduler = Scheduler(config, self.kv, model_config.max_model_len,
+                                   self.encoder_only)
         spec = config.speculative_config
         self.step_inputs = StepInputBuilder(self.kv, model_config.max_model_len,
                                             spec is not None and spec.method == "draft_model")
@@ -163,11 +187,13 @@ class EngineCore:
         for r, _ in sched.scheduled:
             new = result.sampled.get(r.request_id, [])
             plp = result.prompt_logprobs.get(r.request_id)
-            if not new and plp is None and r.request_id not in refused:
+            pooled = result.pooled.get(r.request_id)
+            if not new and plp is None and pooled is None and r.request_id not in refused:
                 continue
             outputs.append(CoreOutput(
                 request_id=r.request_id, new_token_ids=new,
                 logprobs=result.logprobs.get(r.request_id), prompt_logprobs=plp,
                 finish_reason=r.status.finish_reason, stop_reason=r.stop_reason,
-                num_cached_tokens=r.num_cached_tokens))
+                num_cached_tokens=r.num_cached_tokens,
+                pooling_output=None if pooled is None else PooledTensor.of(pooled)))
         return outputs

@@ -28,6 +28,7 @@ import zmq
 from runtime.config import EngineConfig
 from runtime.engine.core import CoreOutput, EngineCore
 from runtime.lora.request import LoRARequest
+from runtime.pooling.params import PoolingParams
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import SamplingParams
 
@@ -49,16 +50,18 @@ class CoreRequest(msgspec.Struct, array_like=True):
     sample_index: int
     leader_id: Union[str, None]
     lora_request: Union[LoRARequest, None] = None
+    pooling_params: Union[PoolingParams, None] = None
 
     @classmethod
     def of(cls, r: Request) -> "CoreRequest":
         return cls(r.request_id, r.prompt_token_ids, r.params, r.max_tokens, r.priority,
-                   r.arrival_time, r.parent_id, r.sample_index, r.leader_id, r.lora_request)
+                   r.arrival_time, r.parent_id, r.sample_index, r.leader_id, r.lora_request,
+                   r.pooling_params)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.params, self.max_tokens,
                        self.priority, self.arrival_time, self.parent_id, self.sample_index,
-                       self.leader_id, self.lora_request)
+                       self.leader_id, self.lora_request, self.pooling_params)
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):

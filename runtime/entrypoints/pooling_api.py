@@ -1,6 +1,9 @@
 """The pooling routes, as vLLM serves them: /v1/embeddings (OpenAI), /score, /rerank
 (Jina/Cohere shapes, also under /v1 and /v2) and /classify; and the check that keeps the
-generating routes away from a pooling model (and these routes away from a generating one)."""
+generating routes away from a pooling model (and these routes away from a generating one).
+
+Each input is a request of the engine core, which batches it with the other requests in flight
+(`AsyncLLM.encode`)."""
 from __future__ import annotations
 
 import base64
@@ -11,12 +14,12 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import Field
 
+from runtime.engine.async_llm import AsyncLLM
 from runtime.entrypoints.errors import bad_request
 from runtime.entrypoints.protocol import Body, Count, TokenId
 from runtime.entrypoints.serving import ServerState, check_model, new_id, state_of
-from runtime.pooling.async_engine import AsyncPoolingEngine
-from runtime.pooling.engine import PoolingEngine
 from runtime.pooling.params import PoolingParams
+from runtime.pooling.processor import PoolingInput, PoolingProcessor
 
 router = APIRouter()
 
@@ -59,17 +62,17 @@ class RerankRequest(Body):
 async def generation_only(raw: Request) -> None:
     """Router dependency of the generating APIs: a pooling model answers their POSTs 400."""
     engine = state_of(raw).engine
-    if raw.method == "POST" and getattr(engine, "pooling", False):
+    if raw.method == "POST" and getattr(engine, "pooling", None) is not None:
         raise bad_request(f"this model is a pooling model (embeddings, scoring, "
                           f"classification) and does not generate: {raw.url.path} is not "
                           f"served; use /v1/embeddings, /score, /rerank or /classify")
 
 
-def _pooling(state: ServerState, route: str) -> AsyncPoolingEngine:
-    if not isinstance(state.engine, AsyncPoolingEngine):
+def _pooling(state: ServerState, route: str) -> PoolingProcessor:
+    if state.engine.pooling is None:
         raise bad_request(f"this model generates text; {route} needs a pooling model "
                           f"(serve one with --runner pooling)")
-    return state.engine
+    return state.engine.pooling
 
 
 def _prompts(value: Any) -> list:
@@ -88,21 +91,26 @@ def _params(**fields: Any) -> PoolingParams:
         raise bad_request(str(e), param=next((f for f in fields if f in str(e)), None)) from None
 
 
-async def _run(engine: AsyncPoolingEngine, method: str, *args: Any) -> Any:
+def _checked(prepare, *args: Any) -> list[PoolingInput]:
+    """The engine inputs `prepare` makes of `args`; a bad input is a 400."""
     try:
-        return await engine.run(getattr(PoolingEngine, method), engine.engine, *args)
+        return prepare(*args)
     except ValueError as e:
         raise bad_request(str(e)) from None
 
 
 async def _pool_inputs(raw: Request, body: EmbeddingRequest | ClassificationRequest, route: str,
-                       method: str, params: PoolingParams) -> tuple[str, AsyncPoolingEngine, list]:
-    """The reported model name, the engine, and `method`'s outputs for each of `body.input`."""
+                       task: str, params: PoolingParams
+                       ) -> tuple[str, PoolingProcessor, list[PoolingInput], list]:
+    """The reported model name, the model's pooling processor, and the engine's inputs and
+    results for each of `body.input`."""
     state = state_of(raw)
     model = check_model(state, body.model)
-    engine = _pooling(state, route)
+    pooling = _pooling(state, route)
     prompts = _prompts(body.input)
-    return model, engine, await _run(engine, method, prompts, [params] * len(prompts))
+    inputs = _checked(pooling.inputs, prompts, [params] * len(prompts), task)
+    engine: AsyncLLM = state.engine
+    return model, pooling, inputs, await engine.encode(inputs)
 
 
 def _usage(outputs: list) -> dict:
@@ -120,7 +128,9 @@ def _encode_vector(vector: list[float], encoding_format: str) -> list[float] | s
 async def create_embedding(body: EmbeddingRequest, raw: Request) -> dict:
     params = _params(dimensions=body.dimensions,
                      truncate_prompt_tokens=body.truncate_prompt_tokens)
-    model, _, outputs = await _pool_inputs(raw, body, "/v1/embeddings", "embed", params)
+    model, pooling, inputs, results = await _pool_inputs(raw, body, "/v1/embeddings", "embed",
+                                                         params)
+    outputs = pooling.embedding_outputs(inputs, results)
     data = [{"object": "embedding", "index": i,
              "embedding": _encode_vector(o.outputs.embedding, body.encoding_format)}
             for i, o in enumerate(outputs)]
@@ -132,8 +142,10 @@ async def create_embedding(body: EmbeddingRequest, raw: Request) -> dict:
 @router.post("/v1/classify")
 async def create_classification(body: ClassificationRequest, raw: Request) -> dict:
     params = _params(truncate_prompt_tokens=body.truncate_prompt_tokens)
-    model, engine, outputs = await _pool_inputs(raw, body, "/classify", "classify", params)
-    labels = getattr(engine.hf_config, "id2label", None) or {}
+    model, pooling, inputs, results = await _pool_inputs(raw, body, "/classify", "classify",
+                                                         params)
+    outputs = pooling.classification_outputs(inputs, results)
+    labels = getattr(state_of(raw).engine.hf_config, "id2label", None) or {}
     data = []
     for i, o in enumerate(outputs):
         probs = o.outputs.probs
@@ -150,7 +162,7 @@ async def _score(raw: Request, model: str | None, route: str, first: str | list[
     goes with every `second`."""
     state = state_of(raw)
     model = check_model(state, model)
-    engine = _pooling(state, route)
+    pooling = _pooling(state, route)
     first = [first] if isinstance(first, str) else first
     second = [second] if isinstance(second, str) else second
     if len(first) == 1:
@@ -158,8 +170,9 @@ async def _score(raw: Request, model: str | None, route: str, first: str | list[
     if not second or len(first) != len(second):
         raise bad_request(f"scoring takes one text and a list, or two lists of one length; "
                           f"got {len(first)} and {len(second)}")
-    return model, await _run(engine, "score", first, second,
-                             _params(truncate_prompt_tokens=truncate))
+    inputs = _checked(pooling.score_inputs, first, second,
+                      _params(truncate_prompt_tokens=truncate))
+    return model, pooling.scoring_outputs(inputs, await state.engine.encode(inputs))
 
 
 @router.post("/score")

@@ -63,18 +63,13 @@ def load_pooler_config(folder: str | None, encoder_only: bool) -> PoolerConfig:
     return PoolerConfig(pooling_type, normalize, st.get("max_seq_length"))
 
 
-def pool(hidden: torch.Tensor, starts: list[int], pooling_type: str) -> torch.Tensor:
-    """One row per request from the flat hidden states [num_tokens, hidden]; request i owns rows
-    `starts[i]:starts[i + 1]`."""
+def pool_rows(rows: list[torch.Tensor], pooling_type: str) -> torch.Tensor:
+    """One vector per request from its hidden states [its tokens, hidden]."""
     if pooling_type == "CLS":
-        return hidden[starts[:-1]]
+        return torch.stack([x[0] for x in rows])
     if pooling_type == "LAST":
-        return hidden[[end - 1 for end in starts[1:]]]
-    lengths = torch.tensor([b - a for a, b in zip(starts, starts[1:])], device=hidden.device)
-    owner = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device), lengths)
-    sums = torch.zeros(len(lengths), hidden.size(1), dtype=torch.float32, device=hidden.device)
-    sums.index_add_(0, owner, hidden.float())
-    return sums / lengths.unsqueeze(1)
+        return torch.stack([x[-1] for x in rows])
+    return torch.stack([x.mean(0, dtype=torch.float32) for x in rows])
 
 
 def finish_embedding(vector: torch.Tensor, dimensions: int | None,

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from runtime.lora.request import LoRARequest
+from runtime.pooling.params import PoolingParams
 from runtime.sampling_params import SamplingParams
 
 
@@ -27,6 +29,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hits and blocks shared with an n > 1 sibling
     lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
+    pooling_params: PoolingParams | None = None  # set: a pooling request (runtime.pooling)
 
 
 @dataclass
@@ -82,6 +85,7 @@ class ScheduledRequest:
     # structured outputs: the allowed tokens of each sampled row (1 + len(spec_token_ids) rows)
     grammar_bitmask: np.ndarray | None = None
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -101,3 +105,5 @@ class StepOutput:
     # request id -> (position of the first entry, one entry per prompt position predicted)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for next step
+    # request id -> a pooling request's result, float32 on the host, in the step it finishes
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)

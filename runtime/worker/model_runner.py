@@ -35,6 +35,8 @@ class ModelRunner:
         self.proposer = None
         # puts each step's adapters in their slots (runtime.lora); set by the worker
         self.lora = None
+        # runs and pools the steps of a pooling model (runtime.pooling); set by the worker
+        self.pooling = None
 
     def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         """Give every attention layer its cache, in the layout its backend asks for.
@@ -56,7 +58,8 @@ class ModelRunner:
 
         `num_tokens` prefill tokens split over `num_reqs` requests, on a scratch KV cache just
         big enough for them (freed afterwards), then the logits and log-softmax of one row per
-        request (k + 1 when verifying k proposals), as sampling takes them.
+        request (k + 1 when verifying k proposals), as sampling takes them (a pooling model
+        takes none).
         """
         bs = self.block_size
         sizes = sorted(num_tokens // num_reqs + (i < num_tokens % num_reqs)
@@ -74,7 +77,7 @@ class ModelRunner:
         input_ids, positions, metadata, cu = self._prepare(reqs)
         with forward_context(metadata):
             hidden = self.model(input_ids, positions)
-        if hidden is not None:  # None: a pipeline stage before the last
+        if hidden is not None and self.pooling is None:  # None: a stage before the last
             rows = torch.as_tensor(cu[1:] - 1, device=self.device)
             if self.proposer is not None:  # each request verifies k + 1 rows
                 rows = rows.repeat_interleave(1 + self.proposer.k)
@@ -136,12 +139,17 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         if self.proposer is not None:
             self.proposer.drop(step.preempted_ids + step.finished_ids)
+        if self.pooling is not None:
+            self.pooling.drop(step.preempted_ids + step.finished_ids)
         return self.states.apply(step)
 
     @torch.inference_mode()
     def execute(self, reqs: list[ScheduledRequest]) -> StepOutput:
         out = StepOutput()
         if not reqs:
+            return out
+        if self.pooling is not None:
+            out.pooled = self.pooling.execute(reqs, self)
             return out
         # Decodes first: the attention backend batches them.
         reqs = sorted(reqs, key=lambda r: len(r.token_ids) > 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.lora.request import LoRARequest
+from runtime.pooling.params import PoolingParams
 from runtime.sampling_params import SamplingParams
 from runtime.worker.inputs import ScheduledRequest, StepInput
 
@@ -19,6 +20,7 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
 
 class RequestStates:
@@ -33,7 +35,7 @@ class RequestStates:
             self.requests[new.request_id] = RequestState(
                 new.params, new.sample_index, len(new.prompt_token_ids),
                 list(new.prompt_token_ids) + new.output_token_ids, list(new.block_ids),
-                new.num_computed_tokens, new.lora_request)
+                new.num_computed_tokens, new.lora_request, new.pooling_params)
         for change in step.cached_requests:
             state = self.requests[change.request_id]
             state.token_ids.extend(change.new_token_ids)
@@ -52,9 +54,11 @@ class RequestStates:
             request_id=request_id,
             token_ids=state.token_ids[start:start + num_tokens - len(spec)] + spec,
             start_pos=start, block_ids=state.block_ids,
-            sample=start + num_tokens - len(spec) >= len(state.token_ids),
+            sample=start + num_tokens - len(spec) >= len(state.token_ids)
+            and state.pooling_params is None,
             params=state.params, sample_index=state.sample_index,
             num_prompt_tokens=state.num_prompt_tokens, all_token_ids=state.token_ids,
             spec_token_ids=spec, num_lookahead=step.num_lookahead.get(request_id, 0),
             grammar_bitmask=None if row is None else
-            step.grammar_bitmask[row:row + 1 + len(spec)], lora_request=state.lora_request)
+            step.grammar_bitmask[row:row + 1 + len(spec)], lora_request=state.lora_request,
+            pooling_params=state.pooling_params)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -21,6 +22,9 @@ from runtime.layers.build_context import BuildContext
 from runtime.layers.custom_ops import CustomOps
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource, iterate_weights
+from runtime.pooling.models import is_encoder_only, pooling_model_class
+from runtime.pooling.pooler import load_pooler_config
+from runtime.pooling.runner import PoolingRunner
 from runtime.worker.inputs import StepInput, StepOutput
 from runtime.worker.micro_batches import merge_outputs, micro_batches
 from runtime.worker.model_runner import ModelRunner
@@ -61,9 +65,11 @@ class Worker:
                          head_size=mc.head_size, num_heads=mc.num_heads,
                          num_kv_heads=mc.num_kv_heads, sliding_window=mc.sliding_window,
                          block_size=self.config.block_size,
-                         # Pipeline stages exchange hidden states inside the forward pass: they
-                         # run it eagerly.
-                         enforce_eager=self.config.enforce_eager or self.layout.pp_size > 1)
+                         # Pipeline stages exchange hidden states inside the forward pass, and
+                         # pooling models never decode: they run it eagerly.
+                         enforce_eager=self.config.enforce_eager or self.layout.pp_size > 1
+                         or self.config.runner == "pooling",
+                         pooling=is_encoder_only(self.config, mc))
 
     def _build_context(self, backend: type, quant_config) -> BuildContext:
         layout, rank = self.layout, self.rank
@@ -96,12 +102,18 @@ class Worker:
         if raw_gguf and self.source.format != "gguf":
             raise ValueError(f"--quantization {quant_config.name} needs a .gguf model, "
                              f"got {self.source.path}")
-        model = self.build_model(mc.choice.model_class, mc.hf_config, mc.dtype, ctx, self.source,
-                                 raw_gguf)
+        model_class = mc.choice.model_class
+        if self.config.runner == "pooling":
+            model_class = pooling_model_class(model_class)
+        model = self.build_model(model_class, mc.hf_config, mc.dtype, ctx, self.source, raw_gguf)
         graph_runner = self.hook.runtime_graph_runner(platform=self.platform, model=info,
                                                       enforce_eager=info.enforce_eager)
         self.runner = ModelRunner(model, self.device, self.config.block_size, mc.vocab_size,
                                   graph_runner)
+        if self.config.runner == "pooling":
+            self.runner.pooling = PoolingRunner(model, load_pooler_config(
+                self.source.path if os.path.isdir(self.source.path) else None,
+                model_class.encoder_only), model_class.encoder_only)
         if self.config.enable_lora:
             from runtime.lora.manager import LoRAManager
             cfg = self.config
