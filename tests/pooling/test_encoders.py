@@ -74,9 +74,9 @@ def test_classifier_matches_transformers(arch, num_labels, tiny_model_factory):
             llm.embed("hello")
 
 
-def test_qwen3_last_token_embedder(tiny_model_factory, tmp_path):
+def qwen3_embedder(tiny_model_factory, tmp_path) -> tuple[str, transformers.Qwen3Model]:
     """The Qwen3-Embedding layout: a Qwen3Model checkpoint (no `model.` prefix) whose config
-    names Qwen3ForCausalLM, with last-token pooling and normalisation."""
+    names Qwen3ForCausalLM, with last-token pooling and normalisation; and the model."""
     src = tiny_model_factory("Qwen3ForCausalLM", head_dim=32)
     folder = str(tmp_path / "qwen3-embed")
     base = transformers.Qwen3Model.from_pretrained(src, dtype=torch.float32).eval()
@@ -89,6 +89,11 @@ def test_qwen3_last_token_embedder(tiny_model_factory, tmp_path):
         if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             os.symlink(os.path.join(src, name), os.path.join(folder, name))
     write_sentence_transformers(folder, "last", True)
+    return folder, base
+
+
+def test_qwen3_last_token_embedder(tiny_model_factory, tmp_path):
+    folder, base = qwen3_embedder(tiny_model_factory, tmp_path)
     llm = LLM(folder, dtype="float32")
     outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS])
     for i, p in enumerate(PROMPTS):

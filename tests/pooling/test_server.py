@@ -3,6 +3,7 @@ the real all-MiniLM-L6-v2, /score and /rerank, /classify on a tiny classifier, a
 model's 400s for the generating routes (tests/server/test_pooling_routes.py: the reverse)."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 
@@ -126,3 +127,48 @@ def test_classify(tiny_model_factory, tmp_path):
             assert row["num_classes"] == 3
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_concurrent_embedding_requests_are_batched(tiny_model_factory):
+    """Concurrent /v1/embeddings requests to the app run through one engine core, which
+    batches them: fewer core steps than requests, and each result equals LLM.embed's."""
+    from runtime import LLM
+    from runtime.config import EngineConfig
+    from runtime.engine.async_llm import AsyncLLM
+    from runtime.entrypoints.server import CORS, create_app
+    from runtime.metrics import Metrics
+    from tests.pooling.helpers import assert_close
+
+    path = tiny_model_factory("BertModel")
+    prompts = [[5 + i, 77, 301 + 3 * i] + list(range(300, 300 + 4 * i)) for i in range(12)]
+    offline = LLM(path, dtype="float32").embed([{"prompt_token_ids": p} for p in prompts])
+
+    async def serve() -> tuple[list[httpx.Response], list[int]]:
+        engine = AsyncLLM(EngineConfig(model=path, dtype="float32", num_threads=1))
+        await engine.start()
+        batches = []  # pooled results per core step, as the core's outputs arrive
+        handle = engine._handle
+
+        def recorded(replica, message):
+            batches.append(sum(o.pooling_output is not None for o in message.outputs))
+            handle(replica, message)
+
+        engine._handle = recorded
+        app = create_app(engine, Metrics("bert"), ["bert"], None, None, "v1", 1 << 20,
+                         CORS([], [], []), False)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://test") as client:
+                replies = await asyncio.gather(*(
+                    client.post("/v1/embeddings", json={"input": [p]}, timeout=60)
+                    for p in prompts))
+        finally:
+            await engine.shutdown()
+        return replies, [n for n in batches if n]
+
+    replies, batches = asyncio.run(serve())
+    assert sum(batches) == len(prompts) and len(batches) < len(prompts), batches
+    for reply, expected in zip(replies, offline):
+        assert reply.status_code == 200, reply.text
+        assert_close(torch.tensor(reply.json()["data"][0]["embedding"]),
+                     torch.tensor(expected.outputs.embedding), "served embedding")
