@@ -3,7 +3,9 @@
 
 Bidirectional attention through the attention backend's encoder-only mode (no KV cache). Module
 names follow the Hugging Face checkpoints (`embeddings.*`, `encoder.layer.{i}.*`, `pooler.*`,
-`classifier.*`), so weights load by name. One rank, unquantized.
+`classifier.*`), so weights load by name, but for the query, key and value projections, which
+load into one fused `qkv`. The encoder's dense layers run on the platform's `linear` kernel. One
+rank, unquantized.
 """
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ from torch import nn
 
 from runtime.layers.attention import Attention
 from runtime.layers.build_context import BuildContext
+from runtime.layers.linear import QKVParallelLinear, ReplicatedLinear
 from runtime.models.llama import default_weight_loader
 
 ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 # checkpoint tensors that are not weights of ours: buffers, and heads of other tasks
 IGNORED = ("position_ids", "cls.", "lm_head.")
+QKV_SHARDS = {"attention.self.query.": "q", "attention.self.key.": "k",
+              "attention.self.value.": "v"}
 
 
 class BertEmbeddings(nn.Module):
@@ -44,21 +49,19 @@ class BertSelfAttention(nn.Module):
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
         head_size = hidden // heads
-        self.query = nn.Linear(hidden, hidden)
-        self.key = nn.Linear(hidden, hidden)
-        self.value = nn.Linear(hidden, hidden)
+        self.qkv = QKVParallelLinear(hidden, head_size, heads, heads, True, ctx)
         self.attn = Attention(heads, head_size, head_size ** -0.5, heads, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attn(self.query(x), self.key(x), self.value(x))
+        return self.attn(*self.qkv(x).chunk(3, dim=-1))
 
 
 class BertOutput(nn.Module):
     """`LayerNorm(dense(x) + residual)`: the output block after attention and after the MLP."""
 
-    def __init__(self, config, in_features: int) -> None:
+    def __init__(self, config, in_features: int, ctx: BuildContext) -> None:
         super().__init__()
-        self.dense = nn.Linear(in_features, config.hidden_size)
+        self.dense = ReplicatedLinear(in_features, config.hidden_size, True, ctx)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -69,19 +72,19 @@ class BertAttention(nn.Module):
     def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
         self.self = BertSelfAttention(config, ctx)
-        self.output = BertOutput(config, config.hidden_size)
+        self.output = BertOutput(config, config.hidden_size, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output(self.self(x), x)
 
 
 class BertIntermediate(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
         if config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"activation {config.hidden_act!r} is not supported; supported: "
                              f"{', '.join(ACTIVATIONS)}")
-        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.dense = ReplicatedLinear(config.hidden_size, config.intermediate_size, True, ctx)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,8 +95,8 @@ class BertLayer(nn.Module):
     def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
         self.attention = BertAttention(config, ctx)
-        self.intermediate = BertIntermediate(config)
-        self.output = BertOutput(config, config.intermediate_size)
+        self.intermediate = BertIntermediate(config, ctx)
+        self.output = BertOutput(config, config.intermediate_size, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.attention(x)
@@ -137,6 +140,7 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config, ctx)
         self.pooler = BertPooler(config) if add_pooler else None
+        self.to(ctx.dtype)  # torch.nn layers are made in float32
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,12 +155,20 @@ class BertModel(nn.Module):
 
 def load_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  prefix: str = "") -> set[str]:
-    """Copy checkpoint tensors into the parameters of the same name (a leading `prefix` dropped);
-    tensors of heads this model lacks (a pooler it does not use, an MLM head) are skipped."""
+    """Copy checkpoint tensors into the parameters of the same name (a leading `prefix` dropped;
+    query, key and value into their shard of the fused `qkv`); tensors of heads this model
+    lacks (a pooler it does not use, an MLM head) are skipped."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for name, tensor in weights:
         name = name.removeprefix(prefix)
+        shard = next(((part, s) for part, s in QKV_SHARDS.items() if part in name), None)
+        if shard is not None:
+            name = name.replace(shard[0], "attention.self.qkv.")
+            if name in params:
+                params[name].weight_loader(params[name], tensor, shard[1])
+                loaded.add(name)
+                continue
         if name not in params:
             if name.startswith("pooler.") or any(part in name for part in IGNORED):
                 continue
@@ -177,7 +189,7 @@ class BertForSequenceClassification(nn.Module):
         super().__init__()
         self.config = config
         self.bert = BertModel(config, ctx, add_pooler=True)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels, dtype=ctx.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -40,7 +40,7 @@ class RobertaForSequenceClassification(nn.Module):
         super().__init__()
         self.config = config
         self.roberta = RobertaModel(config, ctx)
-        self.classifier = RobertaClassificationHead(config)
+        self.classifier = RobertaClassificationHead(config).to(ctx.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
