@@ -48,3 +48,15 @@ def test_minilm_embeddings_match_transformers(minilm, monkeypatch):
     scores = llm.score(SENTENCES[0], SENTENCES[1:])
     for score, j in zip(scores, range(1, 4)):
         assert abs(score.outputs.score - (ref[0] @ ref[j]).item()) < 1e-5
+
+
+def test_minilm_bfloat16(minilm, monkeypatch):
+    """dtype="bfloat16" runs the encoder in bfloat16 (its torch.nn layers once stayed float32),
+    close to the float32 reference."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    llm = LLM(minilm, dtype="bfloat16")
+    model = llm.pooling.core.executor.worker.runner.model
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    ours = torch.tensor([o.outputs.embedding for o in llm.embed(SENTENCES)])
+    cosine = F.cosine_similarity(ours, reference_embeddings(minilm, SENTENCES), dim=-1)
+    assert cosine.min().item() >= 0.995, cosine
