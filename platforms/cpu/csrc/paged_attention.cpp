@@ -87,6 +87,45 @@ inline float dot(const float* q, const T* k, int64_t n) {
   return hsum(a0 + a1);
 }
 
+// Lane t of the result: the sum of the 16 lanes of part[t]. Four levels of shuffles and adds
+// for 16 sums, where 16 horizontal sums take four levels each.
+inline v16f reduce16(const v16f* part) {
+  v16f l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i)  // lanes 8i'..: 8 partial sums of rows 2i, 2i + 1
+    l1[i] = __builtin_shufflevector(part[2 * i], part[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16,
+                                    17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(part[2 * i], part[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15,
+                                    24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // 4 partial sums of rows 4i .. 4i + 3
+    l2[i] = __builtin_shufflevector(l1[2 * i], l1[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                    18, 19, 24, 25, 26, 27) +
+            __builtin_shufflevector(l1[2 * i], l1[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                    22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // 2 partial sums of rows 8i .. 8i + 7
+    l3[i] = __builtin_shufflevector(l2[2 * i], l2[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                    20, 21, 24, 25, 28, 29) +
+            __builtin_shufflevector(l2[2 * i], l2[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                    22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                 26, 28, 30) +
+         __builtin_shufflevector(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
+// Lane t: the dot product of q with the t-th of 16 K rows `stride` apart; HEAD is a multiple
+// of 16.
+template <int HEAD, typename C>
+inline v16f dot16(const float* q, const C* k, int64_t stride) {
+  v16f part[16];
+  for (int t = 0; t < 16; ++t) {
+    const C* row = k + t * stride;
+    v16f a = load16(q) * load16(row);
+    for (int j = 16; j < HEAD; j += 16) a += load16(q + j) * load16(row + j);
+    part[t] = a;
+  }
+  return reduce16(part);
+}
+
 // HEAD > 0 fixes the head size at compile time, so the loops unroll and the output row
 // stays in registers; HEAD == 0 reads it at run time.
 template <typename T, typename C, int HEAD>
@@ -132,7 +171,14 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
         const int64_t hi = std::min(len, (b + 1) * block_size);
         const C* k = k_ptr + table[b] * kb_stride + kvh * kh_stride +
                      (lo - b * block_size) * kt_stride;
-        for (int64_t t = lo; t < hi; ++t, k += kt_stride)
+        int64_t t = lo;
+        if constexpr (HEAD > 0 && HEAD % 16 == 0 && std::is_same_v<CacheVec<C>, v16f>) {
+          for (; t + 16 <= hi; t += 16, k += 16 * kt_stride)
+            for (int64_t g = 0; g < group; ++g)
+              store16(scores.data() + g * n + (t - first),
+                      dot16<HEAD>(q.data() + g * head_size, k, kt_stride));
+        }
+        for (; t < hi; ++t, k += kt_stride)
           for (int64_t g = 0; g < group; ++g)
             scores[g * n + (t - first)] = dot(q.data() + g * head_size, k, head_size);
       }
