@@ -118,20 +118,42 @@ def run_runtime(spec: dict[str, Any]) -> dict[str, Any]:
     from runtime.lora.request import parse_lora_modules
     loras = list(parse_lora_modules(spec.get("lora_modules")).values()) or [None]
 
+    schemas = spec.get("structured_outputs")  # a JSON schema per request, or None
+    decode_steps: list[tuple[float, int]] = []  # (seconds, batch size) of the decode steps
+    core = engine.core
+
+    def params(i: int, n: int) -> SamplingParams:
+        constraint = None
+        if schemas:
+            from runtime.structured_output import StructuredOutputsParams
+            constraint = StructuredOutputsParams(json=schemas[i], disable_any_whitespace=True)
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                              structured_outputs=constraint)
+
+    def decoding() -> bool:
+        """Every request is in the batch with its prompt computed."""
+        return not core.scheduler.num_waiting() and not (core.structured and
+                                                         core.structured.waiting) and \
+            all(r.num_computed_tokens >= r.num_prompt_tokens for r in core.scheduler.running)
+
     def drain(batch: list[tuple[list[int], int]]) -> tuple[list, int]:
         for i, (ids, n) in enumerate(batch):
-            engine.add_request({"prompt_token_ids": ids},
-                               SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+            engine.add_request({"prompt_token_ids": ids}, params(i, n),
                                lora_request=loras[i % len(loras)])
         finished, peak = [], 0
         while engine.has_unfinished_requests():
+            steady, batch_size, begin = decoding(), len(core.scheduler.running), \
+                time.perf_counter()
             finished += [out for out in engine.step() if out.finished]
+            if steady:
+                decode_steps.append((time.perf_counter() - begin, batch_size))
             peak = max(peak, pool.num_blocks - pool.num_free_blocks)
         return finished, peak
 
     if spec.get("warmup", True):
         drain([(requests[0][0], min(4, requests[0][1]))])
         pool.reset_prefix_cache()
+        decode_steps.clear()
     spec_stats = engine.core.scheduler.spec_stats
     before = (spec_stats.num_draft_tokens, spec_stats.num_accepted_tokens, spec_stats.num_drafts)
     start = time.perf_counter()
@@ -155,7 +177,10 @@ def run_runtime(spec: dict[str, Any]) -> dict[str, Any]:
             "kv_peak_bytes": peak_blocks * per_block,
             "kv_capacity_bytes": pool.num_blocks * per_block,
             "kv_peak_usage": peak_blocks / pool.num_blocks, "ttft_s": ttft, "tpot_s": tpot,
-            "spec_draft_tokens": drafted, "spec_accepted_tokens": accepted, "spec_drafts": steps}
+            "spec_draft_tokens": drafted, "spec_accepted_tokens": accepted, "spec_drafts": steps,
+            "decode_steps": len(decode_steps),
+            "decode_step_s": sum(t for t, _ in decode_steps) / max(1, len(decode_steps)),
+            "decode_batch": sum(b for _, b in decode_steps) / max(1, len(decode_steps))}
 
 
 def load_hf_model(model: str, dtype: Any):

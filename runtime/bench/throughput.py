@@ -15,6 +15,7 @@ from runtime.bench.backends import BACKENDS, run_in_subprocess
 from runtime.bench.datasets import (SampleRequest, add_dataset_args, build_requests, describe,
                                     workload_text)
 from runtime.bench.metrics import format_table, throughput, write_json
+from runtime.bench.structured import STRUCTURED_OUTPUTS, overhead, schemas
 from runtime.cli.engine_args import add_engine_args, engine_kwargs
 from runtime.config import parse_size
 from runtime.spec_decode.stats import SpecDecodeStats
@@ -24,7 +25,8 @@ COLUMNS = [("backend", "backend"), ("version", "version"), ("requests_per_s", "r
            ("total_tokens_per_s", "total tok/s"), ("output_tokens_per_s", "output tok/s"),
            ("elapsed_s", "time s"), ("kv_peak_mib", "KV peak MiB"),
            ("kv_peak_usage", "KV peak %"), ("spec_acceptance", "spec accept %"),
-           ("spec_mean_accepted_length", "spec tok/step"), ("allocator", "allocator")]
+           ("spec_mean_accepted_length", "spec tok/step"), ("decode_step_ms", "decode ms/step"),
+           ("allocator", "allocator")]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                         help="runtime: LoRA adapters the requests take in turn (request i the "
                              "adapter i mod N), all in the same batches (docs/lora.md)")
+    parser.add_argument("--structured-outputs", choices=STRUCTURED_OUTPUTS, default=None,
+                        help="runtime: run the requests again, each constrained to a JSON schema "
+                             "(json: one schema for all, json-unique: one each), and report the "
+                             "grammar's cost per decode step (docs/structured_outputs.md)")
     add_dataset_args(parser)
     add_engine_args(parser)
     common.add_output_args(parser)
@@ -87,6 +93,9 @@ def summarize(result: dict[str, Any], requests: list[SampleRequest]) -> dict[str
     row.update(throughput(len(requests), sum(len(r.prompt_token_ids) for r in requests),
                           result["output_tokens"], result["elapsed_s"]))
     row["output_tokens"] = result["output_tokens"]
+    if result.get("decode_steps"):
+        row["decode_step_ms"] = 1000.0 * result["decode_step_s"]
+        row["decode_batch"] = result["decode_batch"]
     for key in ("kv_peak_bytes", "kv_capacity_bytes"):
         if result.get(key) is not None:
             row[key.replace("bytes", "mib")] = result[key] / 2**20
@@ -111,14 +120,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     machine = common.machine_info(threads)  # before any backend loads the machine
     tokenizer = common.load_tokenizer(model, args.tokenizer)
     requests = build_requests(args, tokenizer)
+    structured = getattr(args, "structured_outputs", None)
+    if structured and backends != ["runtime"]:
+        raise ValueError("--structured-outputs runs on the runtime backend only")
     rows = []
     for backend in backends:
         print(f"running {backend} ...", file=sys.stderr, flush=True)
         spec = make_spec(backend, model, args, dtype, threads, requests, tokenizer)
         python = args.vllm_python if backend == "vllm" else sys.executable
         rows.append(summarize(run_in_subprocess(spec, python, args.timeout), requests))
-    return {"command": "throughput", "model": model, "dtype": dtype, "num_threads": threads,
-            "workload": describe(args), "machine": machine, "results": rows}
+    result = {"command": "throughput", "model": model, "dtype": dtype, "num_threads": threads,
+              "workload": describe(args), "machine": machine, "results": rows}
+    if structured:
+        print(f"running runtime with {structured} schemas ...", file=sys.stderr, flush=True)
+        spec["structured_outputs"] = schemas(structured, len(requests))
+        row = summarize(run_in_subprocess(spec, sys.executable, args.timeout), requests)
+        rows.append({**row, "backend": f"runtime+{structured}"})
+        if "error" not in rows[0] and "error" not in row:
+            result["structured_outputs"] = {"kind": structured, **overhead(rows[0], row)}
+    return result
 
 
 def report(result: dict[str, Any]) -> str:
@@ -132,6 +152,14 @@ def report(result: dict[str, Any]) -> str:
         lines.append(f"warning: the backends ran under different allocators {sorted(allocators)}")
     if any(a.startswith("glibc (default") for a in allocators):
         lines.append(common.ALLOCATOR_NOTE)
+    so = result.get("structured_outputs")
+    if so:
+        lines.append(f"structured outputs ({so['kind']}): decode step "
+                     f"{so['plain_decode_step_ms']:.1f} ms unconstrained, "
+                     f"{so['structured_decode_step_ms']:.1f} ms with grammars "
+                     f"({so.get('decode_step_overhead_pct', float('nan')):+.1f} %); output "
+                     f"{so['plain_output_tokens_per_s']:.1f} -> "
+                     f"{so['structured_output_tokens_per_s']:.1f} tok/s")
     if common.busy_warning(result["machine"]):
         lines.append(common.busy_warning(result["machine"]))
     return "\n".join(lines)
