@@ -16,13 +16,14 @@ from runtime.entrypoints.errors import bad_request
 from runtime.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 # JSON numbers as the engine takes them: integers are never booleans or floats, and fit int64;
-# floats are finite. Limits that depend on the model (the vocabulary, the context) are checked
-# after tokenization and answered with a 400 that names them.
+# floats are finite numbers (an integer passes; a boolean or a string does not). Limits that
+# depend on the model (the vocabulary, the context) are checked after tokenization and answered
+# with a 400 that names them.
 Int64 = Annotated[int, Field(strict=True, ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
 TokenId = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
 Logprobs = Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)]
-Float = Annotated[float, Field(allow_inf_nan=False)]
+Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Text = Annotated[str, Field(min_length=1)]
 
 
