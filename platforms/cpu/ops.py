@@ -10,6 +10,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from runtime.plugins import lora_ops as portable_lora
+from runtime.plugins.lora_ops import LoRABatch
 from runtime.plugins.ops import add_rms_norm as portable_add_rms_norm
 from runtime.plugins.ops import rms_norm as portable_rms_norm
 from runtime.plugins.ops import rotary_embedding as portable_rotary_embedding
@@ -49,6 +51,25 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         return portable_rotary_embedding(positions, query, key, cos_sin_cache, head_size)
     torch.ops.runtime_cpu.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
     return query, key
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+    if not (x.stride(-1) == 1 and x.size(-1) % 16 == 0 and a.is_contiguous()
+            and a.dtype == x.dtype):
+        return portable_lora.lora_shrink(x, a, batch)
+    return torch.ops.runtime_cpu.lora_shrink(x, a, batch.token_indices, batch.seg_starts,
+                                             batch.seg_slots)
+
+
+def lora_expand(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, batch: LoRABatch,
+                offsets: list[int]) -> torch.Tensor:
+    """The kernel reads b with contiguous columns (stored [slots, rank, out], as the LoRA
+    layers hold it) and slices whose offsets are multiples of 16."""
+    if not (y.stride(-1) == 1 and b.stride(1) == 1 and b.dtype == y.dtype
+            and all(o % 16 == 0 for o in offsets)):
+        return portable_lora.lora_expand(y, buf, b, batch, offsets)
+    return torch.ops.runtime_cpu.lora_expand(y, buf.float().contiguous(), b, batch.token_indices,
+                                             batch.seg_starts, batch.seg_slots, offsets)
 
 
 # oneDNN with a pre-packed weight beats MKL's sgemm (which re-packs the weight every call) on
@@ -95,4 +116,4 @@ def linear(weight: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor | None]
 
 # The ops that need the built kernels (`linear` is torch's own oneDNN and needs no build).
 OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul,
-       "rotary_embedding": rotary_embedding}
+       "rotary_embedding": rotary_embedding, "lora_shrink": lora_shrink, "lora_expand": lora_expand}

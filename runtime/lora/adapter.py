@@ -11,7 +11,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Container
 
 import torch
 
@@ -56,16 +56,29 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
             for i in range(hf_config.num_hidden_layers) for name, shape in per_layer.items()}
 
 
-def _read_config(request: LoRARequest) -> dict[str, Any]:
-    path = request.lora_path
-    config_file = os.path.join(path, "adapter_config.json")
+def check_files(request: LoRARequest) -> None:
+    """Raise ValueError unless the adapter's folder still holds its two files (a cheap check
+    for an adapter validated earlier, whose folder may have gone since)."""
+    path, name = request.lora_path, request.lora_name
     if not os.path.isdir(path):
-        raise ValueError(f"LoRA adapter {request.lora_name!r}: no folder at {path!r}")
-    if not os.path.isfile(config_file):
-        raise ValueError(f"LoRA adapter {request.lora_name!r}: {path!r} has no "
-                         "adapter_config.json (a PEFT adapter folder is expected)")
-    with open(config_file) as f:
-        config = json.load(f)
+        raise ValueError(f"LoRA adapter {name!r}: no folder at {path!r}")
+    for file in ("adapter_config.json", "adapter_model.safetensors"):
+        if not os.path.isfile(os.path.join(path, file)):
+            raise ValueError(f"LoRA adapter {name!r}: {path!r} has no {file} (a PEFT adapter "
+                             "folder is expected)")
+
+
+def _read_config(request: LoRARequest) -> dict[str, Any]:
+    config_file = os.path.join(request.lora_path, "adapter_config.json")
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"LoRA adapter {request.lora_name!r}: cannot read {config_file}: "
+                         f"{e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {request.lora_name!r}: {config_file} is not a JSON "
+                         "object")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"LoRA adapter {request.lora_name!r}: peft_type must be LORA, got "
                          f"{config.get('peft_type')!r}")
@@ -85,10 +98,28 @@ def _read_config(request: LoRARequest) -> dict[str, Any]:
     return config
 
 
+def _read_tensors(request: LoRARequest, wanted: Callable[[str], bool],
+                  ) -> dict[str, tuple[tuple[int, ...], torch.Tensor | None]]:
+    """Every tensor's shape, and the tensor itself where `wanted(key)`; a file that cannot be
+    read (gone, unreadable, corrupt) is a ValueError."""
+    from safetensors import SafetensorError, safe_open
+    weights_file = os.path.join(request.lora_path, "adapter_model.safetensors")
+    try:
+        with safe_open(weights_file, framework="pt") as f:
+            return {key: (tuple(f.get_slice(key).get_shape()),
+                          f.get_tensor(key) if wanted(key) else None) for key in f.keys()}
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"LoRA adapter {request.lora_name!r}: cannot read {weights_file}: "
+                         f"{e}") from None
+
+
 def load_adapter(request: LoRARequest, hf_config: Any, max_lora_rank: int,
-                 dtype: torch.dtype = torch.float32) -> LoRAAdapter:
-    """Read and check the adapter `request` names; ValueError says what is wrong with it."""
-    from safetensors.torch import load_file
+                 dtype: torch.dtype = torch.float32,
+                 layers: Container[str] | None = None) -> LoRAAdapter:
+    """Read and check the adapter `request` names; ValueError says what is wrong with it.
+    With `layers` (our layers' module paths, a pipeline stage's), only their weights are
+    read; every module's shapes are checked."""
+    check_files(request)
     config = _read_config(request)
     rank = int(config["r"])
     name = request.lora_name
@@ -97,14 +128,18 @@ def load_adapter(request: LoRARequest, hf_config: Any, max_lora_rank: int,
                          f"{max_lora_rank} (raise --max-lora-rank)")
     alpha = float(config.get("lora_alpha", rank))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    weights_file = os.path.join(request.lora_path, "adapter_model.safetensors")
-    if not os.path.isfile(weights_file):
-        raise ValueError(f"LoRA adapter {name!r}: {request.lora_path!r} has no "
-                         "adapter_model.safetensors")
-    tensors = load_file(weights_file)
+
+    def our_layer(module: str) -> str:
+        parent, _, leaf = module.rpartition(".")
+        return f"{parent}.{TARGETS[leaf][0]}" if leaf in TARGETS else module
+
+    def wanted(key: str) -> bool:
+        module = key.removeprefix(_PREFIX).rpartition(".lora_")[0]
+        return layers is None or our_layer(module) in layers
+
     shapes = module_shapes(hf_config)
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    pairs: dict[str, dict[str, tuple[tuple[int, ...], torch.Tensor | None]]] = {}
+    for key, entry in _read_tensors(request, wanted).items():
         module, _, kind = key.removeprefix(_PREFIX).rpartition(".lora_")
         if kind not in ("A.weight", "B.weight"):
             raise ValueError(f"LoRA adapter {name!r}: unsupported tensor {key!r} (only "
@@ -113,19 +148,19 @@ def load_adapter(request: LoRARequest, hf_config: Any, max_lora_rank: int,
             raise ValueError(f"LoRA adapter {name!r}: module {module!r} is not in the model; "
                              f"allowed: {sorted(TARGETS)} of layers 0.."
                              f"{hf_config.num_hidden_layers - 1}")
-        pairs.setdefault(module, {})[kind[0]] = tensor
+        pairs.setdefault(module, {})[kind[0]] = entry
     weights = {}
     for module, pair in pairs.items():
         out_size, in_size = shapes[module]
-        a, b = pair.get("A"), pair.get("B")
-        if a is None or b is None:
+        if "A" not in pair or "B" not in pair:
             raise ValueError(f"LoRA adapter {name!r}: {module} lacks lora_A or lora_B")
-        if a.shape != (rank, in_size) or b.shape != (out_size, rank):
-            raise ValueError(f"LoRA adapter {name!r}: {module} has A {tuple(a.shape)} and B "
-                             f"{tuple(b.shape)}, this model needs A {(rank, in_size)} and B "
+        (a_shape, a), (b_shape, b) = pair["A"], pair["B"]
+        if a_shape != (rank, in_size) or b_shape != (out_size, rank):
+            raise ValueError(f"LoRA adapter {name!r}: {module} has A {a_shape} and B "
+                             f"{b_shape}, this model needs A {(rank, in_size)} and B "
                              f"{(out_size, rank)}: is it for another base model?")
-        parent, _, leaf = module.rpartition(".")
-        layer, index = TARGETS[leaf]
-        weights[(f"{parent}.{layer}", index)] = LoRAWeights(
+        if a is None or b is None:  # another pipeline stage's layer
+            continue
+        weights[(our_layer(module), TARGETS[module.rpartition(".")[2]][1])] = LoRAWeights(
             a.to(dtype), (b.float() * scaling).to(dtype))
     return LoRAAdapter(request.lora_int_id, name, rank, weights)

@@ -51,20 +51,20 @@ class LoRALinear(nn.Module):
     ranks (all-reduce), then every rank adds the same delta to the all-reduced output."""
 
     def __init__(self, base: LinearBase, max_loras: int, max_rank: int, step: StepLoRA,
-                 shrink: Callable, expand: Callable) -> None:
+                 shrink: Callable, expand: Callable, dtype: torch.dtype) -> None:
         super().__init__()
         self.base = base
         self.step = step
         self.shrink, self.expand = shrink, expand
         sizes = slice_sizes(base)
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        # float32 whatever the model's dtype: the adapters are small, the sums exact enough,
-        # and CPU matmuls of bf16 at these skinny shapes are ~100x slower than float32
         device = next(base.parameters()).device
         self.register_buffer("a", torch.zeros(max_loras, len(sizes), max_rank, base.input_size,
-                                              device=device))
-        self.register_buffer("b", torch.zeros(max_loras, base.output_size, max_rank,
-                                              device=device))
+                                              dtype=dtype, device=device))
+        # B is [slots, out, rank] stored as [slots, rank, out]: a kernel's expand then reads
+        # each rank's row of output columns contiguously
+        self.register_buffer("b", torch.zeros(max_loras, max_rank, base.output_size, dtype=dtype,
+                                              device=device).transpose(1, 2))
 
     def set_slot(self, slot: int, slices: dict[int, LoRAWeights]) -> None:
         """Put one adapter's weights for this layer's slices in `slot` (absent slices: zero)."""

@@ -31,42 +31,62 @@ class LoRAManager:
         self.step = StepLoRA()
         shrink = custom_op("lora_shrink") or lora_shrink
         expand = custom_op("lora_expand") or lora_expand
+        # the adapters are held in the model's dtype (its norms': its linear layers may be
+        # quantized); the ops sum their products in float32
+        self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.layers: dict[str, LoRALinear] = {}
         for name, module in list(model.named_modules()):
             if name.rpartition(".")[2] in _LAYER_NAMES and isinstance(module, LinearBase):
-                wrapped = LoRALinear(module, max_loras, max_lora_rank, self.step, shrink, expand)
+                wrapped = LoRALinear(module, max_loras, max_lora_rank, self.step, shrink, expand,
+                                     self.dtype)
                 parent, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(parent), leaf, wrapped)
                 self.layers[name] = wrapped
-        self.dtype = next(iter(self.layers.values())).a.dtype
         self.slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # adapter id -> weights, LRU first
+        self.failed: dict[int, str] = {}  # the step's adapters that could not be read -> why
 
     def prepare(self, lora_requests: Sequence[LoRARequest | None],
                 query_lens: np.ndarray) -> None:
         """Slots for the step's adapters (one entry per request, in batch order), and each
-        token's slot for the LoRA layers."""
+        token's slot for the LoRA layers. An adapter that cannot be read now (its folder gone
+        or corrupt since it was checked) runs its tokens on the base model, and
+        `fail_requests` ends its requests; the others run on."""
         wanted = {r.lora_int_id: r for r in lora_requests if r is not None}
-        if not wanted:
-            self.step.batch = None
-            return
+        self.failed = failed = {}
         if len(wanted) > self.max_loras:
             raise RuntimeError(f"a step holds {len(wanted)} adapters, max_loras is "
                                f"{self.max_loras} (the scheduler must not form it)")
         for request in wanted.values():
-            self._activate(request, set(wanted))
-        per_request = np.array([-1 if r is None else self.slots[r.lora_int_id]
-                                for r in lora_requests], dtype=np.int64)
+            try:
+                self._activate(request, set(wanted))
+            except ValueError as e:
+                failed[request.lora_int_id] = str(e)
+        per_request = np.array([self.slots[r.lora_int_id] if r is not None and
+                                r.lora_int_id not in failed else -1 for r in lora_requests],
+                               dtype=np.int64)
+        if (per_request < 0).all():
+            self.step.batch = None
+            return
         token_slots = torch.from_numpy(np.repeat(per_request, query_lens)).to(self.device)
-        groups = [(slot, (token_slots == slot).nonzero().squeeze(1))
-                  for slot in sorted(set(per_request.tolist()) - {-1})]
-        self.step.batch = LoRABatch(token_slots, groups)
+        self.step.batch = LoRABatch.build(token_slots)
+
+    def fail_requests(self, reqs: Sequence[Any], out: Any) -> None:
+        """Mark the step's requests (the runner's ScheduledRequests, its StepOutput) whose adapter could not be read as failed (the engine ends
+        them with the error), dropping what the base model computed for them."""
+        for r in reqs:
+            if r.lora_request is not None and r.lora_request.lora_int_id in self.failed:
+                out.failed[r.request_id] = self.failed[r.lora_request.lora_int_id]
+                for results in (out.sampled, out.logprobs, out.prompt_logprobs,
+                                out.draft_token_ids):
+                    results.pop(r.request_id, None)
 
     def _activate(self, request: LoRARequest, needed: set[int]) -> None:
         lora_id = request.lora_int_id
         if lora_id in self.slots:
             self.slots.move_to_end(lora_id)
             return
+        adapter = self._host_copy(request)
         used = set(self.slots.values())
         free = [s for s in range(self.max_loras) if s not in used]
         if free:
@@ -74,7 +94,6 @@ class LoRAManager:
         else:
             victim = next(i for i in self.slots if i not in needed)
             slot = self.slots.pop(victim)
-        adapter = self._host_copy(request)
         by_layer: dict[str, dict] = {}
         for (layer, index), weights in adapter.weights.items():
             by_layer.setdefault(layer, {})[index] = weights
@@ -85,7 +104,8 @@ class LoRAManager:
     def _host_copy(self, request: LoRARequest) -> LoRAAdapter:
         adapter = self.cpu.get(request.lora_int_id)
         if adapter is None:
-            adapter = load_adapter(request, self.hf_config, self.max_lora_rank, self.dtype)
+            adapter = load_adapter(request, self.hf_config, self.max_lora_rank, self.dtype,
+                                   self.layers)
             self.cpu[request.lora_int_id] = adapter
             while len(self.cpu) > self.max_cpu_loras:
                 self.cpu.popitem(last=False)
