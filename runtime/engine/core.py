@@ -170,8 +170,9 @@ class EngineCore:
             step_input.grammar_bitmask, step_input.grammar_rows = \
                 self.structured.bitmask(sched.scheduled)
         result = self.executor.execute(step_input)
-        refused = {} if self.structured is None else \
-            self.structured.accept(sched.scheduled, result.sampled)
+        refused = dict(result.failed)  # e.g. a LoRA adapter that could not be read
+        if self.structured is not None:
+            refused.update(self.structured.accept(sched.scheduled, result.sampled))
         finished = self.scheduler.update(sched, result.sampled, result.draft_token_ids)
         for request_id, error in refused.items():
             logger.error("request %s: %s", request_id, error)

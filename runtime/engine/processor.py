@@ -17,7 +17,7 @@ from runtime.engine.output_processor import OutputKind, OutputProcessor
 from runtime.generation_config import generation_defaults
 from runtime.model_loader.source import ModelSource, load_tokenizer
 from runtime.outputs import RequestOutput
-from runtime.lora.adapter import load_adapter
+from runtime.lora.adapter import check_files, load_adapter
 from runtime.lora.request import LoRARequest
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
@@ -75,6 +75,7 @@ class Processor:
         """Raise ValueError if the engine cannot run this adapter (LoRA off, or the folder is
         missing, of too high a rank, for modules or shapes this model lacks)."""
         if lora_request in self.checked_loras:
+            check_files(lora_request)  # its folder may have gone since
             return
         if not self.config.enable_lora:
             raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is "

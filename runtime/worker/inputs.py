@@ -107,3 +107,5 @@ class StepOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for next step
     # request id -> a pooling request's result, float32 on the host, in the step it finishes
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
+    # request id -> why it ends here with an error (its LoRA adapter could not be read)
+    failed: dict[str, str] = field(default_factory=dict)

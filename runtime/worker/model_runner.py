@@ -167,6 +167,8 @@ class ModelRunner:
             self._sample(reqs, sampling, hidden, cu, out)
         if self.proposer is not None:
             out.draft_token_ids = self.proposer.propose(reqs, out.sampled, self)
+        if self.lora is not None:
+            self.lora.fail_requests(reqs, out)
         return out
 
     def _sample(self, reqs: list[ScheduledRequest], sampling: list[int], hidden: torch.Tensor,
