@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -69,3 +70,37 @@ def test_lora_request_count_must_match(llm, lora_setup):
     with pytest.raises(ValueError, match="got 2 lora requests for 1 prompts"):
         llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False,
                      lora_request=[requests["qv"], None])
+
+
+def copy_adapter(source: str, path) -> str:
+    shutil.copytree(source, path)
+    return str(path)
+
+
+def test_an_adapter_that_goes_bad_after_its_check_fails_only_its_requests(llm, lora_setup,
+                                                                           tmp_path):
+    """Checked, then corrupt by the time the worker reads it: its requests end with the error
+    (finish_reason abort), the rest of the batch runs on; gone by then: refused when queued."""
+    _, requests, refs = lora_setup
+    corrupt = LoRARequest("corrupt", 21, copy_adapter(requests["all"].lora_path,
+                                                      tmp_path / "corrupt"))
+    llm.engine.processor.check_lora(corrupt)
+    with open(os.path.join(corrupt.lora_path, "adapter_model.safetensors"), "wb") as f:
+        f.write(b"not a safetensors file")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    outputs = llm.generate(prompts * 3, GREEDY, use_tqdm=False,
+                           lora_request=[requests["qv"]] * 2 + [corrupt] * 2 + [None] * 2)
+    assert_matches_hf(outputs[:2], refs["qv"][:2])
+    assert_matches_hf(outputs[4:], refs[None][:2])
+    for out in outputs[2:4]:
+        assert out.outputs[0].finish_reason == "abort"
+        assert "LoRA adapter 'corrupt': cannot read" in out.outputs[0].stop_reason
+        assert out.outputs[0].token_ids == []
+    gone = LoRARequest("gone", 22, copy_adapter(requests["qv"].lora_path, tmp_path / "gone"))
+    llm.engine.processor.check_lora(gone)
+    shutil.rmtree(gone.lora_path)
+    with pytest.raises(ValueError, match="LoRA adapter 'gone': no folder at"):
+        llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=gone)
+    assert not llm.engine.has_unfinished_requests()
+    assert_matches_hf(llm.generate(prompts, GREEDY, use_tqdm=False,
+                                   lora_request=requests["all"]), refs["all"][:2])
