@@ -25,9 +25,10 @@ WHY = {400: "invalid request (the message names the field and what is allowed)",
        500: "the engine failed on this request, or is dead",
        503: "overloaded (the waiting queue is full) or the engine is restarting: retry after "
             "Retry-After seconds"}
-GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 # One Server-Sent Event (before OpenAPI 3.2, an event stream's schema describes each event):
-# `data` is a JSON chunk, an error body, or [DONE]; Anthropic's events are named.
+# `data` is a JSON chunk, an error body, or [DONE]; Anthropic's and the Responses API's events
+# are named.
 SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
     "event": {"type": "string"}, "data": {"type": "string"}}}
 

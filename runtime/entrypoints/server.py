@@ -20,7 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from runtime.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
-from runtime.entrypoints import anthropic_api, lora_api, openai_api, pooling_api
+from runtime.entrypoints import (anthropic_api, lora_api, openai_api, pooling_api,
+                                 responses_api)
 from runtime.entrypoints.chat import render_chat, text_of
 from runtime.entrypoints.errors import (APIError, bad_request, is_anthropic_path,
                                         route_path)
@@ -79,6 +80,7 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
     generating = [Depends(pooling_api.generation_only)]  # a pooling model refuses them
     app.include_router(openai_api.router, dependencies=generating)
     app.include_router(anthropic_api.router, dependencies=generating)
+    app.include_router(responses_api.router, dependencies=generating)
     if enable_runtime_lora_updating:
         app.include_router(lora_api.router, dependencies=generating)
     app.include_router(pooling_api.router)

@@ -3,16 +3,20 @@ request types (from their own SDKs) is a field of our request bodies, and each o
 does not honour is refused with a 400 naming it."""
 from __future__ import annotations
 
+import httpx
 import openai
 import pydantic
 import pytest
 from anthropic.types import message_create_params
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
+from openai.types.responses import response_create_params
 from pydantic import BeforeValidator
 
 from runtime.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
                                           MessagesRequest)
+from runtime.entrypoints.responses_protocol import ResponsesRequest
+from tests.server.conftest import API_KEY
 
 APIS = {
     "chat": (chat_create_params.CompletionCreateParamsBase, ChatCompletionRequest,
@@ -21,7 +25,11 @@ APIS = {
                     {"prompt": "hi"}),
     "messages": (message_create_params.MessageCreateParamsBase, MessagesRequest,
                  {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+    "responses": (response_create_params.ResponseCreateParamsBase, ResponsesRequest,
+                  {"input": "hi"}),
 }
+ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+          "messages": "/v1/messages", "responses": "/v1/responses"}
 
 
 def refused(model: type[pydantic.BaseModel], name: str) -> bool:
@@ -57,3 +65,19 @@ def test_the_server_answers_400_with_the_field(client):
                                            messages=[{"role": "user", "content": "hi"}],
                                            extra_body={name: value})
         assert info.value.body["param"] == name and "not supported" in info.value.body["message"]
+
+
+@pytest.mark.parametrize("api", sorted(APIS))
+def test_the_server_refuses_each_field_it_does_not_honour(api, tiny_server):
+    """Every refused field of every API, sent with a value that asks for something: a 400 that
+    names it (OpenAI's `param`; Anthropic's error body has none, its message names it)."""
+    sdk, model, minimal = APIS[api]
+    names = [n for n in sdk.__annotations__ if refused(model, n)]
+    with httpx.Client(base_url=tiny_server.url, timeout=30,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        for name in names:
+            reply = http.post(ROUTES[api], json={**minimal, "max_tokens": 2,
+                                                 name: "unsupported-value"})
+            assert reply.status_code == 400, (name, reply.text)
+            error = reply.json()["error"]
+            assert error.get("param", name) == name and name in error["message"], error

@@ -1,0 +1,194 @@
+"""The OpenAI Responses API: /v1/responses, with its streaming events. Nothing is stored: a
+conversation goes back in as `input` items (messages, function calls and their outputs)."""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from runtime.engine.async_llm import RequestStream
+from runtime.entrypoints.chat import render_chat, text_of
+from runtime.entrypoints.responses_protocol import ResponsesRequest
+from runtime.entrypoints.serving import (check_model, final_outputs, new_id, open_streams, sse,
+                                         state_of, stream_error, unless_disconnected)
+from runtime.entrypoints.tool_parsers import Delta, ToolChoice, template_messages
+
+router = APIRouter()
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, raw: Request) -> Any:
+    state = state_of(raw)
+    model = check_model(state, body.model)
+    tools = body.tool_choice_of(state.tool_call_parser, state.enable_auto_tool_choice)
+    messages = template_messages(body.chat_messages(), text_of, "input")
+    prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
+                                  state.chat_template, True, tools.tools)
+    params = tools.constrain(body.sampling_params(state.engine.processor.sampling_defaults),
+                             "text.format")
+    response_id = new_id("resp")
+    streams = await open_streams(state, response_id, [{"prompt_token_ids": prompt}], params,
+                                 body.stream, max_tokens_param="max_output_tokens", model=model)
+    reply = ResponseReply(response_id, model, body, tools, streams[0])
+    if body.stream:
+        return StreamingResponse(reply.events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await unless_disconnected(raw, reply.response(), streams)
+
+
+class OutputItems:
+    """A response's output items, built from an output's content and call deltas (a message
+    item for text, a function_call item per call), and the streaming events of each step."""
+
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+        self.calls: dict[int, int] = {}  # call index -> output index
+
+    def add(self, delta: Delta) -> list[dict]:
+        events = []
+        if delta.content:
+            last = self.items[-1] if self.items else None
+            if last is None or last["type"] != "message" or last["status"] != "in_progress":
+                events += self._close_last("completed") + self._open_message()
+            index, item = len(self.items) - 1, self.items[-1]
+            item["content"][0]["text"] += delta.content
+            events.append({"type": "response.output_text.delta", "item_id": item["id"],
+                           "output_index": index, "content_index": 0,
+                           "delta": delta.content, "logprobs": []})
+        for call in delta.calls:
+            if "id" in call:
+                events += self._close_last("completed")
+                self.calls[call["index"]] = len(self.items)
+                self.items.append({"type": "function_call", "id": new_id("fc"),
+                                   "call_id": call["id"], "name": call["function"]["name"],
+                                   "arguments": "", "status": "in_progress"})
+                events.append({"type": "response.output_item.added",
+                               "output_index": len(self.items) - 1, "item": {**self.items[-1]}})
+            index = self.calls[call["index"]]
+            item, fragment = self.items[index], call["function"]["arguments"]
+            item["arguments"] += fragment
+            if fragment:
+                events.append({"type": "response.function_call_arguments.delta",
+                               "item_id": item["id"], "output_index": index,
+                               "delta": fragment})
+        return events
+
+    def close(self, status: str) -> list[dict]:
+        """The events that end the output; an output with no item gets an empty message."""
+        events = [] if self.items else self._open_message()
+        return events + self._close_last(status)
+
+    def _open_message(self) -> list[dict]:
+        item = {"type": "message", "id": new_id("msg"), "status": "in_progress",
+                "role": "assistant", "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.items.append(item)
+        index = len(self.items) - 1
+        events = [{"type": "response.output_item.added", "output_index": index,
+                   "item": {**item, "content": []}},
+                  {"type": "response.content_part.added", "item_id": item["id"],
+                   "output_index": index, "content_index": 0, "part": {**part}}]
+        item["content"].append(part)
+        return events
+
+    def _close_last(self, status: str) -> list[dict]:
+        if not self.items or self.items[-1]["status"] != "in_progress":
+            return []
+        index, item = len(self.items) - 1, self.items[-1]
+        item["status"] = status
+        if item["type"] == "message":
+            part = item["content"][0]
+            events = [{"type": "response.output_text.done", "item_id": item["id"],
+                       "output_index": index, "content_index": 0, "text": part["text"],
+                       "logprobs": []},
+                      {"type": "response.content_part.done", "item_id": item["id"],
+                       "output_index": index, "content_index": 0, "part": part}]
+        else:
+            events = [{"type": "response.function_call_arguments.done", "item_id": item["id"],
+                       "output_index": index, "name": item["name"],
+                       "arguments": item["arguments"]}]
+        return events + [{"type": "response.output_item.done", "output_index": index,
+                          "item": item}]
+
+
+class ResponseReply:
+    """The response object (or its event stream) for one request's engine stream."""
+
+    def __init__(self, response_id: str, model: str, body: ResponsesRequest, tools: ToolChoice,
+                 stream: RequestStream) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.body = body
+        self.tools = tools
+        self.stream = stream
+        self.created = int(time.time())
+        self.cached_tokens = 0
+
+    def _response(self, status: str, output: list[dict], with_usage: bool = False) -> dict:
+        usage = None
+        if with_usage:
+            prompt, completion = self.stream.num_prompt_tokens, self.stream.num_output_tokens
+            usage = {"input_tokens": prompt,
+                     "input_tokens_details": {"cached_tokens": self.cached_tokens,
+                                              "cache_write_tokens": 0},
+                     "output_tokens": completion,
+                     "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": prompt + completion}
+        done = status in ("completed", "incomplete")
+        return {"id": self.response_id, "object": "response", "created_at": self.created,
+                "completed_at": int(time.time()) if done else None, "status": status,
+                "background": False, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"}
+                if status == "incomplete" else None,
+                "model": self.model, "output": output, "usage": usage, **self.body.echo()}
+
+    async def response(self) -> dict:
+        output = (await final_outputs([self.stream]))[0]
+        self.cached_tokens = output.num_cached_tokens
+        sample = output.outputs[0]
+        reader = self.tools.reader()
+        delta = reader.feed(sample.text).add(reader.finish())
+        items = OutputItems()
+        items.add(Delta(sample.text) if reader.failed else self.tools.limit(delta))
+        status = "incomplete" if sample.finish_reason == "length" else "completed"
+        items.close(status)
+        return self._response(status, items.items, with_usage=True)
+
+    async def events(self) -> AsyncIterator[str]:
+        """response.created and .in_progress, the output items' events, then
+        response.completed (or .incomplete when max_output_tokens cut the output); an error
+        event in place of the rest if anything fails."""
+        sequence = 0
+
+        def event(data: dict) -> str:
+            nonlocal sequence
+            sequence += 1
+            return sse({**data, "sequence_number": sequence - 1}, data["type"])
+
+        try:
+            yield event({"type": "response.created",
+                         "response": self._response("in_progress", [])})
+            yield event({"type": "response.in_progress",
+                         "response": self._response("in_progress", [])})
+            reader, items, sample = self.tools.reader(), OutputItems(), None
+            async for output in self.stream:
+                sample = output.outputs[0]
+                self.cached_tokens = output.num_cached_tokens
+                delta = reader.feed(sample.text)
+                if sample.finished:
+                    delta.add(reader.finish())
+                for data in items.add(self.tools.limit(delta)):
+                    yield event(data)
+            status = "incomplete" if sample.finish_reason == "length" else "completed"
+            for data in items.close(status):
+                yield event(data)
+            yield event({"type": f"response.{status}",
+                         "response": self._response(status, items.items, with_usage=True)})
+        except Exception as e:
+            error = stream_error(e, self.response_id)
+            yield event({"type": "error", "code": error.code, "message": error.message,
+                         "param": error.param})
+        finally:
+            self.stream.close()
