@@ -4,6 +4,7 @@ behind --enable-runtime-lora-updating."""
 from __future__ import annotations
 
 import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -82,3 +83,23 @@ def test_beam_search_under_an_adapter_is_refused(client):
     with pytest.raises(openai.BadRequestError, match="use_beam_search"):
         client.completions.create(model="qv", prompt=PROMPTS[0], max_tokens=2,
                                   extra_body={"use_beam_search": True, "n": 2})
+
+
+def test_an_adapter_gone_or_corrupt_after_loading_fails_only_its_requests(server, client,
+                                                                           lora_setup, tmp_path):
+    """Gone: a 400 when a request names it. Corrupt (read by the worker only when a request
+    runs): that request fails with the error in an OpenAI error body. Others serve on."""
+    import openai
+    _, requests, refs = lora_setup
+    for name in ("gone", "corrupt"):
+        shutil.copytree(requests["all"].lora_path, tmp_path / name)
+        assert httpx.post(server.url + "/v1/load_lora_adapter",
+                          json={"lora_name": name, "lora_path": str(tmp_path / name)}
+                          ).status_code == 200
+    shutil.rmtree(tmp_path / "gone")
+    (tmp_path / "corrupt" / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(openai.BadRequestError, match="LoRA adapter 'gone': no folder at"):
+        complete(client, "gone", PROMPTS[0])
+    with pytest.raises(openai.InternalServerError, match="LoRA adapter 'corrupt': cannot read"):
+        complete(client, "corrupt", PROMPTS[0])
+    assert complete(client, "qv", PROMPTS[0]) == refs["qv"][0][0]
