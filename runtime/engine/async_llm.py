@@ -23,7 +23,7 @@ from runtime.engine.core_proc import (AddRequests, CoreRequest, CoreStats, Faile
                                       FinishRequests, Outputs, Ready, RequestsFailed)
 from runtime.engine.input_processor import PromptType
 from runtime.engine.output_processor import OutputKind
-from runtime.engine.pooling_engine import pooling_config, pooling_request
+from runtime.engine.pooling_engine import by_length, pooling_config, pooling_request
 from runtime.engine.processor import Processor
 from runtime.lora.request import LoRARequest
 from runtime.model_loader.source import load_config, resolve_model
@@ -247,14 +247,14 @@ class AsyncLLM:
         or the error of a request that failed; leaving early aborts those still running."""
         self._check_admission(len(inputs))
         loop = asyncio.get_running_loop()
-        futures, batches = [], defaultdict(list)
-        for item in inputs:
+        batches = defaultdict(list)
+        for item in by_length(inputs):
             replica = self.balancer.choose(item.prompt_token_ids)
             self.balancer.started(replica, 1)
             self.owner[item.request_id] = (replica, 1)
-            self.pooled[item.request_id] = future = loop.create_future()
-            futures.append(future)
+            self.pooled[item.request_id] = loop.create_future()
             batches[replica].append(CoreRequest.of(pooling_request(item, priority)))
+        futures = [self.pooled[item.request_id] for item in inputs]
         for replica, requests in batches.items():
             self.replicas[replica].send(AddRequests(requests))
             self._num_sent[replica] += len(requests)

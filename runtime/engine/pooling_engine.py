@@ -32,6 +32,13 @@ def pooling_request(item: PoolingInput, priority: int = 0) -> Request:
                    pooling_params=item.params)
 
 
+def by_length(inputs: list[PoolingInput]) -> list[PoolingInput]:
+    """The order to queue a batch of inputs in: by length, as sentence-transformers' `encode`
+    batches them, so that each step holds prompts of similar length (an encoder step's
+    attention pads its requests to the longest)."""
+    return sorted(inputs, key=lambda item: len(item.prompt_token_ids))
+
+
 class PoolingEngine:
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any) -> None:
         self.config = pooling_config(config)
@@ -44,7 +51,7 @@ class PoolingEngine:
 
     def run(self, inputs: list[PoolingInput]) -> list[torch.Tensor]:
         """Step the core until every input is pooled; their results, in order."""
-        for item in inputs:
+        for item in by_length(inputs):
             self.core.add_request(pooling_request(item))
         results: dict[str, torch.Tensor] = {}
         try:
