@@ -95,19 +95,21 @@ class TorchPagedAttention(AttentionBackend):
     def _encode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         """Prefill-only step: each request attends to its own tokens (all of them unless
-        causal), with no cache. The requests are padded to the longest into one batched
-        attention whose mask hides the padding keys."""
-        lens, num_reqs, dev = metadata.seq_lens, metadata.num_reqs, query.device
+        causal), with no cache. The requests are gathered into one batch padded to the
+        longest (a padding slot repeats its request's last token), whose mask hides the
+        padding keys."""
+        lens, num_reqs, dev = metadata.seq_lens.long(), metadata.num_reqs, query.device
         width = metadata.max_seq_len
-        owner = torch.repeat_interleave(torch.arange(num_reqs, device=dev), lens.long())
+        owner = torch.repeat_interleave(torch.arange(num_reqs, device=dev), lens)
         offset = torch.arange(query.size(0), device=dev) - metadata.query_start_loc[owner]
-        rows = owner * width + offset
+        pos = torch.arange(width, device=dev)
+        starts = metadata.query_start_loc[:-1].long().unsqueeze(1)
+        source = (starts + torch.minimum(pos, lens.unsqueeze(1) - 1)).flatten()
 
         def padded(x: torch.Tensor) -> torch.Tensor:  # [T, h, D] -> [B, h, width, D]
-            out = x.new_zeros(num_reqs * width, *x.shape[1:]).index_copy_(0, rows, x)
+            out = x.index_select(0, source)
             return out.view(num_reqs, width, *x.shape[1:]).transpose(1, 2)
 
-        pos = torch.arange(width, device=dev)
         mask = (pos < lens.unsqueeze(1))[:, None, None, :]  # [B, 1, 1, width]: real keys
         if metadata.causal:
             mask = mask & (pos[None, :] <= pos[:, None])
@@ -115,7 +117,7 @@ class TorchPagedAttention(AttentionBackend):
             mask = mask & (pos[None, :] > pos[:, None] - self.sliding_window)
         o = attend(padded(query), padded(key), padded(value), self.scale, mask,
                    self.logits_soft_cap)
-        return o.transpose(1, 2).reshape(num_reqs * width, *query.shape[1:])[rows]
+        return o.transpose(1, 2)[owner, offset]
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  seq_len: int) -> torch.Tensor:
