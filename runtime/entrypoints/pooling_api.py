@@ -14,10 +14,11 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from runtime.engine.async_llm import AsyncLLM
+from runtime.engine.async_llm import AsyncLLM, EngineRestartingError, QueueFullError
 from runtime.entrypoints.errors import bad_request
 from runtime.entrypoints.protocol import Body, Count, TokenId
-from runtime.entrypoints.serving import ServerState, check_model, new_id, state_of
+from runtime.entrypoints.serving import (ServerState, check_model, engine_error, new_id,
+                                         state_of)
 from runtime.pooling.params import PoolingParams
 from runtime.pooling.processor import PoolingInput, PoolingProcessor
 
@@ -99,6 +100,15 @@ def _checked(prepare, *args: Any) -> list[PoolingInput]:
         raise bad_request(str(e)) from None
 
 
+async def _encode(state: ServerState, inputs: list[PoolingInput]) -> list:
+    """The engine's results for `inputs`; a full queue or a restarting core is a 503."""
+    engine: AsyncLLM = state.engine
+    try:
+        return await engine.encode(inputs)
+    except (QueueFullError, EngineRestartingError) as e:
+        raise engine_error(state, e) from None
+
+
 async def _pool_inputs(raw: Request, body: EmbeddingRequest | ClassificationRequest, route: str,
                        task: str, params: PoolingParams
                        ) -> tuple[str, PoolingProcessor, list[PoolingInput], list]:
@@ -109,8 +119,7 @@ async def _pool_inputs(raw: Request, body: EmbeddingRequest | ClassificationRequ
     pooling = _pooling(state, route)
     prompts = _prompts(body.input)
     inputs = _checked(pooling.inputs, prompts, [params] * len(prompts), task)
-    engine: AsyncLLM = state.engine
-    return model, pooling, inputs, await engine.encode(inputs)
+    return model, pooling, inputs, await _encode(state, inputs)
 
 
 def _usage(outputs: list) -> dict:
@@ -172,7 +181,7 @@ async def _score(raw: Request, model: str | None, route: str, first: str | list[
                           f"got {len(first)} and {len(second)}")
     inputs = _checked(pooling.score_inputs, first, second,
                       _params(truncate_prompt_tokens=truncate))
-    return model, pooling.scoring_outputs(inputs, await state.engine.encode(inputs))
+    return model, pooling.scoring_outputs(inputs, await _encode(state, inputs))
 
 
 @router.post("/score")

@@ -131,7 +131,8 @@ def test_classify(tiny_model_factory, tmp_path):
 
 def test_concurrent_embedding_requests_are_batched(tiny_model_factory):
     """Concurrent /v1/embeddings requests to the app run through one engine core, which
-    batches them: fewer core steps than requests, and each result equals LLM.embed's."""
+    batches them: fewer core steps than requests, and each result equals LLM.embed's. More
+    inputs than the waiting queue takes are a 503."""
     from runtime import LLM
     from runtime.config import EngineConfig
     from runtime.engine.async_llm import AsyncLLM
@@ -143,8 +144,9 @@ def test_concurrent_embedding_requests_are_batched(tiny_model_factory):
     prompts = [[5 + i, 77, 301 + 3 * i] + list(range(300, 300 + 4 * i)) for i in range(12)]
     offline = LLM(path, dtype="float32").embed([{"prompt_token_ids": p} for p in prompts])
 
-    async def serve() -> tuple[list[httpx.Response], list[int]]:
-        engine = AsyncLLM(EngineConfig(model=path, dtype="float32", num_threads=1))
+    async def serve() -> tuple[list[httpx.Response], list[int], httpx.Response]:
+        engine = AsyncLLM(EngineConfig(model=path, dtype="float32", num_threads=1),
+                          max_queue_len=len(prompts))
         await engine.start()
         batches = []  # pooled results per core step, as the core's outputs arrive
         handle = engine._handle
@@ -162,11 +164,13 @@ def test_concurrent_embedding_requests_are_batched(tiny_model_factory):
                 replies = await asyncio.gather(*(
                     client.post("/v1/embeddings", json={"input": [p]}, timeout=60)
                     for p in prompts))
+                full = await client.post("/v1/embeddings", json={"input": prompts + [[5]]})
         finally:
             await engine.shutdown()
-        return replies, [n for n in batches if n]
+        return replies, [n for n in batches if n], full
 
-    replies, batches = asyncio.run(serve())
+    replies, batches, full = asyncio.run(serve())
+    assert full.status_code == 503 and "queue is full" in full.json()["error"]["message"]
     assert sum(batches) == len(prompts) and len(batches) < len(prompts), batches
     for reply, expected in zip(replies, offline):
         assert reply.status_code == 200, reply.text
