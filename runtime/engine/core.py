@@ -61,10 +61,10 @@ class EngineCore:
                              "replicas behind the server (runtime serve --data-parallel-size "
                              "N); one engine core, like the offline LLM, is one replica")
         self.source = source
-        self.executor = build_executor(config, platform, source, model_config)
         # An encoder's pooling requests keep no KV: one block, never handed out, keeps the
         # block pool well-formed.
-        self.encoder_only = is_encoder_only(config, model_config)
+        self.encoder_only = is_encoder_only(config, model_config)  # refuses what pooling lacks
+        self.executor = build_executor(config, platform, source, model_config)
         num_blocks = 1 if self.encoder_only else self.executor.determine_num_blocks()
         if num_blocks < 1:
             raise ValueError("the KV-cache budget holds no block: raise --kv-cache-memory")

@@ -128,6 +128,8 @@ def test_bad_pooling_input(tiny_model_factory):
         llm.generate("hello")
     with pytest.raises(ValueError, match="BertModel is a pooling model"):
         LLM(path, runner="generate")
+    with pytest.raises(ValueError, match="pooling models run on one rank"):
+        LLM(path, tensor_parallel_size=2)
 
 
 def test_generation_model_refuses_pooling(tiny_llama):
