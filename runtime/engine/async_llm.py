@@ -246,7 +246,7 @@ class AsyncLLM:
         whatever else they run; returns their results in order. Raises as `add_request` does,
         or the error of a request that failed; leaving early aborts those still running."""
         self._check_admission(len(inputs))
-        loop = asyncio.get_running_loop()
+        loop, arrival = asyncio.get_running_loop(), time.monotonic()
         batches = defaultdict(list)
         for item in by_length(inputs):
             replica = self.balancer.choose(item.prompt_token_ids)
@@ -258,8 +258,16 @@ class AsyncLLM:
         for replica, requests in batches.items():
             self.replicas[replica].send(AddRequests(requests))
             self._num_sent[replica] += len(requests)
+        if self.listener is not None:
+            for item in inputs:
+                self.listener.on_request_added(len(item.prompt_token_ids))
         try:
-            return list(await asyncio.gather(*futures))
+            results = list(await asyncio.gather(*futures))
+            if self.listener is not None:
+                metrics = RequestMetrics(arrival_time=arrival, finished_time=time.monotonic())
+                for _ in inputs:
+                    self.listener.on_request_finished("stop", metrics, 0)
+            return results
         finally:
             for item in inputs:
                 if item.request_id in self.pooled:

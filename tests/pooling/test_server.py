@@ -131,8 +131,8 @@ def test_classify(tiny_model_factory, tmp_path):
 
 def test_concurrent_embedding_requests_are_batched(tiny_model_factory):
     """Concurrent /v1/embeddings requests to the app run through one engine core, which
-    batches them: fewer core steps than requests, and each result equals LLM.embed's. More
-    inputs than the waiting queue takes are a 503."""
+    batches them: fewer core steps than requests, and each result equals LLM.embed's; /metrics
+    counts them. More inputs than the waiting queue takes are a 503."""
     from runtime import LLM
     from runtime.config import EngineConfig
     from runtime.engine.async_llm import AsyncLLM
@@ -145,8 +145,9 @@ def test_concurrent_embedding_requests_are_batched(tiny_model_factory):
     offline = LLM(path, dtype="float32").embed([{"prompt_token_ids": p} for p in prompts])
 
     async def serve() -> tuple[list[httpx.Response], list[int], httpx.Response]:
+        metrics = Metrics("bert")
         engine = AsyncLLM(EngineConfig(model=path, dtype="float32", num_threads=1),
-                          max_queue_len=len(prompts))
+                          max_queue_len=len(prompts), listener=metrics)
         await engine.start()
         batches = []  # pooled results per core step, as the core's outputs arrive
         handle = engine._handle
@@ -156,7 +157,7 @@ def test_concurrent_embedding_requests_are_batched(tiny_model_factory):
             handle(replica, message)
 
         engine._handle = recorded
-        app = create_app(engine, Metrics("bert"), ["bert"], None, None, "v1", 1 << 20,
+        app = create_app(engine, metrics, ["bert"], None, None, "v1", 1 << 20,
                          CORS([], [], []), False)
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -165,11 +166,15 @@ def test_concurrent_embedding_requests_are_batched(tiny_model_factory):
                     client.post("/v1/embeddings", json={"input": [p]}, timeout=60)
                     for p in prompts))
                 full = await client.post("/v1/embeddings", json={"input": prompts + [[5]]})
+                counted = (await client.get("/metrics")).text
         finally:
             await engine.shutdown()
-        return replies, [n for n in batches if n], full
+        return replies, [n for n in batches if n], full, counted
 
-    replies, batches, full = asyncio.run(serve())
+    replies, batches, full, counted = asyncio.run(serve())
+    tokens = sum(map(len, prompts))
+    assert f'runtime:prompt_tokens_total{{model_name="bert"}} {tokens}.0' in counted, counted
+    assert 'request_success_total{finished_reason="stop",model_name="bert"} 12.0' in counted
     assert full.status_code == 503 and "queue is full" in full.json()["error"]["message"]
     assert sum(batches) == len(prompts) and len(batches) < len(prompts), batches
     for reply, expected in zip(replies, offline):
