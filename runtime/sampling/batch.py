@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from runtime.sampling_params import SamplingParams
+from runtime.structured_output.bitmask import pack_token_ids
 
 
 @dataclass
@@ -36,7 +37,10 @@ class SamplingBatch:
     banned_rows: torch.Tensor | None  # [N] int64
     banned_ids: torch.Tensor | None  # [N] int64
     bias: torch.Tensor | None  # [B, V] float32: logit_bias (0 where none)
-    allowed: torch.Tensor | None  # [B, V] bool: grammar and allowed_token_ids; None: all allowed
+    # the allowed tokens (grammar and allowed_token_ids) of the rows that restrict them, packed:
+    # int32 [R, ceil(V / 32)], bit t % 32 of word t // 32 set when token t is allowed
+    token_bitmask: torch.Tensor | None
+    bitmask_rows: torch.Tensor | None  # [R] int64: the row each mask row goes to; None: all
     generators: dict[int, torch.Generator]  # row -> its own generator, for seeded random rows
     max_num_logprobs: int | None  # the most logprobs a row asks for; None: no row asks
 
@@ -101,6 +105,7 @@ class SamplingBatch:
                         bias[i, t] = value
             bias = bias.to(device)
 
+        token_bitmask, bitmask_rows = _token_bitmask(params, grammar_bitmasks, vocab_size, device)
         asks = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             num_rows=len(params),
@@ -120,7 +125,8 @@ class SamplingBatch:
             banned_rows=banned_rows,
             banned_ids=banned_ids,
             bias=bias,
-            allowed=_allowed(params, grammar_bitmasks, vocab_size, device),
+            token_bitmask=token_bitmask,
+            bitmask_rows=bitmask_rows,
             generators={i: g for i, g in enumerate(generators) if g is not None and random[i]},
             max_num_logprobs=max(asks) if asks else None,
         )
@@ -144,27 +150,26 @@ def _bad_word_bans(params: SamplingParams, output: list[int]) -> list[int]:
             if len(word) == 1 or output[-(len(word) - 1):] == word[:-1]]
 
 
-def _allowed(params: list[SamplingParams], grammar_bitmasks: list[np.ndarray | None] | None,
-             vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """[B, V] bool: the tokens each row may sample; None when every row may sample any."""
-    has_grammar = grammar_bitmasks is not None and any(b is not None for b in grammar_bitmasks)
-    if not has_grammar and all(p.allowed_token_ids is None for p in params):
-        return None
-    allowed = torch.ones(len(params), vocab_size, dtype=torch.bool)
+def _token_bitmask(params: list[SamplingParams], grammar_bitmasks: list[np.ndarray | None] | None,
+                   vocab_size: int, device: torch.device
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The packed masks of the rows with a grammar or allowed_token_ids (both: their AND),
+    and those rows (None when every row has one)."""
+    width = -(-vocab_size // 32)
+    rows, masks = [], []
     for i, p in enumerate(params):
+        grammar = None if grammar_bitmasks is None else grammar_bitmasks[i]
+        if grammar is None and p.allowed_token_ids is None:
+            continue
+        mask = None if grammar is None else grammar[:width]
         if p.allowed_token_ids is not None:
-            allowed[i] = False
-            allowed[i, [t for t in p.allowed_token_ids if t < vocab_size]] = True
-    allowed = allowed.to(device)
-    if has_grammar:
-        width = -(-vocab_size // 32)
-        packed = np.full((len(params), width), -1, dtype=np.int32)
-        for i, row in enumerate(grammar_bitmasks):
-            if row is not None:
-                packed[i] = row[:width]
-        # unpack on the device: bit b of word w is token 32 w + b
-        bits = torch.arange(32, dtype=torch.int32, device=device)
-        words = torch.from_numpy(packed).to(device)
-        unpacked = ((words[:, :, None] >> bits) & 1).bool().reshape(len(params), -1)
-        allowed &= unpacked[:, :vocab_size]
-    return allowed
+            allowed = pack_token_ids(p.allowed_token_ids, vocab_size)
+            mask = allowed if mask is None else mask & allowed
+        rows.append(i)
+        masks.append(mask)
+    if not rows:
+        return None, None
+    bitmask = torch.from_numpy(np.stack(masks)).to(device)
+    if len(rows) == len(params):
+        return bitmask, None
+    return bitmask, torch.tensor(rows, dtype=torch.int64).to(device)

@@ -5,21 +5,26 @@ from __future__ import annotations
 import torch
 
 from runtime.sampling.batch import SamplingBatch
+from runtime.structured_output.bitmask import apply_token_bitmask_
 
 
-def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch,
+                    in_place: bool = False) -> torch.Tensor:
     """Keep the allowed tokens, ban stop tokens below min_tokens and bad words, add logit_bias,
     then apply repetition, presence and frequency penalties.
 
-    Returns a new tensor; `logits` is left untouched.
+    Returns the adjusted logits. `in_place`: the caller gives `logits` up (its own copy), so
+    the masks and bias may change it; otherwise `logits` is left untouched.
     """
-    if batch.allowed is not None:
-        logits = logits.masked_fill(~batch.allowed, float("-inf"))
+    if not in_place and (batch.token_bitmask is not None or batch.banned_rows is not None
+                         or batch.bias is not None):
+        logits = logits.clone()
+    if batch.token_bitmask is not None:
+        apply_token_bitmask_(logits, batch.token_bitmask, batch.bitmask_rows)
     if batch.banned_rows is not None:
-        logits = logits.index_put((batch.banned_rows, batch.banned_ids),
-                                  logits.new_tensor(float("-inf")))
+        logits.index_put_((batch.banned_rows, batch.banned_ids), logits.new_tensor(float("-inf")))
     if batch.bias is not None:
-        logits = logits + batch.bias
+        logits += batch.bias
     if batch.repetition_penalty is not None:
         # Hugging Face semantics over prompt and output tokens: shrink positive logits, grow
         # negative ones, so a seen token always becomes less likely.

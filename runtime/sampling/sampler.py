@@ -31,20 +31,26 @@ class Sampler:
     def __init__(self, logits_processors: Sequence[Callable] = ()) -> None:
         self.logits_processors = list(logits_processors)
 
-    def adjust(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The logits every row samples from, before temperature and filters."""
-        logits = apply_penalties(logits, batch)
+    def adjust(self, logits: torch.Tensor, batch: SamplingBatch,
+               in_place: bool = False) -> torch.Tensor:
+        """The logits every row samples from, before temperature and filters; `in_place`: the
+        caller gives `logits` up, so they may be masked in place (no copy)."""
+        logits = apply_penalties(logits, batch, in_place)
         for processor in self.logits_processors:
             logits = processor(logits, batch)
         return logits
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """Sample one token per row of `logits` [B, V]; the input tensor is not modified."""
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch,
+                 in_place: bool = False) -> SamplerOutput:
+        """Sample one token per row of `logits` [B, V]. `in_place`: the caller gives `logits`
+        up, so they may be masked in place (copying 64 x 49152 float32 logits costs more than
+        masking them); otherwise they are not modified."""
+        in_place = in_place or logits.dtype != torch.float32  # .float() is then our own copy
         logits = logits.float()
         raw_logprobs = None
         if batch.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)
-        logits = self.adjust(logits, batch)
+        logits = self.adjust(logits, batch, in_place)
 
         if batch.all_greedy:
             sampled = argmax(logits)

@@ -6,9 +6,9 @@ import json
 import re
 from typing import Any
 
-import numpy as np
 import xgrammar as xgr
 
+from runtime.structured_output.bitmask import pack_token_ids
 from runtime.structured_output.params import StructuredOutputsParams
 
 
@@ -39,9 +39,10 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
 # maxLength (property values and propertyNames) as a rule of its own that admits the raw control
 # characters U+0000-U+001F, which RFC 8259 forbids in strings, and no escape at all.
 _BOUNDED_STRING_CHAR = re.compile(r'^(\w+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
-# One JSON character: an unescaped one other than a control, '"' or '\\', or an escape.
-_JSON_STRING_CHAR = (r'\1 ::= [^\\0-\\x1f\\"\\\\] | "\\\\" '
-                     r'([\\"\\\\/bfnrt] | "u" [A-Fa-f0-9]{4})')
+# One unescaped JSON character: not a control, '"' or '\\'. It stays one character class, as
+# xgrammar's: an escape alternative inside the bounded repetition makes every token's mask
+# depend on the count so far (20 ms per fill for a 49152-token vocabulary instead of 0.01 ms).
+_JSON_STRING_CHAR = r'\1 ::= [^\\0-\\x1f\\"\\\\]'
 
 
 def json_schema_grammar(schema: str, any_whitespace: bool) -> xgr.Grammar:
@@ -66,11 +67,8 @@ class GrammarCompiler:
                                                   stop_token_ids=stop_token_ids)
         self.vocab_size = vocab_size
         self.stop_token_ids = frozenset(stop_token_ids)
-        stop = np.zeros(vocab_size, dtype=np.uint8)
-        stop[[t for t in stop_token_ids if t < vocab_size]] = 1
-        # the bitmask row of a complete grammar: stop tokens only (bit t of word t // 32)
-        self.stop_bitmask = np.packbits(np.pad(stop, (0, -vocab_size % 32)),
-                                        bitorder="little").view(np.int32)
+        # the bitmask row of a complete grammar: stop tokens only
+        self.stop_bitmask = pack_token_ids(stop_token_ids, vocab_size)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:

@@ -10,6 +10,8 @@ from runtime.plugins.hookspecs import hookimpl
 from runtime.sampling import Sampler, SamplingBatch
 from runtime.sampling.penalties import apply_penalties
 from runtime.sampling_params import SamplingParams
+from runtime.structured_output.bitmask import (_unpack_torch, apply_token_bitmask_, pack_token_ids,
+                                               unpack_bitmask)
 
 CPU = torch.device("cpu")
 V = 70  # more than two 32-bit words, with a partial last one
@@ -41,6 +43,37 @@ def test_grammar_bitmask_keeps_only_allowed_tokens_per_row():
     rows = build([random] * 3, bitmasks=[bitmask([5, 40])] * 3)
     for _ in range(20):
         assert set(Sampler()(LOGITS, rows).sampled_token_ids.tolist()) <= {5, 40}
+
+
+def test_the_bitmask_masks_as_xgrammars_kernel_does():
+    xgr = pytest.importorskip("xgrammar")
+    words = torch.from_numpy(np.random.default_rng(0).integers(
+        -2**31, 2**31, size=(6, -(-V // 32))).astype(np.int32))
+    logits = torch.randn(6, V)
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, words, indices=[1, 2, 5])
+    ours = logits.clone()
+    apply_token_bitmask_(ours, words[[1, 2, 5]], torch.tensor([1, 2, 5]))
+    assert torch.equal(ours, expected)
+    apply_token_bitmask_(logits, words)
+    xgr.apply_token_bitmask_inplace(expected, words)
+    assert torch.equal(logits, expected)
+    # the unpacking for other devices (torch's shifts) agrees with the host's (numpy's)
+    assert torch.equal(_unpack_torch(words, V), unpack_bitmask(words, V))
+    assert torch.equal(unpack_bitmask(torch.from_numpy(pack_token_ids([0, 31, 32, 69], V))[None],
+                                      V).nonzero()[:, 1], torch.tensor([0, 31, 32, 69]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masking_leaves_the_callers_logits_untouched(dtype):
+    logits = LOGITS.to(dtype)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0, logit_bias={5: 50.0})] * 3
+    batch = build(params, bitmasks=[bitmask([3, 5]), None, bitmask([31])])
+    assert Sampler()(logits, batch).sampled_token_ids.tolist() == [5, 5, 31]
+    assert torch.equal(logits, before)
+    adjusted = Sampler().adjust(logits.float(), batch)  # as speculative verification calls it
+    assert torch.equal(logits, before) and torch.isinf(adjusted[0, 4])
 
 
 def test_allowed_token_ids_and_grammar_combine():
