@@ -183,7 +183,7 @@ class ModelRunner:
             [r.all_token_ids[r.num_prompt_tokens:] for r in sreqs],
             [self._generator(r) for r in sreqs], self.device, self.vocab_size,
             [None if r.grammar_bitmask is None else r.grammar_bitmask[0] for r in sreqs])
-        result = self.sampler(logits, batch)
+        result = self.sampler(logits, batch, in_place=True)
         tokens = result.sampled_token_ids.tolist()
         if result.logprobs is not None:
             ids, values, ranks = (result.logprob_token_ids.tolist(), result.logprobs.tolist(),
