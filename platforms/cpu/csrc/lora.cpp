@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -17,7 +18,8 @@ namespace {
 using namespace runtime_cpu;
 
 constexpr int64_t kTokenBlock = 16;  // tokens of one run sharing each block of weights
-constexpr int64_t kTile = 4;         // tokens in registers at once in shrink
+constexpr int64_t kTile = 4;         // tokens in registers at once
+constexpr int64_t kRowTile = 4;      // rows of A in registers at once in shrink
 constexpr int64_t kRowBlock = 16;    // rows of A per shrink unit
 constexpr int64_t kColVecs = 4;      // vectors of y's columns per expand unit
 
@@ -42,6 +44,42 @@ Runs token_blocks(const at::Tensor& token_indices, const at::Tensor& seg_starts,
   return runs;
 }
 
+// sums[k][m] = x[k] . a[m] for kTile tokens and kRowTile rows of A, in float32.
+template <typename T>
+inline void dot_tile(float (*sums)[kRowTile], const T* const* ar, const T* const* xr,
+                     int64_t d_in) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (d_in % 32 == 0) {  // 32 bf16 products per instruction, summed in float32
+      __m512 acc[kTile][kRowTile] = {};
+      for (int64_t d = 0; d < d_in; d += 32) {
+        __m512bh av[kRowTile];
+        for (int64_t m = 0; m < kRowTile; ++m) av[m] = (__m512bh)_mm512_loadu_si512(ar[m] + d);
+        for (int64_t k = 0; k < kTile; ++k) {
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr[k] + d);
+          for (int64_t m = 0; m < kRowTile; ++m)
+            acc[k][m] = _mm512_dpbf16_ps(acc[k][m], av[m], xv);
+        }
+      }
+      for (int64_t k = 0; k < kTile; ++k)
+        for (int64_t m = 0; m < kRowTile; ++m) sums[k][m] = _mm512_reduce_add_ps(acc[k][m]);
+      return;
+    }
+  }
+#endif
+  vecf acc[kTile][kRowTile] = {};
+  for (int64_t d = 0; d < d_in; d += kLanes) {
+    vecf av[kRowTile];
+    for (int64_t m = 0; m < kRowTile; ++m) av[m] = loadv(ar[m] + d);
+    for (int64_t k = 0; k < kTile; ++k) {
+      const vecf xv = loadv(xr[k] + d);
+      for (int64_t m = 0; m < kRowTile; ++m) acc[k][m] += av[m] * xv;
+    }
+  }
+  for (int64_t k = 0; k < kTile; ++k)
+    for (int64_t m = 0; m < kRowTile; ++m) sums[k][m] = hsum(acc[k][m]);
+}
+
 // out[s, t, r] = x[t] . a[slot, s, r] for row j = s * rank + r of the slot's A.
 template <typename T>
 void shrink_rows(float* out, const T* x, int64_t x_stride, const T* a, const Runs& runs,
@@ -52,20 +90,22 @@ void shrink_rows(float* out, const T* x, int64_t x_stride, const T* a, const Run
     for (int64_t u = begin; u < end; ++u) {
       const auto& [slot, tb, te] = runs.blocks[u / row_blocks];
       const int64_t j0 = (u % row_blocks) * kRowBlock, j1 = std::min(j0 + kRowBlock, rows);
-      for (int64_t j = j0; j < j1; ++j) {
-        const T* arow = a + (slot * rows + j) * d_in;
-        float* o = out + (j / rank) * num_tokens * rank + j % rank;
-        for (int64_t i = tb; i < te; i += kTile) {
-          const int64_t n = std::min(kTile, te - i);
-          const T* xr[kTile];
-          for (int64_t k = 0; k < kTile; ++k)
-            xr[k] = x + runs.tokens[i + std::min(k, n - 1)] * x_stride;
-          vecf acc[kTile] = {};
-          for (int64_t d = 0; d < d_in; d += kLanes) {
-            const vecf av = loadv(arow + d);
-            for (int64_t k = 0; k < kTile; ++k) acc[k] += av * loadv(xr[k] + d);
+      for (int64_t i = tb; i < te; i += kTile) {
+        const int64_t n = std::min(kTile, te - i);
+        const T* xr[kTile];  // a short tile repeats its last token
+        for (int64_t k = 0; k < kTile; ++k)
+          xr[k] = x + runs.tokens[i + std::min(k, n - 1)] * x_stride;
+        for (int64_t j = j0; j < j1; j += kRowTile) {
+          const int64_t nr = std::min(kRowTile, j1 - j);
+          const T* ar[kRowTile];
+          for (int64_t m = 0; m < kRowTile; ++m)
+            ar[m] = a + (slot * rows + j + std::min(m, nr - 1)) * d_in;
+          float sums[kTile][kRowTile];
+          dot_tile(sums, ar, xr, d_in);
+          for (int64_t m = 0; m < nr; ++m) {
+            float* o = out + ((j + m) / rank) * num_tokens * rank + (j + m) % rank;
+            for (int64_t k = 0; k < n; ++k) o[runs.tokens[i + k] * rank] = sums[k][m];
           }
-          for (int64_t k = 0; k < n; ++k) o[runs.tokens[i + k] * rank] = hsum(acc[k]);
         }
       }
     }
@@ -91,7 +131,8 @@ at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a, const at::Tenso
 }
 
 // y[t, c] += sum_r buf[s, t, r] * b[slot, c, r] for the columns c of slice s; b's columns are
-// contiguous (it is stored [slots, rank, out]), so a unit's block of b is rank short rows.
+// contiguous (it is stored [slots, rank, out]), so a unit's block of b is rank short rows,
+// widened to float32 once for the unit's tokens.
 template <typename T>
 void expand_cols(T* y, int64_t y_stride, const float* buf, const T* b, int64_t b_slot_stride,
                  int64_t b_rank_stride, const Runs& runs, const std::vector<int64_t>& offsets,
@@ -104,22 +145,35 @@ void expand_cols(T* y, int64_t y_stride, const float* buf, const T* b, int64_t b
   const int64_t col_blocks = static_cast<int64_t>(cols.size());
   const int64_t units = static_cast<int64_t>(runs.blocks.size()) * col_blocks;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> block(rank * width);
     for (int64_t u = begin; u < end; ++u) {
       const auto& [slot, tb, te] = runs.blocks[u / col_blocks];
       const auto& [s, c0, nv] = cols[u % col_blocks];
       const T* bcol = b + slot * b_slot_stride + c0;
-      for (int64_t i = tb; i < te; ++i) {
-        const int64_t t = runs.tokens[i];
-        const float* bufrow = buf + (s * num_tokens + t) * rank;
-        vecf acc[kColVecs] = {};
+      float* bl = block.data();
+      for (int64_t r = 0; r < rank; ++r)
+        for (int64_t v = 0; v < kColVecs; ++v)
+          storev(bl + r * width + v * kLanes,
+                 v < nv ? loadv(bcol + r * b_rank_stride + v * kLanes) : vecf{});
+      for (int64_t i = tb; i < te; i += kTile) {
+        const int64_t n = std::min(kTile, te - i);
+        const float* bufrow[kTile];  // a short tile repeats its last token
+        for (int64_t k = 0; k < kTile; ++k)
+          bufrow[k] = buf + (s * num_tokens + runs.tokens[i + std::min(k, n - 1)]) * rank;
+        vecf acc[kTile][kColVecs] = {};
         for (int64_t r = 0; r < rank; ++r) {
-          const vecf coef = vecf{} + bufrow[r];
-          for (int64_t v = 0; v < nv; ++v)
-            acc[v] += coef * loadv(bcol + r * b_rank_stride + v * kLanes);
+          vecf bv[kColVecs];
+          for (int64_t v = 0; v < kColVecs; ++v) bv[v] = loadv(bl + r * width + v * kLanes);
+          for (int64_t k = 0; k < kTile; ++k) {
+            const vecf coef = vecf{} + bufrow[k][r];
+            for (int64_t v = 0; v < kColVecs; ++v) acc[k][v] += coef * bv[v];
+          }
         }
-        T* yrow = y + t * y_stride + c0;
-        for (int64_t v = 0; v < nv; ++v)
-          storev(yrow + v * kLanes, loadv(yrow + v * kLanes) + acc[v]);
+        for (int64_t k = 0; k < n; ++k) {
+          T* yrow = y + runs.tokens[i + k] * y_stride + c0;
+          for (int64_t v = 0; v < nv; ++v)
+            storev(yrow + v * kLanes, loadv(yrow + v * kLanes) + acc[k][v]);
+        }
       }
     }
   });
