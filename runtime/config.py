@@ -136,8 +136,6 @@ class EngineConfig:
             self.max_cpu_loras = self.max_loras
         if self.enable_lora:  # a captured graph would not see each step's adapter slots
             self.enforce_eager = True
-        if self.enable_lora and self.pipeline_parallel_size > 1:
-            raise ValueError("enable_lora needs pipeline_parallel_size 1 for now")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
                              f"({self.max_loras})")
