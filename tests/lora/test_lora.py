@@ -71,3 +71,11 @@ def test_tensor_parallel_matches_peft(lora_setup):
     llm = LLM(base, dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_loras=3,
               max_lora_rank=16, tensor_parallel_size=2, num_threads=1)
     run_mixed(llm, requests, refs)
+
+
+def test_pipeline_parallel_matches_peft(lora_setup):
+    """pp=2: each stage holds (and reads from the adapter files) its own layers' A and B."""
+    base, requests, refs = lora_setup
+    llm = LLM(base, dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_loras=3,
+              max_lora_rank=16, pipeline_parallel_size=2, num_threads=1)
+    run_mixed(llm, requests, refs)
