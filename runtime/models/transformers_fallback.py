@@ -9,9 +9,16 @@ platform's backend, the step's metadata from the forward context). Since the nam
 transformers builds masks for, the model computes no mask: causality and sequence boundaries are
 the backend's business. The flat batch runs as one sequence of `num_tokens` tokens with the
 positions of each request's tokens as `position_ids`.
+
+As vLLM's backend does, the model's `nn.Linear` layers then compute through the platform's dense
+kernel (the `linear` custom op: oneDNN-packed weights on the CPU) and its RMSNorms whose forward
+is Llama's, line for line, through the `rms_norm` op; both keep the original parameters, so
+names, ties and the loader are unchanged.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Iterable
 
 import torch
@@ -19,7 +26,9 @@ from torch import nn
 
 from runtime.layers.attention import Attention
 from runtime.layers.build_context import BuildContext
+from runtime.layers.layernorm import RMSNorm
 from runtime.models.llama import default_weight_loader, layer_sliding_window
+from runtime.quantization.base import LinearMethod
 
 ATTENTION_NAME = "runtime"
 
@@ -44,21 +53,63 @@ def runtime_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     (whose sliding window and soft-cap come from the config, as the model's own do)."""
     attn = attention_instances[module.layer_idx]
     t = query.size(2)
-    # Our layers are built with scale 1: the module's own scaling goes into the query, so a
-    # model that pre-scales its query (OPT passes scaling=1.0) is computed as transformers does.
-    q = query[0].transpose(0, 1)
-    if scaling is None:
-        scaling = query.size(-1) ** -0.5
-    if scaling != 1.0:
-        q = q * scaling
-    out = attn(q.reshape(t, -1), key[0].transpose(0, 1).reshape(t, -1),
-               value[0].transpose(0, 1).reshape(t, -1))
+    # The module's own scaling is the backend's (as vLLM's): a model that pre-scales its
+    # query passes 1.0 (OPT). It is the same at every call of a layer.
+    attn.impl.scale = query.size(-1) ** -0.5 if scaling is None else scaling
+    out = attn(*(x[0].transpose(0, 1).reshape(t, -1) for x in (query, key, value)))
     return out.view(1, t, attn.num_heads, attn.head_size), None
 
 
 def _register_attention() -> None:
     from transformers import AttentionInterface
     AttentionInterface.register(ATTENTION_NAME, runtime_attention_forward)
+
+
+class PlatformLinear(nn.Module):
+    """An `nn.Linear`'s own weight and bias, computed by the platform's dense kernel, which
+    takes [rows, in] inputs (the worker prepares it once the weights are loaded)."""
+
+    def __init__(self, linear: nn.Linear, method: LinearMethod) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.method = method
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.method.apply(self, x.reshape(-1, self.in_features), self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+@functools.cache
+def _forward_source(cls: type) -> str | None:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return None
+
+
+def computes_as_llama_rms_norm(module: nn.Module) -> bool:
+    """Whether `module`'s forward is Llama's RMSNorm, line for line (well over a hundred
+    transformers classes copy it: Mistral, Qwen2, Granite …; Olmo 2's and Gemma's differ)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    source = _forward_source(type(module))
+    return source is not None and source == _forward_source(LlamaRMSNorm)
+
+
+def use_platform_layers(model: nn.Module, ctx: BuildContext) -> None:
+    """Replace, in place, `nn.Linear` layers (not subclasses, whose forward may differ) and
+    Llama-style RMSNorms with modules that hold the same parameters and run the platform's
+    `linear` and `rms_norm` ops."""
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear:
+            new = PlatformLinear(module, ctx.linear_method(name))
+        elif computes_as_llama_rms_norm(module):
+            new = RMSNorm(module.weight.numel(), module.variance_epsilon, ctx)
+            new.weight = module.weight
+        else:
+            continue
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, new)
 
 
 class TransformersForCausalLM(nn.Module):
@@ -85,6 +136,7 @@ class TransformersForCausalLM(nn.Module):
             self.hf = cls._from_config(config, dtype=ctx.dtype)
         self.hf.tie_weights()
         self.hf.eval()
+        use_platform_layers(self.hf, ctx)
         self.config = config
         text = config.get_text_config()
         num_heads = text.num_attention_heads

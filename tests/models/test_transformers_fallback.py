@@ -9,9 +9,15 @@ import shutil
 import pytest
 import torch
 import transformers
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from runtime import LLM, SamplingParams
+from runtime.layers.layernorm import RMSNorm
 from runtime.models.registry import choose_model
+from runtime.models.transformers_fallback import PlatformLinear, computes_as_llama_rms_norm
 from tests.parity import PROMPTS, assert_matches_hf, hf_greedy
 
 MAX_NEW = 8
@@ -99,6 +105,21 @@ def test_transformers_impl_runs_a_native_architecture(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", kv_cache_memory="8MiB", model_impl="transformers")
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     assert_matches_hf(llm.generate(PROMPTS, params), references)
+    # ... with every linear layer and norm on the platform's ops (the LM head included)
+    model = llm.engine.core.executor.worker.runner.model.hf
+    kinds = {type(m) for m in model.modules()}
+    assert PlatformLinear in kinds and RMSNorm in kinds
+    assert not kinds & {torch.nn.Linear, LlamaRMSNorm}
+
+
+def test_only_llama_rms_norms_are_replaced():
+    """Norms whose code is Llama's run on the rms_norm op; OLMo 2's (the weight applied
+    before the cast back) and Gemma's ((1 + w)) keep their own."""
+    assert computes_as_llama_rms_norm(LlamaRMSNorm(8))
+    assert computes_as_llama_rms_norm(Qwen2RMSNorm(8))
+    assert not computes_as_llama_rms_norm(Olmo2RMSNorm(8))
+    assert not computes_as_llama_rms_norm(GemmaRMSNorm(8))
+    assert not computes_as_llama_rms_norm(torch.nn.LayerNorm(8))
 
 
 def test_model_impl_choice():
