@@ -54,3 +54,19 @@ def test_same_tokens_under_every_schedule(variant, reference):
     assert llm.engine.core.kv.num_free_blocks == llm.engine.core.num_blocks, "blocks leaked"
     # the engine forgot what the workers held of every request (finished or preempted)
     assert not llm.engine.core.step_inputs.num_sent_tokens
+
+
+def test_without_chunked_prefill_a_sequence_must_fit_one_step(reference):
+    """A prompt over the step budget could never be scheduled: the model's length is lowered to
+    the budget (so such a prompt is refused up front), and a length the user set is refused."""
+    path, _ = reference
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", enable_chunked_prefill=False,
+              max_num_batched_tokens=64)
+    assert llm.engine.core.model_config.max_model_len == 64
+    with pytest.raises(ValueError, match="64"):
+        llm.generate([{"prompt_token_ids": list(range(100, 180))}],
+                     SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="raise --max-num-batched-tokens or lower "
+                                         "--max-model-len"):
+        LLM(path, dtype="float32", kv_cache_memory="16MiB", enable_chunked_prefill=False,
+            max_num_batched_tokens=64, max_model_len=128)
