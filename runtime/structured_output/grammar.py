@@ -45,9 +45,18 @@ _BOUNDED_STRING_CHAR = re.compile(r'^(\w+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re
 _JSON_STRING_CHAR = r'\1 ::= [^\\0-\\x1f\\"\\\\]'
 
 
+# The most whitespace characters between two JSON tokens: room for a newline and an indent, so
+# pretty-printed JSON stays legal, while a model that favours whitespace (a weak or random one)
+# must go on with the value instead of padding until max_tokens. vLLM sets no bound; 8 is the
+# one proposed there (vllm-project/vllm#44619).
+MAX_WHITESPACE_CNT = 8
+
+
 def json_schema_grammar(schema: str, any_whitespace: bool) -> xgr.Grammar:
     """xgrammar's grammar of the JSON schema, its bounded-string characters made JSON's."""
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+    grammar = xgr.Grammar.from_json_schema(
+        schema, any_whitespace=any_whitespace,
+        max_whitespace_cnt=MAX_WHITESPACE_CNT if any_whitespace else None)
     ebnf, fixed = _BOUNDED_STRING_CHAR.subn(_JSON_STRING_CHAR, str(grammar))
     return xgr.Grammar.from_ebnf(ebnf) if fixed else grammar
 

@@ -1,8 +1,8 @@
 """/v1/responses (the OpenAI Responses API) with the official openai client: text, streaming
-events, text.format and refused fields on the tiny random model, where only the grammar can make
-the output valid; JSON objects (`responses.parse`) and function tools on the default model
-(SmolLM2-135M-Instruct), since the grammar lets a JSON object hold free whitespace, which a random
-model writes without end."""
+events, text.format (json_schema, `responses.parse`) and refused fields on the tiny random model,
+where only the grammar can make the output valid; json_object (a random model writes its free
+strings without end) and function tools on the default model (SmolLM2-135M-Instruct), as the chat
+route's tool tests do."""
 from __future__ import annotations
 
 import json
@@ -99,10 +99,13 @@ class Ball(pydantic.BaseModel):
     bounces: bool
 
 
-def test_parse_and_json_object(smol):
-    reply = smol.responses.parse(model=MODEL, input="Describe a ball as JSON.", temperature=0,
-                                 max_output_tokens=60, text_format=Ball)
+def test_parse_gives_the_pydantic_model(client):
+    reply = client.responses.parse(model="tiny", input="Describe a ball as JSON.", temperature=0,
+                                   max_output_tokens=60, text_format=Ball)
     assert isinstance(reply.output_parsed, Ball), reply.output_text
+
+
+def test_json_object(smol):
     reply = smol_create(smol, input="Paris as a JSON object with its name and country.",
                         max_output_tokens=100, text={"format": {"type": "json_object"}})
     assert reply.output_text.startswith("{")

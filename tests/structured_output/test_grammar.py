@@ -10,7 +10,7 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from runtime.structured_output import StructuredOutputsParams
-from runtime.structured_output.grammar import GrammarCompiler, build_grammar
+from runtime.structured_output.grammar import MAX_WHITESPACE_CNT, GrammarCompiler, build_grammar
 
 BOUNDED = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}},
            "required": ["a"], "additionalProperties": False}
@@ -64,3 +64,10 @@ def test_the_mask_refuses_a_token_holding_a_control_character(tokenizer_dir):
     allowed = logits[0] == 0
     assert allowed[printable]
     assert not allowed[control].any(), [tokenizer.decode([i]) for i in control if allowed[i]]
+
+
+@pytest.mark.parametrize("kind", [{"json": BOUNDED}, {"json_object": True}])
+def test_whitespace_between_tokens_is_bounded(kind):
+    params = StructuredOutputsParams(**kind)
+    assert accepts(params, '{\n' + " " * (MAX_WHITESPACE_CNT - 1) + '"a":\t"b"}')
+    assert not accepts(params, '{\n' + " " * MAX_WHITESPACE_CNT + '"a": "b"}')
