@@ -9,7 +9,7 @@ from typing import Any
 import xgrammar as xgr
 
 from runtime.structured_output.bitmask import pack_token_ids
-from runtime.structured_output.params import StructuredOutputsParams
+from runtime.structured_output.params import MAX_WHITESPACE_CNT, StructuredOutputsParams
 
 
 def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
@@ -45,13 +45,6 @@ _BOUNDED_STRING_CHAR = re.compile(r'^(\w+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re
 _JSON_STRING_CHAR = r'\1 ::= [^\\0-\\x1f\\"\\\\]'
 
 
-# The most whitespace characters between two JSON tokens: room for a newline and an indent, so
-# pretty-printed JSON stays legal, while a model that favours whitespace (a weak or random one)
-# must go on with the value instead of padding until max_tokens. vLLM sets no bound; 8 is the
-# one proposed there (vllm-project/vllm#44619).
-MAX_WHITESPACE_CNT = 8
-
-
 def json_schema_grammar(schema: str, any_whitespace: bool) -> xgr.Grammar:
     """xgrammar's grammar of the JSON schema, its bounded-string characters made JSON's."""
     grammar = xgr.Grammar.from_json_schema(
@@ -82,3 +75,6 @@ class GrammarCompiler:
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         return self._compiler.compile_grammar(build_grammar(params))
+
+    def matcher(self, compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
+        return xgr.GrammarMatcher(compiled)

@@ -17,31 +17,29 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
-from runtime.structured_output.grammar import GrammarCompiler
 from runtime.structured_output.stats import add_compile_time, empty_counts
 
 if TYPE_CHECKING:
     from runtime.request import Request
 
 class StructuredOutputManager:
-    """`make_compiler` builds the vocabulary's compiler; it is called once, on the first
-    constrained request, in a pool thread."""
+    """`make_compiler` builds the vocabulary's compiler (`backends.make_compiler`: xgrammar's
+    or llguidance's); it is called once, on the first constrained request, in a pool thread."""
 
-    def __init__(self, make_compiler: Callable[[], GrammarCompiler], max_workers: int = 2) -> None:
+    def __init__(self, make_compiler: Callable[[], Any], max_workers: int = 2) -> None:
         self._make_compiler = make_compiler
-        self._compiler: GrammarCompiler | None = None
+        self._compiler: Any = None
         self._compiler_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._max_workers = max_workers
         self._grammars: dict[tuple, Future] = {}  # compiled grammars, by kind and text
         self.waiting: dict[str, tuple[Request, Future]] = {}  # in arrival order
-        self.matchers: dict[str, xgr.GrammarMatcher] = {}
+        self.matchers: dict[str, Any] = {}  # the backend's matchers, as xgrammar's are called
         # cumulative, for /metrics
         self.num_compiles = 0
         self.num_cache_hits = 0
@@ -63,7 +61,7 @@ class StructuredOutputManager:
             self.num_cache_hits += 1
         self.waiting[request.request_id] = (request, future)
 
-    def _compile(self, params) -> xgr.CompiledGrammar:
+    def _compile(self, params) -> Any:
         with self._compiler_lock:
             if self._compiler is None:
                 self._compiler = self._make_compiler()
@@ -88,7 +86,7 @@ class StructuredOutputManager:
                 self._grammars.pop(request.params.structured_outputs.key, None)
                 failed.append((request, future.exception()))
                 continue
-            self.matchers[request_id] = xgr.GrammarMatcher(future.result())
+            self.matchers[request_id] = self._compiler.matcher(future.result())
             ready.append(request)
         return ready, failed
 
@@ -118,7 +116,8 @@ class StructuredOutputManager:
                 num_rows += 1 + len(r.spec_token_ids)
         if not rows:
             return None, rows
-        bitmask = xgr.allocate_token_bitmask(num_rows, self._compiler.vocab_size)
+        bitmask = torch.full((num_rows, -(-self._compiler.vocab_size // 32)), -1,
+                             dtype=torch.int32)
         for r, _ in scheduled:
             if r.request_id not in rows:
                 continue

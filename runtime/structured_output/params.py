@@ -6,6 +6,12 @@ from dataclasses import dataclass
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
+# The most whitespace characters between two JSON tokens: room for a newline and an indent, so
+# pretty-printed JSON stays legal, while a model that favours whitespace (a weak or random one)
+# must go on with the value instead of padding until max_tokens. vLLM sets no bound; 8 is the
+# one proposed there (vllm-project/vllm#44619).
+MAX_WHITESPACE_CNT = 8
+
 
 @dataclass
 class StructuredOutputsParams:

@@ -48,6 +48,15 @@ def llm(tiny_model_factory):
     return LLM(tiny_model_factory(), max_num_seqs=64)
 
 
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def backend_llm(request, llm, tiny_model_factory):
+    """The engine on each grammar backend (xgrammar is the default, `llm`)."""
+    if request.param == "xgrammar":
+        return llm
+    return LLM(tiny_model_factory(), max_num_seqs=64,
+               structured_outputs_config={"backend": request.param})
+
+
 @pytest.fixture(scope="module")
 def generated_schemas() -> list[dict]:
     found = []
@@ -78,11 +87,13 @@ def check_json(outputs, schemas_: list[dict]) -> None:
             jsonschema.validate(json.loads(sample.text), schema)
 
 
-def test_generated_json_schemas_are_followed(llm, generated_schemas):
+def test_generated_json_schemas_are_followed(backend_llm, generated_schemas):
     assert len(generated_schemas) >= NUM_SCHEMAS // 2
+    if backend_llm.engine.config.structured_outputs_config.backend == "guidance":
+        generated_schemas = generated_schemas[:10]  # the second backend, in less time
     params = [constrained(seed=i, json=s, disable_any_whitespace=True)
               for i, s in enumerate(generated_schemas)]
-    check_json(llm.generate(["Say something:"] * len(params), params), generated_schemas)
+    check_json(backend_llm.generate(["Say something:"] * len(params), params), generated_schemas)
 
 
 def test_unconstrained_output_is_not_json(llm):
@@ -95,12 +106,12 @@ def test_unconstrained_output_is_not_json(llm):
 REGEXES = [r"[a-c]{3}-\d{2}", r"(cat|dog)s? (sat|ran)", r"\d{4}-\d{2}-\d{2}", r"[A-Z][a-z]{2,5}!"]
 
 
-def test_regex_choice_grammar_and_json_object(llm):
+def test_regex_choice_grammar_and_json_object(backend_llm):
     grammar = 'root ::= "(" expr ")"\nexpr ::= num | num " + " expr\nnum ::= [1-9] [0-9]?'
     params = ([constrained(regex=r, seed=i) for i, r in enumerate(REGEXES)] +
               [constrained(choice=["red", "green", "blue sky"], temperature=0),
                constrained(grammar=grammar, max_tokens=60), constrained(json_object=True)])
-    outs = [o.outputs[0] for o in llm.generate(["Go:"] * len(params), params)]
+    outs = [o.outputs[0] for o in backend_llm.generate(["Go:"] * len(params), params)]
     for regex, out in zip(REGEXES, outs):
         assert re.fullmatch(regex, out.text), (regex, out.text)
     assert outs[4].text in ("red", "green", "blue sky")
@@ -109,27 +120,29 @@ def test_regex_choice_grammar_and_json_object(llm):
     assert outs[6].finish_reason == "length" or isinstance(json.loads(outs[6].text), dict)
 
 
-def test_n_samples_each_follow_the_schema(llm, generated_schemas):
+def test_n_samples_each_follow_the_schema(backend_llm, generated_schemas):
     schema = generated_schemas[0]
     params = constrained(json=schema, disable_any_whitespace=True, seed=None).clone(n=4)
-    out = llm.generate(["Say something:"], params)
+    out = backend_llm.generate(["Say something:"], params)
     assert len(out[0].outputs) == 4
     check_json(out, [schema])
 
 
-def test_bad_constraints_are_refused(llm):
+def test_bad_constraints_are_refused(backend_llm):
     with pytest.raises(ValueError, match="structured_outputs.regex"):
-        llm.generate(["x"], constrained(regex="(unclosed"))
+        backend_llm.generate(["x"], constrained(regex="(unclosed"))
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["b"])
     with pytest.raises(ValueError, match="structured_outputs.json"):
         StructuredOutputsParams(json="{not json")
 
 
-def test_speculative_decoding_follows_the_grammar(tiny_model_factory, generated_schemas):
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_speculative_decoding_follows_the_grammar(tiny_model_factory, generated_schemas, backend):
     """n-gram proposals are cut to what the grammar allows before they are verified."""
     spec = LLM(tiny_model_factory(), speculative_config={
-        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
+        structured_outputs_config={"backend": backend})
     schemas_ = generated_schemas[:8]
     # a prompt that repeats JSON-ish tokens, so the n-gram proposer has something to propose
     prompt = '{"a": 1, "b": "x"} {"a": 1, "b": "x"} {"a": 1,'
@@ -161,11 +174,11 @@ def test_preempted_requests_resume_with_their_matcher(tiny_model_factory, genera
         [o.outputs[0].text for o in roomy.generate(prompts, params)]
 
 
-def test_a_grammar_left_no_token_ends_only_that_request(llm):
+def test_a_grammar_left_no_token_ends_only_that_request(backend_llm):
     """allowed_token_ids, bad_words or min_tokens can leave no token the grammar allows: that
     request ends with finish_reason "abort" and the reason, holding no token its grammar
     refuses; the others in the batch are untouched."""
-    tokenizer = llm.engine.tokenizer
+    tokenizer = backend_llm.engine.tokenizer
     letter = tokenizer.convert_tokens_to_ids("a")
     digits = [tokenizer.convert_tokens_to_ids(d) for d in "0123456789"]
     dead_ends = [
@@ -174,7 +187,7 @@ def test_a_grammar_left_no_token_ends_only_that_request(llm):
         constrained(choice=["7"], min_tokens=4),  # after "7" only its stop token is allowed
     ]
     good = [constrained(regex=r, seed=i) for i, r in enumerate(REGEXES)]
-    outs = [o.outputs[0] for o in llm.generate(["Go:"] * 7, dead_ends + good)]
+    outs = [o.outputs[0] for o in backend_llm.generate(["Go:"] * 7, dead_ends + good)]
     for out in outs[:3]:
         assert out.finish_reason == "abort", out
         assert "breaks the request's structured_outputs grammar" in out.stop_reason, out
@@ -184,8 +197,9 @@ def test_a_grammar_left_no_token_ends_only_that_request(llm):
         assert out.finish_reason == "stop" and re.fullmatch(regex, out.text), (regex, out)
 
 
-def test_a_complete_grammar_allows_only_its_stop_token_under_ignore_eos(llm):
-    out = llm.generate(["Go:"], constrained(choice=["yes"], ignore_eos=True, max_tokens=5))
+def test_a_complete_grammar_allows_only_its_stop_token_under_ignore_eos(backend_llm):
+    out = backend_llm.generate(["Go:"], constrained(choice=["yes"], ignore_eos=True,
+                                                    max_tokens=5))
     sample = out[0].outputs[0]
     assert sample.finish_reason == "length" and sample.text == "yes", sample
-    assert sample.token_ids[-3:] == [llm.engine.tokenizer.eos_token_id] * 3
+    assert sample.token_ids[-3:] == [backend_llm.engine.tokenizer.eos_token_id] * 3

@@ -9,8 +9,11 @@ import torch
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
+from runtime.config import EngineConfig
 from runtime.structured_output import StructuredOutputsParams
-from runtime.structured_output.grammar import MAX_WHITESPACE_CNT, GrammarCompiler, build_grammar
+from runtime.structured_output.backends import StructuredOutputsConfig, check
+from runtime.structured_output.grammar import GrammarCompiler, build_grammar
+from runtime.structured_output.params import MAX_WHITESPACE_CNT
 
 BOUNDED = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}},
            "required": ["a"], "additionalProperties": False}
@@ -71,3 +74,39 @@ def test_whitespace_between_tokens_is_bounded(kind):
     params = StructuredOutputsParams(**kind)
     assert accepts(params, '{\n' + " " * (MAX_WHITESPACE_CNT - 1) + '"a":\t"b"}')
     assert not accepts(params, '{\n' + " " * MAX_WHITESPACE_CNT + '"a": "b"}')
+
+
+def test_the_backend_is_chosen_by_vllms_names():
+    assert StructuredOutputsConfig.parse(None).resolved_backend == "xgrammar"
+    assert StructuredOutputsConfig.parse('{"backend": "guidance"}').backend == "guidance"
+    assert EngineConfig(structured_outputs_config={"backend": "xgrammar"}) \
+        .structured_outputs_config.resolved_backend == "xgrammar"
+    for bad, match in (({"backend": "outlines"}, "must be one of"),
+                       ({"backends": "guidance"}, "takes backend"), ("{", "not valid JSON")):
+        with pytest.raises(ValueError, match=match):
+            StructuredOutputsConfig.parse(bad)
+
+
+def test_the_guidance_backend_takes_lark_and_gbnf_and_refuses_structural_tags():
+    pytest.importorskip("llguidance")
+    check(StructuredOutputsParams(grammar='start: "a" b\nb: "b"+'), "guidance")
+    check(StructuredOutputsParams(grammar='root ::= "a" [0-9]+'), "guidance")
+    with pytest.raises(ValueError, match="structured_outputs.grammar is not a valid grammar"):
+        check(StructuredOutputsParams(grammar="root ::= (unclosed"), "guidance")
+    with pytest.raises(ValueError, match="structural_tag is xgrammar's"):
+        check(StructuredOutputsParams(structural_tag='{"type": "structural_tag"}'), "guidance")
+
+
+def test_the_guidance_backend_bounds_whitespace_too(tokenizer_dir):
+    pytest.importorskip("llguidance")
+    from runtime.structured_output.guidance import GuidanceCompiler
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    compiler = GuidanceCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    compiled = compiler.compile(StructuredOutputsParams(json_object=True))
+
+    def takes(text: str) -> bool:
+        matcher = compiler.matcher(compiled)
+        return all(matcher.accept_token(t)
+                   for t in tokenizer.encode(text, add_special_tokens=False))
+    assert takes('{\n' + " " * (MAX_WHITESPACE_CNT - 1) + '"a": "b"}')
+    assert not takes('{\n' + " " * MAX_WHITESPACE_CNT + '"a": "b"}')
