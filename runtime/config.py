@@ -92,6 +92,9 @@ class EngineConfig:
     ray_address: str | None = None  # None: RAY_ADDRESS, else a new local Ray instance
     # speculative decoding: a SpeculativeConfig, or its dict / JSON text; None: off
     speculative_config: Any = None
+    # structured outputs: a StructuredOutputsConfig, or its dict / JSON text ({"backend":
+    # "guidance"}); None: the defaults (xgrammar)
+    structured_outputs_config: Any = None
     # multi-LoRA (runtime.lora): adapters in max_loras device slots, max_cpu_loras in host memory
     enable_lora: bool = False
     max_loras: int = 1
@@ -102,6 +105,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         from runtime.spec_decode.config import SpeculativeConfig
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        from runtime.structured_output.backends import StructuredOutputsConfig
+        self.structured_outputs_config = StructuredOutputsConfig.parse(
+            self.structured_outputs_config)
         if self.speculative_config is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding needs pipeline_parallel_size 1, got "
                              f"{self.pipeline_parallel_size}")
