@@ -131,10 +131,11 @@ class EngineCore:
     def _grammar_compiler(self):
         from runtime.engine.input_processor import eos_token_ids
         from runtime.model_loader.source import load_tokenizer
-        from runtime.structured_output.grammar import GrammarCompiler
+        from runtime.structured_output.backends import make_compiler
         tokenizer = load_tokenizer(self.source, self.config.trust_remote_code)
-        return GrammarCompiler(tokenizer, self.model_config.vocab_size, eos_token_ids(
-            self.source, self.model_config.hf_config, tokenizer))
+        return make_compiler(self.config.structured_outputs_config.resolved_backend, tokenizer,
+                             self.model_config.vocab_size, eos_token_ids(
+                                 self.source, self.model_config.hf_config, tokenizer))
 
     def _admit_compiled(self) -> list[CoreOutput]:
         """Hand the requests whose grammar is ready to the scheduler; the outputs that end
