@@ -32,8 +32,10 @@ def eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any) -> list[i
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
-                 eos_token_ids: list[int], max_logprobs: int = 20) -> None:
+                 eos_token_ids: list[int], max_logprobs: int = 20,
+                 structured_outputs_backend: str = "xgrammar") -> None:
         self.tokenizer = tokenizer
+        self.structured_outputs_backend = structured_outputs_backend
         self.max_logprobs = max_logprobs
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -70,8 +72,9 @@ class InputProcessor:
                 raise ValueError(f"{name} token ids must be in [0, {self.vocab_size}), "
                                  f"got {bad[:5]}")
         if params.structured_outputs is not None:
-            from runtime.structured_output.grammar import build_grammar
-            build_grammar(params.structured_outputs)  # raises ValueError naming what is wrong
+            from runtime.structured_output.backends import check
+            # raises ValueError naming what is wrong
+            check(params.structured_outputs, self.structured_outputs_backend)
         if params.bad_words:
             params = params.clone(_bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         if len(token_ids) >= self.max_model_len:

@@ -31,7 +31,8 @@ class Processor:
         self.tokenizer = load_tokenizer(source, config.trust_remote_code)
         self.inputs = InputProcessor(self.tokenizer, hf_config.vocab_size, max_model_len,
                                      eos_token_ids(source, hf_config, self.tokenizer),
-                                     config.max_logprobs)
+                                     config.max_logprobs,
+                                     config.structured_outputs_config.resolved_backend)
         # --generation-config: SamplingParams fields a request that leaves them out gets
         self.sampling_defaults = generation_defaults(config.generation_config, source)
         self.outputs = OutputProcessor(self.tokenizer)
