@@ -86,6 +86,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                         '"prompt_lookup_min": 1} or {"method": "draft_model", "model": PATH, '
                         '"num_speculative_tokens": 4} (see docs/speculative.md)')
+    g.add_argument("--structured-outputs-config", default=None,
+                   help='structured outputs, as JSON: {"backend": "auto" | "xgrammar" | '
+                        '"guidance"} (auto: xgrammar; guidance: llguidance; see '
+                        'docs/structured_outputs.md)')
     g = parser.add_argument_group("LoRA adapters (see docs/lora.md)")
     g.add_argument("--enable-lora", action="store_true",
                    help="serve PEFT LoRA adapters on top of the model, mixed in one batch")
@@ -125,6 +129,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
              "enable_chunked_prefill", "scheduling_policy", "attention_backend", "enforce_eager",
              "num_threads", "seed", "revision", "download_dir", "trust_remote_code", "max_logprobs",
              "generation_config", "disable_log_stats", "quantization", "speculative_config",
+             "structured_outputs_config",
              "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
              "tensor_parallel_size",
              "pipeline_parallel_size", "enable_expert_parallel", "data_parallel_size",
