@@ -1,7 +1,6 @@
 """The Anthropic Messages API: /v1/messages, with its streaming events."""
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from functools import partial
 from typing import Any, AsyncIterator
@@ -13,7 +12,7 @@ from runtime.engine.async_llm import RequestStream
 from runtime.entrypoints.chat import render_chat, text_of
 from runtime.entrypoints.protocol import MessagesRequest
 from runtime.entrypoints.structured import checked
-from runtime.entrypoints.tool_parsers import ToolChoice
+from runtime.entrypoints.tool_parsers import Delta, ToolChoice
 from runtime.entrypoints.tool_parsers.anthropic import (anthropic_messages,
                                                         anthropic_tool_choice, content_blocks)
 from runtime.entrypoints.serving import (check_model, final_outputs, new_id, open_streams, sse,
@@ -119,20 +118,61 @@ async def _text_block(stream: RequestStream, stop: dict) -> AsyncIterator[str]:
 
 async def _tool_blocks(stream: RequestStream, tools: ToolChoice,
                        stop: dict) -> AsyncIterator[str]:
-    """An output that may hold tool calls: held until it is complete, then one block per text
-    or tool_use (its input as one input_json_delta)."""
-    text, sample = "", None
+    """An output that may hold tool calls, read as it comes (the chat route's readers): a text
+    block for content, a tool_use block per call, its input streamed as input_json_delta
+    fragments of the arguments the model writes."""
+    reader, blocks, sample = tools.reader(), ContentBlocks(), None
     async for output in stream:
         sample = output.outputs[0]
-        text += sample.text
-    message, calls = tools.message(text)
-    for index, block in enumerate(content_blocks(message)):
-        start = {**block, "text": ""} if block["type"] == "text" else {**block, "input": {}}
-        delta = {"type": "text_delta", "text": block["text"]} if block["type"] == "text" \
-            else {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-        yield sse({"type": "content_block_start", "index": index, "content_block": start},
-                  "content_block_start")
-        yield sse({"type": "content_block_delta", "index": index, "delta": delta},
-                  "content_block_delta")
-        yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
-    stop["reason"], stop["sequence"] = ("tool_use", None) if calls else _stop(sample)
+        delta = reader.feed(sample.text)
+        if sample.finished:
+            delta.add(reader.finish())
+        for event in blocks.add(tools.limit(delta)):
+            yield event
+    for event in blocks.close():
+        yield event
+    stop["reason"], stop["sequence"] = ("tool_use", None) if blocks.calls else _stop(sample)
+
+
+class ContentBlocks:
+    """A message's content blocks built from content and call deltas, as streaming events."""
+
+    def __init__(self) -> None:
+        self.open: str | None = None  # the type of the block being written
+        self.index = -1
+        self.calls = 0
+
+    def add(self, delta: Delta) -> list[str]:
+        events = []
+        if delta.content:
+            if self.open != "text":
+                events += self._start({"type": "text", "text": ""})
+            events.append(self._delta({"type": "text_delta", "text": delta.content}))
+        for call in delta.calls:
+            if "id" in call:
+                self.calls += 1
+                events += self._start({"type": "tool_use",
+                                       "id": call["id"].replace("call_", "toolu_", 1),
+                                       "name": call["function"]["name"], "input": {}})
+            if call["function"]["arguments"]:
+                events.append(self._delta({"type": "input_json_delta",
+                                           "partial_json": call["function"]["arguments"]}))
+        return events
+
+    def close(self) -> list[str]:
+        """The last block's end; an output with no block gets an empty text block."""
+        events = [] if self.index >= 0 else self._start({"type": "text", "text": ""})
+        return events + [sse({"type": "content_block_stop", "index": self.index},
+                             "content_block_stop")]
+
+    def _start(self, block: dict) -> list[str]:
+        events = [] if self.index < 0 else [
+            sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
+        self.index += 1
+        self.open = block["type"]
+        return events + [sse({"type": "content_block_start", "index": self.index,
+                              "content_block": block}, "content_block_start")]
+
+    def _delta(self, delta: dict) -> str:
+        return sse({"type": "content_block_delta", "index": self.index, "delta": delta},
+                   "content_block_delta")

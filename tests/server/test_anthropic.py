@@ -1,6 +1,8 @@
 """The Anthropic Messages API, driven by the official `anthropic` client."""
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -60,3 +62,27 @@ def test_bad_request_has_the_anthropic_shape(claude):
                                extra_body={"temperature": -1})
     assert e.value.body["type"] == "error"
     assert e.value.body["error"]["type"] == "invalid_request_error"
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city.", "input_schema": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}
+
+
+def test_a_streamed_tool_use_comes_in_pieces_and_reassembles(claude):
+    kwargs = dict(model="tiny", max_tokens=60, messages=MESSAGES, tools=[WEATHER],
+                  tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY)
+    whole = claude.messages.create(**kwargs)
+    (use,) = whole.content
+    assert use.type == "tool_use" and whole.stop_reason == "tool_use"
+    with claude.messages.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    starts = [e.content_block for e in events if e.type == "content_block_start"]
+    assert [(b.type, b.name, b.input) for b in starts] == [("tool_use", "get_weather", {})]
+    assert len(pieces) > 3 and json.loads("".join(pieces)) == use.input
+    (streamed,) = final.content
+    assert (streamed.type, streamed.name, streamed.input) == ("tool_use", use.name, use.input)
+    assert streamed.id.startswith("toolu_") and final.stop_reason == "tool_use"
