@@ -23,7 +23,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="serve a model over HTTP to OpenAI and Anthropic clients",
         description="Serve a model at http://HOST:PORT/v1 (OpenAI: /v1/completions, "
-                    "/v1/chat/completions, /v1/models; Anthropic: /v1/messages), with "
+                    "/v1/chat/completions, /v1/responses, /v1/models; Anthropic: "
+                    "/v1/messages), with "
                     "/health, /metrics, /tokenize and /detokenize.")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model (same as --model)")
