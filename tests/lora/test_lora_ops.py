@@ -56,7 +56,8 @@ def cpu_ops():
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 MIXES = {"mixed": [2, -1, 0, 2, 1, -1, 0] * 3, "one slot": [1] * 21, "none": [-1] * 5,
-         "decode batch": [s % 5 - 1 for s in range(64)]}
+         "decode batch": [s % 5 - 1 for s in range(64)],
+         "prefill": [s // 100 - 1 for s in range(500)]}  # big enough for several threads
 
 
 @pytest.mark.parametrize("dtype", list(TOL))

@@ -22,6 +22,12 @@ constexpr int64_t kTile = 4;         // tokens in registers at once
 constexpr int64_t kRowTile = 4;      // rows of A in registers at once in shrink
 constexpr int64_t kRowBlock = 16;    // rows of A per shrink unit
 constexpr int64_t kColVecs = 4;      // vectors of y's columns per expand unit
+// Below this many multiply-adds a call runs on the calling thread: a decode step's products
+// take tens of microseconds, less than waking the pool (far less than a barrier on a busy host).
+constexpr int64_t kParallelWork = int64_t(1) << 22;
+
+// at::parallel_for's grain: every unit in one chunk (no parallel region) for small calls.
+int64_t grain(int64_t units, int64_t work) { return work < kParallelWork ? units : 1; }
 
 struct Runs {
   const int64_t* tokens;                       // the tokens with an adapter, grouped by slot
@@ -86,7 +92,8 @@ void shrink_rows(float* out, const T* x, int64_t x_stride, const T* a, const Run
                  int64_t rows, int64_t rank, int64_t d_in, int64_t num_tokens) {
   const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
   const int64_t units = static_cast<int64_t>(runs.blocks.size()) * row_blocks;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+  const int64_t work = static_cast<int64_t>(runs.blocks.size()) * kTokenBlock * rows * d_in;
+  at::parallel_for(0, units, grain(units, work), [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const auto& [slot, tb, te] = runs.blocks[u / row_blocks];
       const int64_t j0 = (u % row_blocks) * kRowBlock, j1 = std::min(j0 + kRowBlock, rows);
@@ -144,7 +151,9 @@ void expand_cols(T* y, int64_t y_stride, const float* buf, const T* b, int64_t b
       cols.push_back({static_cast<int64_t>(s), c, std::min(width, offsets[s + 1] - c) / kLanes});
   const int64_t col_blocks = static_cast<int64_t>(cols.size());
   const int64_t units = static_cast<int64_t>(runs.blocks.size()) * col_blocks;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+  const int64_t work = static_cast<int64_t>(runs.blocks.size()) * kTokenBlock * rank *
+                       offsets.back();
+  at::parallel_for(0, units, grain(units, work), [&](int64_t begin, int64_t end) {
     std::vector<float> block(rank * width);
     for (int64_t u = begin; u < end; ++u) {
       const auto& [slot, tb, te] = runs.blocks[u / col_blocks];
