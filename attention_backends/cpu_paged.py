@@ -2,9 +2,10 @@
 
 Decodes read K and V straight from the cache blocks in one C++ pass per (sequence, KV head),
 instead of gathering every sequence's context into a padded tensor first; prefill chunks run
-as in the portable backend. The kernel is the op `torch.ops.runtime_cpu.paged_attention_decode`,
-which the CPU platform builds and loads before it offers this backend. An FP8 cache is widened
-to float32 in the kernel's registers as it is read.
+as in the portable backend. Prefill-only (pooling) steps run `encoder_attention` on the packed
+tokens with their `query_start_loc`: no padded batch, no gathers. The kernels are ops under
+`torch.ops.runtime_cpu`, which the CPU platform builds and loads before it offers this backend. An
+FP8 cache is widened to float32 in the kernel's registers as it is read.
 """
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from runtime.attention_backends.base import AttentionMetadata, is_fp8
 from runtime.attention_backends.torch_paged import TorchPagedAttention
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ENCODER_HEAD_SIZES = (16, 32, 64, 128)
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Soft-capped layers (Gemma 2) decode through the portable path: the kernel has no cap.
-    Prefill-only (pooling) steps, bidirectional or causal, run the portable path too."""
+    """Soft-capped layers (Gemma 2) decode and encode through the portable path: the kernels
+    have no cap; so do sliding-window layers' prefill-only steps and head sizes other than 16,
+    32, 64 and 128."""
 
     name = "cpu_paged"
 
@@ -33,6 +36,15 @@ class CpuPagedAttention(TorchPagedAttention):
             return False, (f"needs the model in one of "
                            f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)}")
         return cls.supports_kv_cache_dtype(dtype, kv_cache_dtype)
+
+    def _encode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        if (self.logits_soft_cap is not None or self.sliding_window is not None
+                or self.head_size not in ENCODER_HEAD_SIZES):
+            return super()._encode(query, key, value, metadata)
+        return torch.ops.runtime_cpu.encoder_attention(
+            query, key, value, metadata.query_start_loc, metadata.max_seq_len, self.scale,
+            metadata.causal)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, nd: int, block_size: int) -> torch.Tensor:

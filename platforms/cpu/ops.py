@@ -1,4 +1,5 @@
-"""The CPU platform's custom ops: the fused layer ops of `csrc/layer_ops.cpp`, with the portable
+"""The CPU platform's custom ops: the fused layer ops of `csrc/layer_ops.cpp` and
+`csrc/encoder_ops.cpp`, with the portable
 ones as fallback for shapes the kernels do not take (a last dimension that is not a multiple of
 16 or a rotary dimension not a multiple of 32, strided views such as Qwen3's per-head q/k norms),
 and the dense `linear` kernel (oneDNN for decode-sized products)."""
@@ -51,6 +52,22 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         return portable_rotary_embedding(positions, query, key, cos_sin_cache, head_size)
     torch.ops.runtime_cpu.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
     return query, key
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """erf GELU (BERT's "gelu")."""
+    if not _fits(x, 16):
+        return F.gelu(x)
+    return torch.ops.runtime_cpu.gelu(x)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """layer_norm(x + residual): BERT's output blocks."""
+    if not (_fits(x, 16) and residual.is_contiguous() and residual.dtype == x.dtype
+            and weight.dtype == x.dtype):
+        return F.layer_norm(x + residual, weight.shape, weight, bias, eps)
+    return torch.ops.runtime_cpu.add_layer_norm(x, residual, weight, bias, eps)
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
@@ -116,4 +133,5 @@ def linear(weight: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor | None]
 
 # The ops that need the built kernels (`linear` is torch's own oneDNN and needs no build).
 OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul,
-       "rotary_embedding": rotary_embedding, "lora_shrink": lora_shrink, "lora_expand": lora_expand}
+       "rotary_embedding": rotary_embedding, "lora_shrink": lora_shrink, "lora_expand": lora_expand,
+       "gelu": gelu, "add_layer_norm": add_layer_norm}

@@ -4,8 +4,9 @@
 Bidirectional attention through the attention backend's encoder-only mode (no KV cache). Module
 names follow the Hugging Face checkpoints (`embeddings.*`, `encoder.layer.{i}.*`, `pooler.*`,
 `classifier.*`), so weights load by name, but for the query, key and value projections, which
-load into one fused `qkv`. The encoder's dense layers run on the platform's `linear` kernel. One
-rank, unquantized.
+load into one fused `qkv`. The encoder's dense layers run on the platform's `linear` kernel, erf
+GELU on its `gelu` and the output blocks' add + LayerNorm on its `add_layer_norm` where it has
+them. One rank, unquantized.
 """
 from __future__ import annotations
 
@@ -63,9 +64,13 @@ class BertOutput(nn.Module):
         super().__init__()
         self.dense = ReplicatedLinear(in_features, config.hidden_size, True, ctx)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.add_norm = ctx.custom_op("add_layer_norm")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        if self.add_norm is None:
+            return self.LayerNorm(self.dense(x) + residual)
+        norm = self.LayerNorm
+        return self.add_norm(self.dense(x), residual, norm.weight, norm.bias, norm.eps)
 
 
 class BertAttention(nn.Module):
@@ -85,7 +90,8 @@ class BertIntermediate(nn.Module):
             raise ValueError(f"activation {config.hidden_act!r} is not supported; supported: "
                              f"{', '.join(ACTIVATIONS)}")
         self.dense = ReplicatedLinear(config.hidden_size, config.intermediate_size, True, ctx)
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.act = ((config.hidden_act == "gelu" and ctx.custom_op("gelu"))
+                    or ACTIVATIONS[config.hidden_act])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.dense(x))
