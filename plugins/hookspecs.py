@@ -133,6 +133,8 @@ def runtime_custom_op(platform: Platform, name: str) -> Callable | None:
       dense (unquantized) layer and the LM head after loading, so it may pre-pack the weight
     - "fused_moe": the experts of a mixture-of-experts layer (see `runtime.plugins.ops`)
     - "gelu_tanh_and_mul": (x) -> gelu_tanh(x[..., :d]) * x[..., d:] (Gemma's MLP)
+    - "gelu": (x) -> F.gelu(x) (erf form; BERT's MLP), and "add_layer_norm": (x, residual,
+      weight, bias, eps) -> F.layer_norm(x + residual, ...) (BERT's output blocks)
     - "lora_shrink": (x, a, batch) -> [slices, T, rank], and "lora_expand": (y, buf, b, batch,
       offsets) -> y with each token's LoRA delta added in place: the two halves of multi-LoRA,
       per token slot (portable versions and `LoRABatch` in `runtime.plugins.lora_ops`)
