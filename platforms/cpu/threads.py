@@ -5,7 +5,8 @@ takes vLLM's values:
 
 - `auto` (default): each rank on this host gets the cores of one NUMA node, one logical CPU per
   physical core (SMT siblings would share one core's vector units); with more ranks than nodes,
-  the cores are split evenly between the ranks, node by node.
+  the cores are split evenly between the ranks, node by node; with more ranks than cores, no
+  binding (the ranks share the cores, `usable cores // ranks` threads each, at least 1).
 - a list per rank, `0-31|32-63`: rank i takes the i-th list (`0-3,8,10-11` syntax).
 - `nobind` (or `all`): no binding; threads as torch starts them.
 
@@ -77,8 +78,9 @@ def one_per_core(cpus: list[int], sys_cpu: Path = SYS_CPU) -> list[int]:
 
 
 def auto_cpus(local_rank: int, local_ranks: int, nodes: list[list[int]],
-              usable: list[int], sys_cpu: Path = SYS_CPU) -> list[int]:
-    """`auto`: the cores of node `local_rank`, or an even split when ranks outnumber nodes."""
+              usable: list[int], sys_cpu: Path = SYS_CPU) -> list[int] | None:
+    """`auto`: the cores of node `local_rank`, or an even split when ranks outnumber nodes;
+    None (no binding: the ranks share the cores) when they outnumber the cores too."""
     allowed = set(usable)
     per_node = [one_per_core([c for c in cpus if c in allowed], sys_cpu) for cpus in nodes]
     per_node = [cpus for cpus in per_node if cpus]
@@ -86,8 +88,7 @@ def auto_cpus(local_rank: int, local_ranks: int, nodes: list[list[int]],
         return per_node[local_rank]
     cores = [cpu for cpus in per_node for cpu in cpus]
     if local_ranks > len(cores):
-        raise ValueError(f"{local_ranks} ranks on this host but only {len(cores)} usable cores; "
-                         f"set {BIND_ENV}=nobind to share cores between ranks")
+        return None
     base, extra = divmod(len(cores), local_ranks)
     start = local_rank * base + min(local_rank, extra)
     return cores[start:start + base + (local_rank < extra)]
@@ -102,6 +103,8 @@ def plan_cpus(spec: str, local_rank: int, local_ranks: int, num_threads: int | N
         return None
     if spec == "auto":
         cpus = auto_cpus(local_rank, local_ranks, nodes, usable, sys_cpu)
+        if cpus is None:
+            return None
     else:
         lists = spec.split("|")
         if len(lists) != local_ranks:

@@ -43,8 +43,8 @@ def test_auto_takes_one_node_per_rank_and_one_cpu_per_core(tmp_path):
         [8, 9, 10], [11, 12, 13], [14, 15]]
     # a cgroup or taskset leaving part of a node
     assert auto_cpus(0, 1, nodes, [0, 1, 9], sysfs) == [0, 9]
-    with pytest.raises(ValueError, match="only 8 usable cores"):
-        auto_cpus(0, 9, nodes, usable, sysfs)
+    # more ranks than cores: no binding, the ranks share them (as before binding existed)
+    assert auto_cpus(0, 9, nodes, usable, sysfs) is None
 
 
 def test_plan_lists_reserved_and_thread_count(tmp_path):
