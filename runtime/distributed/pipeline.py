@@ -10,6 +10,9 @@ import torch
 
 from runtime.distributed.layout import layer_range
 
+# What one stage hands the next: the hidden states and the residual, [T, H] each.
+Intermediate = tuple[torch.Tensor, torch.Tensor]
+
 
 @dataclass
 class PipelineStage:
@@ -48,7 +51,7 @@ class PipelineStage:
         self.group.send(torch.stack([hidden, residual]), dst=self.rank + 1)
 
     def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+             device: torch.device) -> Intermediate:
         """The previous stage's output for the `num_tokens` tokens of this step."""
         buf = torch.empty(2, num_tokens, hidden_size, dtype=dtype, device=device)
         self.group.recv(buf, src=self.rank - 1)

@@ -6,6 +6,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from runtime.distributed.pipeline import Intermediate
 from runtime.layers.activation import GATED_ACTIVATIONS
 from runtime.layers.attention import Attention
 from runtime.layers.build_context import BuildContext
@@ -132,7 +133,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         # A pipeline stage builds its own layers only; the others stay empty placeholders so
         # that layer i keeps the checkpoint's name `model.layers.{i}`.
-        self.pp, self.hidden_size, self.act_dtype = ctx.pp, config.hidden_size, ctx.dtype
+        self.hidden_size = config.hidden_size
         self.start, self.end = ctx.pp.layers(config.num_hidden_layers)
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
                              if ctx.pp.is_first else None)
@@ -145,19 +146,19 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """The final hidden states; None on a pipeline stage before the last, which sends its
-        output to the next stage instead."""
-        if self.embed_tokens is not None:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        """The final hidden states. A pipeline stage after the first starts from the previous
+        stage's `intermediate` output instead of `input_ids`; one before the last returns its
+        own (the runner sends it on)."""
+        if intermediate is None:
             hidden, residual = self.embed(input_ids), None
         else:
-            hidden, residual = self.pp.recv(input_ids.size(0), self.hidden_size, self.act_dtype,
-                                            input_ids.device)
+            hidden, residual = intermediate
         for layer in self.layers[self.start:self.end]:
             hidden, residual = layer(positions, hidden, residual)
         if self.norm is None:
-            self.pp.send(hidden, residual)
-            return None
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -180,8 +181,9 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings and ctx.pp.size == 1:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

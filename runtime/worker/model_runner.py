@@ -2,11 +2,14 @@
 batch from it on the host, runs the model, samples."""
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 import torch
 from torch import nn
 
 from runtime.attention_backends.base import AttentionMetadata
+from runtime.distributed.pipeline import PipelineStage
 from runtime.plugins.interfaces import EagerRunner, GraphRunner
 from runtime.forward_context import forward_context
 from runtime.layers.attention import Attention, zero_new_blocks
@@ -20,11 +23,16 @@ from runtime.worker.request_states import RequestStates
 
 class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device, block_size: int,
-                 vocab_size: int, graph_runner: GraphRunner | None = None) -> None:
+                 vocab_size: int, graph_runner: GraphRunner | None = None,
+                 pp: PipelineStage | None = None,
+                 hidden: tuple[int, torch.dtype] | None = None) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
         self.vocab_size = vocab_size
+        # the stage's place in the pipeline, and (hidden size, dtype) of what stages exchange
+        self.pp = pp or PipelineStage()
+        self.hidden = hidden
         self.sampler = Sampler(plugin_logits_processors())
         self.states = RequestStates()
         # seeded requests' generators: kept through a preemption, dropped when they finish
@@ -76,7 +84,7 @@ class ModelRunner:
         self._zero_new_blocks(reqs)
         input_ids, positions, metadata, cu = self._prepare(reqs)
         with forward_context(metadata):
-            hidden = self.model(input_ids, positions)
+            hidden = self._forward(self.model, input_ids, positions)
         if hidden is not None and self.pooling is None:  # None: a stage before the last
             rows = torch.as_tensor(cu[1:] - 1, device=self.device)
             if self.proposer is not None:  # each request verifies k + 1 rows
@@ -84,6 +92,19 @@ class ModelRunner:
             torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), -1)
         for layer in self.kv_layers:
             layer.kv_cache = torch.empty(0)
+
+    def _forward(self, forward: Callable[..., Any], input_ids: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor | None:
+        """The model's final hidden states. A pipeline stage after the first starts from the
+        previous stage's output; one before the last sends its output on and returns None."""
+        inputs: dict[str, Any] = {"input_ids": input_ids, "positions": positions}
+        if not self.pp.is_first:
+            inputs["intermediate"] = self.pp.recv(input_ids.size(0), *self.hidden, self.device)
+        out = forward(**inputs)
+        if self.pp.is_last:
+            return out
+        self.pp.send(*out)
+        return None
 
     def _zero_new_blocks(self, reqs: list[ScheduledRequest]) -> None:
         self.num_zeroed_blocks = zero_new_blocks(self.kv_layers, reqs, self.num_zeroed_blocks)
@@ -156,7 +177,7 @@ class ModelRunner:
         self._zero_new_blocks(reqs)
         input_ids, positions, metadata, cu = self._prepare(reqs)
         with forward_context(metadata):
-            hidden = self.graph_runner.run(input_ids=input_ids, positions=positions)
+            hidden = self._forward(self.graph_runner.run, input_ids, positions)
         if hidden is None:  # a pipeline stage before the last: it sent its output on
             return out
         self._prompt_logprobs(reqs, hidden, cu, out)

@@ -109,7 +109,7 @@ class Worker:
         graph_runner = self.hook.runtime_graph_runner(platform=self.platform, model=info,
                                                       enforce_eager=info.enforce_eager)
         self.runner = ModelRunner(model, self.device, self.config.block_size, mc.vocab_size,
-                                  graph_runner)
+                                  graph_runner, ctx.pp, (mc.hidden_size, mc.dtype))
         if self.config.runner == "pooling":
             self.runner.pooling = PoolingRunner(model, load_pooler_config(
                 self.source.path if os.path.isdir(self.source.path) else None,

@@ -112,6 +112,19 @@ def test_granite_matches_transformers(tiny_model_factory, example_plugin):
     assert_matches_hf(outs, references)
 
 
+def test_granite_runs_under_pipeline_parallel(tiny_model_factory, example_plugin):
+    """The plugin's model has no pipeline code: the runner moves its stages' hidden states."""
+    path = tiny_model_factory("GraniteForCausalLM", **GRANITE)
+    hf = transformers.GraniteForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    references = [hf_greedy(hf, p, PARAMS.max_tokens) for p in PROMPTS]
+    llm = LLM(path, pipeline_parallel_size=2, num_threads=1, **OPTIONS)
+    try:
+        outs = llm.generate(PROMPTS, PARAMS)
+    finally:
+        llm.engine.core.shutdown()
+    assert_matches_hf(outs, references)
+
+
 def test_granite_needs_the_plugin(tiny_model_factory, monkeypatch):
     monkeypatch.setenv("RUNTIME_PLUGINS", "cpu")
     reset_plugin_manager()

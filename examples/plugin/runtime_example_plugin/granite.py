@@ -48,13 +48,8 @@ class GraniteModel(LlamaModel):
         super().__init__(config, ctx)
         self.embedding_multiplier = config.embedding_multiplier
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) * self.embedding_multiplier
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embedding_multiplier
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
