@@ -18,7 +18,7 @@ namespace {
 
 using namespace runtime_cpu;
 
-constexpr int64_t kRows = 4;  // queries per block: K^T and V loads are shared by these
+constexpr int64_t kRows = 8;  // queries per block: K^T and V loads are shared by these
 
 inline float hmax(vecf v) {
   float m = v[0];
