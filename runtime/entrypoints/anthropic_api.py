@@ -11,12 +11,12 @@ from fastapi.responses import StreamingResponse
 from runtime.engine.async_llm import RequestStream
 from runtime.entrypoints.chat import render_chat, text_of
 from runtime.entrypoints.protocol import MessagesRequest
-from runtime.entrypoints.structured import checked
 from runtime.entrypoints.tool_parsers import Delta, ToolChoice
 from runtime.entrypoints.tool_parsers.anthropic import (anthropic_messages,
                                                         anthropic_tool_choice, content_blocks)
-from runtime.entrypoints.serving import (check_model, final_outputs, new_id, open_streams, sse,
-                                         state_of, stream_error, unless_disconnected)
+from runtime.entrypoints.serving import (check_model, final_outputs, grammar_backend, new_id,
+                                         open_streams, sse, state_of, stream_error,
+                                         unless_disconnected)
 from runtime.outputs import CompletionOutput
 
 router = APIRouter()
@@ -33,10 +33,8 @@ async def create_message(body: MessagesRequest, raw: Request) -> Any:
     tools = anthropic_tool_choice(body, state.tool_call_parser, state.enable_auto_tool_choice)
     prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
                                   state.chat_template, True, tools.tools)
-    params = body.sampling_params(state.engine.processor.sampling_defaults)
-    forced = tools.structured_outputs()
-    if forced is not None:
-        params = params.clone(structured_outputs=checked("tools", json=forced.json))
+    params = tools.constrain(body.sampling_params(state.engine.processor.sampling_defaults),
+                             "tool_choice", grammar_backend(state))
     message_id = new_id("msg")
     streams = await open_streams(state, message_id, [{"prompt_token_ids": prompt}], params,
                                  body.stream, model=model)

@@ -14,8 +14,9 @@ from runtime.entrypoints.errors import APIError, bad_request
 from runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from runtime.entrypoints.tool_parsers import CallReader, ToolChoice, template_messages
 from runtime.entrypoints.serving import (ServerState, check_budget, check_fits, check_model,
-                                         final_outputs, merge, new_id, open_streams, sse,
-                                         state_of, stream_error, unless_disconnected)
+                                         final_outputs, grammar_backend, merge, new_id,
+                                         open_streams, sse, state_of, stream_error,
+                                         unless_disconnected)
 from runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -62,7 +63,8 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Any:
         return await unless_disconnected(raw, work, [])
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs,
-                                  state.engine.processor.sampling_defaults)
+                                  state.engine.processor.sampling_defaults,
+                                  grammar_backend(state))
     request_id = new_id("cmpl")
     streams = await open_streams(state, request_id, prompts, params, body.stream,
                                  body.priority, model=model)
@@ -85,8 +87,9 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     budget = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs,
-                                  defaults=state.engine.processor.sampling_defaults)
-    params = tools.constrain(params, "response_format")
+                                  defaults=state.engine.processor.sampling_defaults,
+                                  backend=grammar_backend(state))
+    params = tools.constrain(params, "response_format", grammar_backend(state))
     request_id = new_id("chatcmpl")
     streams = await open_streams(state, request_id, [{"prompt_token_ids": prompt}], params,
                                  body.stream, body.priority, budget, model)

@@ -94,9 +94,11 @@ class SamplingFields(Body):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None,
-                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+                        defaults: dict[str, Any] | None = None,
+                        backend: str = "xgrammar") -> SamplingParams:
         """The engine's parameters; a bad value is a 400 naming the parameter. `defaults`
-        (the --generation-config ones) fill the fields the request leaves out."""
+        (the --generation-config ones) fill the fields the request leaves out; `backend` is the
+        grammar backend that checks a structured-output constraint."""
         from runtime.entrypoints.structured import structured_outputs_of
         fields: dict[str, Any] = dict(defaults or {})
         if self.logit_bias:
@@ -105,7 +107,7 @@ class SamplingFields(Body):
                                   f"{[k for k in self.logit_bias if not k.strip().isdigit()][:3]}",
                                   param="logit_bias")
             fields["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
-        fields["structured_outputs"] = structured_outputs_of(self)
+        fields["structured_outputs"] = structured_outputs_of(self, backend)
         if max_tokens is not None or "max_tokens" not in fields:
             fields["max_tokens"] = max_tokens
         fields.update(n=self.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
@@ -140,8 +142,10 @@ class CompletionRequest(SamplingFields):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None,
-                        defaults: dict[str, Any] | None = None) -> SamplingParams:
-        params = super().sampling_params(max_tokens, logprobs, prompt_logprobs, defaults)
+                        defaults: dict[str, Any] | None = None,
+                        backend: str = "xgrammar") -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs, prompt_logprobs, defaults,
+                                         backend)
         if self.best_of is None:
             return params
         if self.stream and self.best_of > self.n:

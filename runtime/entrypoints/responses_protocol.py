@@ -178,9 +178,11 @@ class ResponsesRequest(Body):
                               named=choice.name)
         return ToolChoice(tools, choice, parser, auto_enabled, self.parallel_tool_calls)
 
-    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any] | None = None,
+                        backend: str = "xgrammar") -> SamplingParams:
         """`defaults` (the --generation-config ones) fill the fields the request leaves out;
-        `text.format` constrains the output as chat's `response_format` does."""
+        `text.format` constrains the output as chat's `response_format` does, checked by the
+        grammar `backend`."""
         fields: dict[str, Any] = {**(defaults or {})}
         if self.max_output_tokens is not None or "max_tokens" not in fields:
             fields["max_tokens"] = self.max_output_tokens
@@ -189,9 +191,10 @@ class ResponsesRequest(Body):
                 fields[name] = getattr(self, name)
         text_format = self.text.format if self.text is not None else None
         if isinstance(text_format, TextJsonObject):
-            fields["structured_outputs"] = checked("text", json_object=True)
+            fields["structured_outputs"] = checked("text", {"json_object": True}, backend)
         elif isinstance(text_format, TextJsonSchema):
-            fields["structured_outputs"] = checked("text", json=text_format.json_schema)
+            fields["structured_outputs"] = checked("text", {"json": text_format.json_schema},
+                                                   backend)
         return make_sampling_params(**fields)
 
     def echo(self) -> dict:

@@ -57,6 +57,12 @@ def state_of(request: Request) -> ServerState:
     return request.app.state.server
 
 
+def grammar_backend(state: ServerState) -> str:
+    """The structured-outputs backend the engine compiles grammars with (`--structured-outputs-
+    config`), which also checks them when a request arrives."""
+    return state.engine.processor.inputs.structured_outputs_backend
+
+
 def new_id(prefix: str) -> str:
     """The engine's id for an HTTP request: ours and unique (a client's X-Request-Id is only a
     label in the logs and the response headers)."""

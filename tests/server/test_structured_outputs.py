@@ -10,7 +10,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.server.conftest import wait_for
+from tests.server.conftest import TINY_ARGS, Server, wait_for
 
 SCHEMA = {"type": "object", "properties": {
     "color": {"enum": ["red", "green"]}, "size": {"type": "integer", "minimum": 1,
@@ -128,3 +128,27 @@ def test_grammar_compiles_and_cache_hits_on_metrics(client, tiny_server):
     assert tiny_server.metric("runtime:structured_output_grammar_compile_seconds_bucket",
                               le="+Inf") == counts()[3]
     assert 0 < tiny_server.metric("runtime:structured_output_grammar_cache_hit_rate") < 1
+
+
+LARK = 'start: "yes" | "no"'
+
+
+def test_the_configured_backend_checks_requests(client, tiny_llama, tmp_path):
+    """A Lark grammar is guidance's syntax: the default (xgrammar) server refuses it with a 400
+    naming the field, one started with the guidance backend runs it."""
+    pytest.importorskip("llguidance")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt="Yes or no?", max_tokens=4,
+                                  extra_body={"structured_outputs": {"grammar": LARK}})
+    assert refused.value.body["param"] == "structured_outputs"
+    server = Server([tiny_llama, *TINY_ARGS, "--served-model-name", "tiny",
+                     "--structured-outputs-config", '{"backend": "guidance"}'],
+                    str(tmp_path / "guidance.log"))
+    try:
+        guided = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        for extra in ({"structured_outputs": {"grammar": LARK}}, {"guided_grammar": LARK}):
+            reply = guided.completions.create(model="tiny", prompt="Yes or no?", max_tokens=4,
+                                              extra_body=extra)
+            assert reply.choices[0].text in ("yes", "no")
+    finally:
+        assert server.stop() == 0, server.log()

@@ -67,16 +67,18 @@ class ToolChoice:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema)
 
-    def constrain(self, params: SamplingParams, format_param: str) -> SamplingParams:
-        """`params` with the grammar that forces the call, if there is one; a 400 when the
-        request constrains the output otherwise too (`format_param` names how)."""
+    def constrain(self, params: SamplingParams, format_param: str,
+                  backend: str) -> SamplingParams:
+        """`params` with the grammar that forces the call (checked by the grammar `backend`),
+        if there is one; a 400 when the request constrains the output otherwise too
+        (`format_param` names how)."""
         forced = self.structured_outputs()
         if forced is None:
             return params
         if params.structured_outputs is not None:
             raise bad_request(f"a forced tool_choice and {format_param} both constrain the "
                               "output: give only one", param="tool_choice")
-        return params.clone(structured_outputs=checked("tools", json=forced.json))
+        return params.clone(structured_outputs=checked("tools", {"json": forced.json}, backend))
 
     def reader(self) -> CallReader:
         """A reader for one output (one per sample): its content and call deltas."""
