@@ -163,8 +163,10 @@ def test_preempted_requests_resume_with_their_matcher(tiny_model_factory, genera
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads x 16, fp32
     schemas_ = sorted(generated_schemas, key=lambda s: len(json.dumps(s)))[:8]  # short outputs
     params = [constrained(json=s, disable_any_whitespace=True, temperature=0, seed=None,
-                          max_tokens=120) for s in schemas_]
-    prompts = [f"Item {i}: " + "word " * 20 for i in range(len(params))]
+                          max_tokens=100) for s in schemas_]
+    # three-block prompts: three requests fill the cache, and the first to need a fourth block
+    # preempts another
+    prompts = [f"Item {i}: " + "word " * 40 for i in range(len(params))]
     small = LLM(tiny_model_factory(), dtype="float32", kv_cache_memory=10 * block_bytes,
                 max_model_len=150)
     outs = small.generate(prompts, params)
