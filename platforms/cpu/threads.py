@@ -11,7 +11,8 @@ takes vLLM's values:
 - `nobind` (or `all`): no binding; threads as torch starts them.
 
 `RUNTIME_CPU_NUM_OF_RESERVED_CPU` leaves the last N cores of each rank's share free for the
-front end (tokenizer, server). `--num-threads` takes the first N cores of the share.
+front end (tokenizer, server). `--num-threads` takes the first N cores of the share; under
+`auto`, more threads than the share has cores run unbound.
 """
 from __future__ import annotations
 
@@ -121,6 +122,8 @@ def plan_cpus(spec: str, local_rank: int, local_ranks: int, num_threads: int | N
         cpus = cpus[:-reserved]
     if num_threads is not None:
         if num_threads > len(cpus):
+            if spec == "auto":  # more threads than the share has cores (SMT siblings, say)
+                return None
             raise ValueError(f"--num-threads {num_threads} is more than the {len(cpus)} cores "
                              f"bound to this rank ({cpus}); set {BIND_ENV}=nobind to "
                              f"oversubscribe")

@@ -61,8 +61,9 @@ def test_plan_lists_reserved_and_thread_count(tmp_path):
         plan("0-1|2-3", ranks=3)
     with pytest.raises(ValueError, match=r"CPUs \[8\] are not usable"):
         plan("7-8")
-    with pytest.raises(ValueError, match="more than the 4 cores"):
-        plan("auto", threads=5)
+    assert plan("auto", threads=5) is None  # more than the share's cores: unbound, as asked
+    with pytest.raises(ValueError, match="more than the 2 cores"):
+        plan("0-1", threads=3)
     with pytest.raises(ValueError, match="leaves no core"):
         plan("0-1", reserved=2)
     assert nodes_of([4, 5], [[0, 1, 2, 3], [4, 5, 6, 7]]) == [1]
