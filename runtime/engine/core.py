@@ -78,10 +78,10 @@ class EngineCore:
                     config.block_size, num_blocks * config.block_size,
                     num_blocks * per_block / 2**20)
         if not self.encoder_only:
-            self._fit_max_model_len(num_blocks * config.block_size, "KV cache", "the KV cache",
+            self._fit_max_model_len(num_blocks * config.block_size, "the KV cache",
                                     "raise --kv-cache-memory")
             if not config.enable_chunked_prefill:  # a longer prompt would wait forever
-                self._fit_max_model_len(config.max_num_batched_tokens, "step budget",
+                self._fit_max_model_len(config.max_num_batched_tokens,
                                         "one step without chunked prefill",
                                         "raise --max-num-batched-tokens")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -95,7 +95,7 @@ class EngineCore:
         # the requests the last step ended with an error (finish_reason "abort"), with it
         self.failed: list[tuple[Request, str]] = []
 
-    def _fit_max_model_len(self, tokens: int, limit: str, where: str, fix: str) -> None:
+    def _fit_max_model_len(self, tokens: int, where: str, fix: str) -> None:
         """Every request must fit the cache alone, or preemption could never make room for it;
         without chunked prefill, its whole prompt (or recompute) must fit one step's budget.
         A model's own length is lowered to fit; one the user set is refused."""
@@ -105,8 +105,8 @@ class EngineCore:
         if self.config.max_model_len is not None:
             raise ValueError(f"max_model_len {mc.max_model_len} is more than the {tokens} "
                              f"tokens that fit {where}: {fix} or lower --max-model-len")
-        logger.warning("max_model_len lowered from %d to %d tokens to fit the %s",
-                       mc.max_model_len, tokens, limit)
+        logger.warning("max_model_len lowered from %d to %d tokens to fit %s",
+                       mc.max_model_len, tokens, where)
         mc.max_model_len = tokens
 
     def check_health(self) -> None:
