@@ -175,12 +175,13 @@ class CpuPlatform(Platform):
                            len(cpus), cpus)
             torch.set_num_threads(len(cpus))
         else:
-            tids = torch.ops.runtime_cpu.bind_threads(cpus, threads.nodes_of(cpus, nodes))
+            cpu_nodes = threads.nodes_of(cpus, nodes)
+            tids = torch.ops.runtime_cpu.bind_threads(cpus, cpu_nodes)
             if len(set(tids)) != len(cpus):
                 logger.warning("binding ran on %d threads for %d CPUs; threads not pinned "
                                "one per core", len(set(tids)), len(cpus))
             logger.info("rank %d: %d threads pinned to CPUs %s (NUMA nodes %s)", host_rank,
-                        len(cpus), cpus, threads.nodes_of(cpus, nodes))
+                        len(cpus), cpus, cpu_nodes)
         # The main thread (OpenMP thread 0) keeps the rank's whole share where ranks share the
         # host or the list was asked for. A lone rank under `auto` is often the user's own
         # Python process: its main thread stays free, or every process it starts later would

@@ -65,8 +65,9 @@ class Worker:
                          head_size=mc.head_size, num_heads=mc.num_heads,
                          num_kv_heads=mc.num_kv_heads, sliding_window=mc.sliding_window,
                          block_size=self.config.block_size,
-                         # Pipeline stages exchange hidden states inside the forward pass, and
-                         # pooling models never decode: they run it eagerly.
+                         # A later pipeline stage's forward takes the previous stage's hidden
+                         # states, which graph runners do not capture, and pooling models
+                         # never decode: they run it eagerly.
                          enforce_eager=self.config.enforce_eager or self.layout.pp_size > 1
                          or self.config.runner == "pooling",
                          pooling=is_encoder_only(self.config, mc))
