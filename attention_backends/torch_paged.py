@@ -67,12 +67,9 @@ class TorchPagedAttention(AttentionBackend):
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         if metadata.prefill_only:
             return self._encode(query, key, value, metadata)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache, v_cache = self._caches(kv_cache)
         block_size = k_cache.size(1)
-        write_kv(k_cache.view(-1, self.num_kv_heads, self.head_size), metadata.slot_mapping, key,
-                 self.k_scale)
-        write_kv(v_cache.view(-1, self.num_kv_heads, self.head_size), metadata.slot_mapping,
-                 value, self.v_scale)
+        self._write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
 
         out = torch.empty_like(query)
         nd = metadata.num_decode_tokens
@@ -91,6 +88,19 @@ class TorchPagedAttention(AttentionBackend):
                 v = read_kv(v_cache[blocks].flatten(0, 1)[:seq_len], self.v_scale, query.dtype)
             out[q_lo:q_hi] = self._prefill(query[q_lo:q_hi], k, v, seq_len)
         return out
+
+    def _caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer's cache as [num_blocks, block_size, num_kv_heads, head_size]
+        (views: a backend that stores another layout returns it permuted)."""
+        return kv_cache[0], kv_cache[1]
+
+    def _write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store the step's key and value [T, Hkv, D] in the caches (from `_caches`)."""
+        write_kv(k_cache.view(-1, self.num_kv_heads, self.head_size), slot_mapping, key,
+                 self.k_scale)
+        write_kv(v_cache.view(-1, self.num_kv_heads, self.head_size), slot_mapping, value,
+                 self.v_scale)
 
     def _encode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:

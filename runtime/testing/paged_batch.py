@@ -43,14 +43,36 @@ def make_batch(query_lens: list[int], seq_lens: list[int], block_size: int, num_
     return query.to(**to), key.to(**to), value.to(**to), kv_cache.to(**to), metadata
 
 
+def head_major(backend_cls) -> bool:
+    """Whether `backend_cls` stores its cache head-major, [2, num_blocks, num_kv_heads,
+    block_size, head_size], rather than token-major, [2, num_blocks, block_size, num_kv_heads,
+    head_size] (the layout these helpers build); any other layout is refused."""
+    shape = tuple(backend_cls.kv_cache_shape(1, 2, 3, 4))
+    if shape not in ((2, 1, 2, 3, 4), (2, 1, 3, 2, 4)):
+        raise ValueError(f"{backend_cls.__name__} stores a cache in a layout these helpers do "
+                         f"not convert: {shape} for 1 block of 2 tokens, 3 heads of 4")
+    return shape == (2, 1, 3, 2, 4)
+
+
+def in_layout(backend_cls, cache: torch.Tensor) -> torch.Tensor:
+    """A copy of a token-major cache in `backend_cls`'s own layout."""
+    return cache.transpose(2, 3).contiguous() if head_major(backend_cls) else cache.clone()
+
+
+def token_major(backend_cls, cache: torch.Tensor) -> torch.Tensor:
+    """A cache in `backend_cls`'s layout seen token-major (a view; the inverse of `in_layout`)."""
+    return cache.transpose(2, 3) if head_major(backend_cls) else cache
+
+
 def run_backend(backend_cls, batch, sliding_window: int | None = None) -> tuple[torch.Tensor,
                                                                                  torch.Tensor]:
-    """One layer's forward on a copy of the batch's cache; returns (output, cache after)."""
+    """One layer's forward on a copy of the batch's cache (in the backend's layout); returns
+    (output, cache after, token-major)."""
     query, key, value, kv_cache, metadata = batch
     num_heads, head_size = query.shape[1:]
     impl = backend_cls(num_heads, head_size, head_size ** -0.5, key.shape[1], sliding_window)
-    cache = kv_cache.clone()
-    return impl.forward(query, key, value, cache, metadata), cache
+    cache = in_layout(backend_cls, kv_cache)
+    return impl.forward(query, key, value, cache, metadata), token_major(backend_cls, cache)
 
 
 def run_two_steps(backend_cls, query_lens: list[int], seq_lens: list[int], block_size: int,

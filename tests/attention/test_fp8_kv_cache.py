@@ -26,7 +26,7 @@ from runtime.plugins.manager import get_plugin_manager
 from runtime.plugins.selection import explain_attention_backends, select_platform
 from runtime.platforms.cpu import kernels
 from runtime.platforms.cpu.platform import CpuPlatform
-from runtime.testing.paged_batch import make_batch
+from runtime.testing.paged_batch import in_layout, make_batch, token_major
 from tests.platforms.fakes import H100, MAX1550, fake_gpus, fake_libraries, fake_xpus
 from tests.platforms.test_accelerator_selection import fresh_plugins  # noqa: F401 (a fixture)
 
@@ -116,13 +116,13 @@ def test_fp8_cache_against_the_same_backend_in_float32(cls, fp8):
     full = torch.randn(2, *make_batch(QUERY_LENS, SEQ_LENS, 16, 8, 2, 64)[3].shape[1:],
                        generator=torch.Generator().manual_seed(2))
     cache8 = (full / scales).to(fp8)
-    got = backend(cls, 8, 64, 2).forward(q, k, v, cache8.clone(), md)
+    got = backend(cls, 8, 64, 2).forward(q, k, v, in_layout(cls, cache8), md)
     rounded = cache8.float() * scales
     round_trip = (lambda x, s: quantize_kv(x, torch.tensor(s), fp8).float() * s)
     want = backend(cls, 8, 64, 2).forward(q, round_trip(k, K_SCALE), round_trip(v, V_SCALE),
-                                          rounded, md)
+                                          in_layout(cls, rounded), md)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
-    unrounded = backend(cls, 8, 64, 2).forward(q, k, v, full.clone(), md)
+    unrounded = backend(cls, 8, 64, 2).forward(q, k, v, in_layout(cls, full), md)
     # relative error measured 0.032 (e4m3; its RMS rounding error is 2^-4 / sqrt(3) = 0.036)
     # and 0.062 (e5m2), for both backends
     error = (got - unrounded).norm() / unrounded.norm()
@@ -138,12 +138,13 @@ def test_cpu_kernel_matches_the_portable_backend(fp8, dtype, tol, head_size, hea
     """Every FP8 code (subnormals too) decoded in registers as torch decodes it; 40 takes the
     run-time head-size path."""
     q, k, v, cache, md = fp8_batch(dtype, fp8, head_size, heads)
-    got_cache, want_cache = cache.clone(), cache.clone()
+    got_cache, want_cache = in_layout(CpuPagedAttention, cache), cache.clone()
     got = backend(CpuPagedAttention, heads[0], head_size, heads[1], window).forward(
         q, k, v, got_cache, md)
     want = backend(TorchPagedAttention, heads[0], head_size, heads[1], window).forward(
         q, k, v, want_cache, md)
-    assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
+    assert torch.equal(token_major(CpuPagedAttention, got_cache).view(torch.uint8),
+                       want_cache.view(torch.uint8))
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 

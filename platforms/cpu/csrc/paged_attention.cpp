@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -126,6 +127,25 @@ inline v16f dot16(const float* q, const C* k, int64_t stride) {
   return reduce16(part);
 }
 
+#if defined(__AVX512BF16__)
+// dot16 for a bf16 query and cache: 32 products per instruction (vdpbf16ps), summed in float32;
+// the query stays unscaled (scaling it would round it again), the caller scales the scores.
+template <int HEAD>
+inline v16f dot16_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t stride) {
+  __m512bh qv[HEAD / 32];
+  for (int j = 0; j < HEAD / 32; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q + 32 * j);
+  v16f part[16];
+  for (int t = 0; t < 16; ++t) {
+    const c10::BFloat16* row = k + t * stride;
+    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(row));
+    for (int j = 1; j < HEAD / 32; ++j)
+      a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(row + 32 * j));
+    part[t] = reinterpret_cast<v16f>(a);
+  }
+  return reduce16(part);
+}
+#endif
+
 // HEAD > 0 fixes the head size at compile time, so the loops unroll and the output row
 // stays in registers; HEAD == 0 reads it at run time.
 template <typename T, typename C, int HEAD>
@@ -159,8 +179,9 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t n = len - first;
       const int32_t* table = bt_ptr + s * bt_stride;
+      const T* q_head = q_ptr + s * qs_stride + kvh * group * qh_stride;  // the group's first
       for (int64_t g = 0; g < group; ++g) {
-        const T* src = q_ptr + s * qs_stride + (kvh * group + g) * qh_stride;
+        const T* src = q_head + g * qh_stride;
         for (int64_t d = 0; d < head_size; ++d)
           q[g * head_size + d] = static_cast<float>(src[d]) * q_scale;
       }
@@ -172,6 +193,16 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
         const C* k = k_ptr + table[b] * kb_stride + kvh * kh_stride +
                      (lo - b * block_size) * kt_stride;
         int64_t t = lo;
+#if defined(__AVX512BF16__)
+        if constexpr (HEAD > 0 && HEAD % 32 == 0 && std::is_same_v<C, c10::BFloat16> &&
+                      std::is_same_v<T, c10::BFloat16>) {
+          const v16f scale16 = v16f{} + q_scale;
+          for (; t + 16 <= hi; t += 16, k += 16 * kt_stride)
+            for (int64_t g = 0; g < group; ++g)
+              store16(scores.data() + g * n + (t - first),
+                      scale16 * dot16_bf16<HEAD>(q_head + g * qh_stride, k, kt_stride));
+        }
+#endif
         if constexpr (HEAD > 0 && HEAD % 16 == 0 && std::is_same_v<CacheVec<C>, v16f>) {
           for (; t + 16 <= hi; t += 16, k += 16 * kt_stride)
             for (int64_t g = 0; g < group; ++g)
@@ -281,14 +312,67 @@ void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::T
   });
 }
 
+// key and value [tokens, kv_heads, head_size] into the caches' slots: token t's row of head h
+// goes to block slot / block_size, offset slot % block_size; the caches are strided views
+// [num_blocks, block_size, num_kv_heads, head_size] of any layout, in the rows' dtype.
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
+                    at::Tensor v_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && k_cache.dim() == 4 &&
+                  v_cache.sizes() == k_cache.sizes() && key.size(1) == k_cache.size(2) &&
+                  key.size(2) == k_cache.size(3),
+              "key and value must be [tokens, kv_heads, head_size], the caches [num_blocks, "
+              "block_size, kv_heads, head_size]");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() &&
+                  value.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "key, value and the caches must share one dtype");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.stride(3) == 1 &&
+                  v_cache.stride(3) == 1,
+              "the head dimension must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == key.size(0),
+              "slot_mapping must be contiguous int64, one slot per token");
+  const int64_t tokens = key.size(0), heads = key.size(1);
+  const int64_t block_size = k_cache.size(1), slots_total = k_cache.size(0) * block_size;
+  const int64_t bytes = key.size(2) * key.element_size(), item = key.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_total, "slot ", slots[t], " of token ", t,
+                " is outside the cache's ", slots_total, " slots");
+  struct Copy {  // one of K and V: where its rows are read and written, strides in bytes
+    const char* src;
+    int64_t token, head;
+    char* dst;
+    int64_t block, offset, cache_head;
+  };
+  auto copy_of = [item](const at::Tensor& rows, at::Tensor& cache) {
+    return Copy{static_cast<const char*>(rows.data_ptr()), rows.stride(0) * item,
+                rows.stride(1) * item, static_cast<char*>(cache.data_ptr()),
+                cache.stride(0) * item, cache.stride(1) * item, cache.stride(2) * item};
+  };
+  const Copy copies[2] = {copy_of(key, k_cache), copy_of(value, v_cache)};
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+      for (const Copy& c : copies)
+        for (int64_t h = 0; h < heads; ++h)
+          std::memcpy(c.dst + block * c.block + offset * c.offset + h * c.cache_head,
+                      c.src + t * c.token + h * c.head, bytes);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(runtime_cpu, m) {
   m.def("paged_attention_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, "
         "float k_scale=1.0, float v_scale=1.0) -> ()");
+  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(runtime_cpu, CPU, m) {
   m.impl("paged_attention_decode", &paged_attention_decode);
+  m.impl("write_kv_cache", &write_kv_cache);
 }

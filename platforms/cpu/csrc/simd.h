@@ -108,10 +108,19 @@ inline v8f exp8(v8f x) { return exp_poly<v8f, v8i>(x); }
 
 // In place: row <- exp(row - max(row)); returns the sum.
 inline float softmax_numerator(float* row, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, row[i]);
-  v8f sum8 = {};
+  // The maximum eight lanes at a time: a scalar max is a chain of dependent instructions
+  // (it was 14 % of a decode attention call).
+  v8f mx8 = v8f{} - std::numeric_limits<float>::infinity();
   int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const v8f x = load8(row + i);
+    mx8 = mx8 > x ? mx8 : x;
+  }
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int j = 0; j < 8; ++j) mx = std::max(mx, mx8[j]);
+  for (; i < n; ++i) mx = std::max(mx, row[i]);
+  v8f sum8 = {};
+  i = 0;
   for (; i + 8 <= n; i += 8) {
     v8f e = exp8(load8(row + i) - mx);
     store8(row + i, e);
