@@ -55,12 +55,9 @@ def cpu_ops():
 
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
-# A run of 128+ tokens shrinks through a oneDNN product, whose bf16 sums are rounded to bf16
-SHRINK_RTOL = {torch.float32: 1e-4, torch.bfloat16: 4e-3}
 MIXES = {"mixed": [2, -1, 0, 2, 1, -1, 0] * 3, "one slot": [1] * 21, "none": [-1] * 5,
          "decode batch": [s % 5 - 1 for s in range(64)],
-         "prefill": [s // 100 - 1 for s in range(500)],  # big enough for several threads
-         "long runs": [s // 150 - 1 for s in range(600)] + [0, 3, 3]}
+         "prefill": [s // 100 - 1 for s in range(500)]}  # big enough for several threads
 
 
 @pytest.mark.parametrize("dtype", list(TOL))
@@ -73,7 +70,7 @@ def test_cpu_kernels_match_the_torch_reference(dtype, mix, rank, d_in, sizes):
     want_buf = lora_shrink(x, a, batch)
     buf = ops.lora_shrink(x, a, batch)
     assert buf.dtype == torch.float32
-    torch.testing.assert_close(buf, want_buf, rtol=SHRINK_RTOL[dtype], atol=1e-3)
+    torch.testing.assert_close(buf, want_buf, rtol=1e-4, atol=1e-3)
     want = lora_expand(y0.clone(), want_buf, b, batch, offsets)
     got = ops.lora_expand(y0.clone(), want_buf, b, batch, offsets)
     tol = TOL[dtype]

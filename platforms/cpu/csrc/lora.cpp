@@ -2,9 +2,7 @@
 // the step's tokens grouped by adapter slot (runs of `token_indices`, one per slot, computed once
 // per step). Work is cut into (run, block of tokens, block of rows or columns) units, so each
 // block of an adapter's matrix is read from memory once per block of tokens that uses it; sums
-// are float32 whatever the dtype of x, y and the weights. A long run's shrink (a prefill's) is
-// one oneDNN product instead (AMX / AVX512-BF16 where the CPU has them), its sums rounded to x's
-// dtype.
+// are float32 whatever the dtype of x, y and the weights.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,13 +22,11 @@ constexpr int64_t kTile = 4;         // tokens in registers at once
 constexpr int64_t kRowTile = 4;      // rows of A in registers at once in shrink
 constexpr int64_t kRowBlock = 16;    // rows of A per shrink unit
 constexpr int64_t kColVecs = 4;      // vectors of y's columns per expand unit
-// Below this many multiply-adds a call runs on the calling thread (waking the pool costs more);
-// a decode step's calls (1-3M for SmolLM2 at batch 64) run 1.5x faster on 2 threads of a quiet
-// host than on one.
+// Below this many multiply-adds a call runs on the calling thread (waking the pool costs more).
+// A decode step's calls (1-3M for SmolLM2 at batch 64) gain from the pool on a quiet host: with
+// the threshold at 4M instead, 4 adapters' calls over 64 prompts x 40 tokens took 1.03 s instead
+// of 0.80 s (2 threads, in the engine).
 constexpr int64_t kParallelWork = int64_t(1) << 16;
-// Runs at least this long shrink through at::mm: gathering their rows costs less than the
-// product gains (SmolLM2 q/k/v, four 512-token runs: 616 -> 418 us, bf16 on AMX).
-constexpr int64_t kMatmulRun = 128;
 
 // at::parallel_for's grain: every unit in one chunk (no parallel region) for small calls.
 int64_t grain(int64_t units, int64_t work) { return work < kParallelWork ? units : 1; }
@@ -40,9 +36,8 @@ struct Runs {
   std::vector<std::array<int64_t, 3>> blocks;  // (slot, begin, end) in `tokens`
 };
 
-// The blocks of every run, or with `skip_long` of the runs shorter than kMatmulRun only.
 Runs token_blocks(const at::Tensor& token_indices, const at::Tensor& seg_starts,
-                  const at::Tensor& seg_slots, bool skip_long = false) {
+                  const at::Tensor& seg_slots) {
   TORCH_CHECK(token_indices.scalar_type() == at::kLong && seg_starts.scalar_type() == at::kLong &&
                   seg_slots.scalar_type() == at::kLong && token_indices.is_contiguous() &&
                   seg_starts.is_contiguous() && seg_slots.is_contiguous(),
@@ -51,11 +46,9 @@ Runs token_blocks(const at::Tensor& token_indices, const at::Tensor& seg_starts,
   Runs runs{token_indices.data_ptr<int64_t>(), {}};
   const int64_t* starts = seg_starts.data_ptr<int64_t>();
   const int64_t* slots = seg_slots.data_ptr<int64_t>();
-  for (int64_t g = 0; g < seg_slots.numel(); ++g) {
-    if (skip_long && starts[g + 1] - starts[g] >= kMatmulRun) continue;
+  for (int64_t g = 0; g < seg_slots.numel(); ++g)
     for (int64_t i = starts[g]; i < starts[g + 1]; i += kTokenBlock)
       runs.blocks.push_back({slots[g], i, std::min(i + kTokenBlock, starts[g + 1])});
-  }
   return runs;
 }
 
@@ -135,22 +128,12 @@ at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a, const at::Tenso
   TORCH_CHECK(x.size(1) == a.size(3) && x.size(1) % kLanes == 0,
               "x and a must share the input size, a multiple of the vector width");
   TORCH_CHECK(x.scalar_type() == a.scalar_type(), "x and a must share one dtype");
-  const Runs runs = token_blocks(token_indices, seg_starts, seg_slots, /*skip_long=*/true);
-  const int64_t num_tokens = x.size(0), slices = a.size(1), rank = a.size(2);
-  at::Tensor out = at::zeros({slices, num_tokens, rank}, x.options().dtype(at::kFloat));
-  const int64_t* starts = seg_starts.data_ptr<int64_t>();
-  const int64_t* slots = seg_slots.data_ptr<int64_t>();
-  for (int64_t g = 0; g < seg_slots.numel(); ++g) {
-    const int64_t length = starts[g + 1] - starts[g];
-    if (length < kMatmulRun) continue;
-    const at::Tensor tokens = token_indices.narrow(0, starts[g], length);
-    const at::Tensor part = at::mm(x.index_select(0, tokens),
-                                   a[slots[g]].view({slices * rank, -1}).t());
-    out.index_copy_(1, tokens, part.view({length, slices, rank}).transpose(0, 1).to(at::kFloat));
-  }
+  const Runs runs = token_blocks(token_indices, seg_starts, seg_slots);
+  const int64_t num_tokens = x.size(0), rank = a.size(2);
+  at::Tensor out = at::zeros({a.size(1), num_tokens, rank}, x.options().dtype(at::kFloat));
   RUNTIME_CPU_DISPATCH(x.scalar_type(), "lora_shrink", [&] {
     shrink_rows<scalar_t>(out.data_ptr<float>(), x.data_ptr<scalar_t>(), x.stride(0),
-                          a.data_ptr<scalar_t>(), runs, slices * rank, rank, a.size(3),
+                          a.data_ptr<scalar_t>(), runs, a.size(1) * rank, rank, a.size(3),
                           num_tokens);
   });
   return out;
