@@ -92,9 +92,11 @@ def run_in_subprocess(spec: dict[str, Any], python: str | None = None,
         if os.path.exists(result_path):
             with open(result_path) as f:
                 return json.load(f)
-        tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
-        return {"backend": spec["backend"],
-                "error": f"the {spec['backend']} process exited with {proc.returncode}:\n{tail}"}
+        lines = proc.stdout.strip().splitlines()
+        reason = next((line.strip() for line in reversed(lines) if line.strip()), "no output")
+        tail = "\n".join(lines[-15:])
+        return {"backend": spec["backend"], "error": f"the {spec['backend']} process exited "
+                f"with {proc.returncode}: {reason}\n{tail}"}
 
 
 def requests_of(spec: dict[str, Any]) -> list[tuple[list[int], int]]:

@@ -3,6 +3,7 @@ in its title; skipped backends and sample counts are written on it, and latency 
 their percentiles. `*_figure` builds a chart, `plot_*` saves it."""
 from __future__ import annotations
 
+import textwrap
 from typing import Any, Sequence
 
 import numpy as np
@@ -13,11 +14,18 @@ PERCENTILES = (50, 90, 99)
 PERCENTILE_STYLES = {50: "-", 90: "--", 99: ":"}
 
 
-def _pyplot():
+def require_matplotlib() -> None:
+    """Exit with the install hint when matplotlib is missing: checked before any backend runs,
+    so a missing plotting library fails in a second, not after the benchmark."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
         raise SystemExit("error: --plot needs matplotlib: pip install 'runtime[bench]'") from None
+
+
+def _pyplot():
+    require_matplotlib()
+    import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
@@ -48,10 +56,11 @@ def throughput_figure(result: dict[str, Any]) -> Any:
     fig.suptitle(f"{result['model'].rstrip('/').split('/')[-1]}, {result['dtype']}, "
                  f"{result['num_threads']} threads\n{workload_text(result['workload'])}")
     if skipped:
-        fig.text(0.01, 0.01, "skipped: " + "; ".join(
-            f"{r['backend']} ({str(r['error']).splitlines()[0][:80]})" for r in skipped),
-            fontsize=8, color="tab:red")
-        fig.subplots_adjust(bottom=0.2)
+        note = textwrap.fill("skipped: " + "; ".join(
+            f"{r['backend']} ({str(r['error']).splitlines()[0]})" for r in skipped), width=150)
+        lines = note.count("\n") + 1
+        fig.text(0.01, 0.01, note, fontsize=8, color="tab:red", va="bottom")
+        fig.subplots_adjust(bottom=0.12 + 0.04 * lines)
     return fig
 
 

@@ -21,4 +21,11 @@ def add_bench_parser(subparsers: Any) -> None:
         p = commands.add_parser(name, help=help_text, description=module.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
-        p.set_defaults(func=module.main)
+        p.set_defaults(func=_run, bench_main=module.main)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if getattr(args, "plot", None):
+        from runtime.bench.plot import require_matplotlib
+        require_matplotlib()
+    return args.bench_main(args)

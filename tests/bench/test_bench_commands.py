@@ -80,6 +80,27 @@ def test_missing_vllm_is_a_clear_skip(tiny_llama, tmp_path, capsys):
     assert "vllm: skipped" in capsys.readouterr().out
 
 
+def test_a_failed_backend_fails_the_command_unless_skips_are_allowed(tiny_llama, tmp_path):
+    python = str(tmp_path / "no-python")
+    with open(python, "w") as f:
+        f.write(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")  # -S: no vLLM importable
+    os.chmod(python, 0o755)
+    argv = ["bench", "throughput", "--model", tiny_llama, "--backend", "runtime,vllm",
+            "--vllm-python", python, "--num-prompts", "1", "--input-len", "4", "--output-len",
+            "2", "--dtype", "float32", "--kv-cache-memory", "32MiB"]
+    assert main(argv) == 1
+    assert main([*argv, "--allow-skip"]) == 0
+
+
+def test_plot_without_matplotlib_is_refused_before_any_backend_runs(tiny_llama, tmp_path,
+                                                                    monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.raises(SystemExit, match="--plot needs matplotlib"):
+        main(["bench", "throughput", "--model", tiny_llama, "--num-prompts", "1",
+              "--plot", str(tmp_path / "t.png")])
+    assert "running runtime" not in capsys.readouterr().err
+
+
 def test_latency(tiny_llama, tmp_path):
     out, png = tmp_path / "l.json", tmp_path / "l.png"
     assert main(["bench", "latency", "--model", tiny_llama, "--batch-size", "2",

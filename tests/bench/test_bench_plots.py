@@ -25,6 +25,18 @@ def test_throughput_chart_names_the_workload_and_the_skipped_backends():
     assert "skipped: vllm (vLLM is not installed)" in shown
 
 
+def test_a_long_skip_reason_is_shown_whole_and_wrapped():
+    reason = ("the hf process exited with 1: ValueError: accelerate is required when loading a "
+              "GGUF file: pip install accelerate, or load the converted folder instead of it")
+    result = {"model": "/m/tiny", "dtype": "float32", "num_threads": 2, "workload": WORKLOAD,
+              "results": [{"backend": "runtime", "output_tokens_per_s": 10.0,
+                           "total_tokens_per_s": 30.0},
+                          {"backend": "hf", "error": reason + "\nTraceback (most recent call last)"}]}
+    (note,) = [t for t in texts(throughput_figure(result)) if t.startswith("skipped:")]
+    assert "\n" in note
+    assert " ".join(note.split()) == f"skipped: hf ({reason})"
+
+
 def test_latency_histograms_label_counts_and_mark_percentiles(tmp_path):
     values = list(np.linspace(1.0, 100.0, 200))
     fig = distributions_figure({"TTFT": values, "ITL": []}, "serve: random", "requests")
