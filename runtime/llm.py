@@ -117,19 +117,24 @@ class LLM:
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate replies to conversations, rendered with the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, chat_template,
-                                                                 add_generation_prompt),
-                    "prompt": None} for c in conversations]
+        texts = [self._chat_text(c, chat_template, add_generation_prompt) for c in conversations]
+        prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer.encode(
+            text, add_special_tokens=False)} for text in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: Messages, chat_template: str | None = None,
                             add_generation_prompt: bool = True) -> list[int]:
+        text = self._chat_text(messages, chat_template, add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _chat_text(self, messages: Messages, chat_template: str | None,
+                   add_generation_prompt: bool) -> str:
+        """The conversation rendered by the chat template: the prompt `chat` reports."""
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template")
-        text = self.tokenizer.apply_chat_template(messages, chat_template=chat_template,
+        return self.tokenizer.apply_chat_template(messages, chat_template=chat_template,
                                                   add_generation_prompt=add_generation_prompt,
                                                   tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _generating(self, method: str) -> None:
         if self.engine is None:

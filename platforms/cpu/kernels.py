@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.plugins import paths
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -44,8 +46,7 @@ DISABLE_ENV = "RUNTIME_CPU_KERNELS"  # "0" turns the native kernels off
 
 
 def cache_root() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "runtime" / "cpu_kernels"
+    return paths.cache_dir("cpu_kernels")
 
 
 def content_key(files: list[Path], cflags: list[str], cpu_model: str) -> str:
@@ -61,7 +62,8 @@ def content_key(files: list[Path], cflags: list[str], cpu_model: str) -> str:
 
 
 def cache_dir(cpu_model: str) -> Path:
-    """Where this host's build lives: ~/.cache/runtime/cpu_kernels/<content key>."""
+    """Where this host's build lives: <cache root>/cpu_kernels/<content key> (the root:
+    `runtime.plugins.paths`)."""
     return cache_root() / content_key(SOURCES + HEADERS, CFLAGS, cpu_model)
 
 

@@ -9,8 +9,9 @@ import platform as pyplatform
 from typing import Any
 
 from runtime.bench.backends import allocator
+from runtime.plugins.paths import cache_dir
 
-MODEL_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "runtime", "bench")
+MODEL_CACHE = str(cache_dir("bench"))
 
 
 def usable_cores() -> int:

@@ -20,9 +20,10 @@ from typing import Any, Callable, Iterator
 
 from runtime.cli.engine_args import (add_engine_args, add_sampling_args, engine_kwargs,
                                      sampling_kwargs)
+from runtime.plugins.paths import cache_dir
 
 Messages = list[dict[str, str]]
-HISTORY_FILE = os.path.join(os.path.expanduser("~"), ".cache", "runtime", "chat_history")
+HISTORY_FILE = str(cache_dir("chat_history"))
 HELP = "/clear forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops a reply."
 
 

@@ -5,6 +5,7 @@ import argparse
 import logging
 import sys
 
+from runtime import __version__
 from runtime.cli.bench import add_bench_parser
 from runtime.cli.chat import add_chat_parser
 from runtime.cli.generate import add_generate_parser
@@ -14,13 +15,17 @@ from runtime.cli.serve import add_serve_parser
 from runtime.cli.tune import add_tune_parser
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-LOG_LEVEL_HELP = "DEBUG, INFO (default: start-up choices), WARNING or ERROR"
+LOG_LEVEL_HELP = ("DEBUG, INFO (the default: start-up choices), WARNING or ERROR; `plugins` and "
+                  "`models` print tables and default to WARNING")
+# Commands whose output is a report: the start-up choices they make on the way would bury it.
+QUIET_COMMANDS = ("plugins", "models")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="runtime", description="A hardware-pluggable LLM "
                                      "inference engine.")
-    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+    parser.add_argument("--version", action="version", version=__version__)
+    parser.add_argument("--log-level", default=None, type=str.upper, choices=LOG_LEVELS,
                         help=LOG_LEVEL_HELP)
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(subparsers)
@@ -49,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-        logging.getLogger("runtime").setLevel(args.log_level)
+        default = "WARNING" if args.command in QUIET_COMMANDS else "INFO"
+        logging.getLogger("runtime").setLevel(args.log_level or default)
         return args.func(args)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

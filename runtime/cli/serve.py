@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 from typing import Any
 
 from runtime.cli.engine_args import add_engine_args, engine_kwargs
@@ -44,8 +45,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="a Jinja chat template (a file, or the template itself) to use instead "
                         "of the model's")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='let the model decide to call tools (tool_choice "auto"); needs '
-                        "--tool-call-parser")
+                   help='let the model decide to call tools (tool_choice "auto"); the calls '
+                        "are read by --tool-call-parser, by default the parser of the call "
+                        "format the chat template teaches")
     g.add_argument("--tool-call-parser", default=None,
                    choices=["hermes", "llama3_json", "mistral", "pythonic"],
                    help="how the model writes tool calls, to read them back for "
@@ -119,6 +121,14 @@ def resolve_options(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def server_url(sock: socket.socket, https: bool, root_path: str = "") -> str:
+    """The address a client reaches the bound socket at, e.g. http://127.0.0.1:8000."""
+    host, port = sock.getsockname()[:2]
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{'https' if https else 'http'}://{host}:{port}{root_path}"
+
+
 def serve_command(args: argparse.Namespace) -> int:
     args = resolve_options(args)
     try:
@@ -132,17 +142,16 @@ def serve_command(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {e}: the server needs the serve extra: "
                          "pip install 'runtime[serve]'") from None
     from runtime.config import EngineConfig
-    from runtime.default_model import DEFAULT_MODEL_NAME
+    from runtime.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME
     from runtime.stat_logger import StatLogger
 
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise SystemExit("error: HTTPS needs both --ssl-keyfile and --ssl-certfile")
     sock = bind_socket(args.host, args.port)  # a busy port fails now, not after loading
     kwargs = engine_kwargs(args)
     kwargs["model"] = args.model_tag or kwargs["model"]
-    names = args.served_model_name or [kwargs["model"] or DEFAULT_MODEL_NAME]
+    names = args.served_model_name or [
+        DEFAULT_MODEL_NAME if kwargs["model"] in (None, DEFAULT_MODEL_ALIAS) else kwargs["model"]]
     try:
         lora_modules = parse_lora_modules(args.lora_modules)
     except ValueError as e:
@@ -162,12 +171,13 @@ def serve_command(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: --lora-modules: {e}") from None
     cors = CORS(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                 args.allow_credentials)
+    tls = TLS(args.ssl_keyfile, args.ssl_certfile) if args.ssl_keyfile else None
     app = create_app(engine, metrics, names, load_chat_template(args.chat_template),
                      args.api_key or os.environ.get("RUNTIME_API_KEY"), args.api_key_scope,
                      args.max_request_body_bytes, cors,
                      args.enable_log_requests and not args.disable_log_requests,
                      args.tool_call_parser, args.enable_auto_tool_choice, lora_modules,
-                     args.enable_runtime_lora_updating)
-    tls = TLS(args.ssl_keyfile, args.ssl_certfile) if args.ssl_keyfile else None
+                     args.enable_runtime_lora_updating,
+                     url=server_url(sock, tls is not None, args.root_path))
     return run_server(app, sock, args.shutdown_timeout, tls, args.root_path,
                       args.uvicorn_log_level)

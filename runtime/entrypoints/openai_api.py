@@ -42,7 +42,7 @@ async def retrieve_model(model: str, raw: Request) -> dict:
 def _model_card(state: ServerState, name: str) -> dict:
     """A LoRA adapter's card names its base model as `parent` and its folder as `root`."""
     lora = state.lora_modules.get(name)
-    return {"id": name, "object": "model", "created": 0, "owned_by": "runtime",
+    return {"id": name, "object": "model", "created": state.started, "owned_by": "runtime",
             "root": lora.lora_path if lora else name,
             "parent": state.model_names[0] if lora else None,
             "max_model_len": state.engine.max_model_len}

@@ -23,6 +23,7 @@ from runtime.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedErr
 from runtime.entrypoints import (anthropic_api, lora_api, openai_api, pooling_api,
                                  responses_api)
 from runtime.entrypoints.chat import render_chat, text_of
+from runtime.entrypoints.template_tools import tool_call_parser_of
 from runtime.entrypoints.errors import (APIError, bad_request, is_anthropic_path,
                                         route_path)
 from runtime.entrypoints.middleware import ALL_SCOPE_PREFIXES, RequestContext
@@ -54,15 +55,21 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
                tool_call_parser: str | None = None,
                enable_auto_tool_choice: bool = False,
                lora_modules: dict[str, LoRARequest] | None = None,
-               enable_runtime_lora_updating: bool = False) -> FastAPI:
-    """The server's app; starting it (its lifespan) starts the engine, stopping it stops it.
+               enable_runtime_lora_updating: bool = False, url: str = "") -> FastAPI:
+    """The server's app; starting it (its lifespan) starts the engine, stopping it stops it,
+    and once it is up logs that `model_names[0]` is served at `url`.
     If the engine dies for good, the app asks the server to stop (`app.state.stop_server`) and
     sets `app.state.exit_code` to 1."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
-        logger.info("serving %s (max_model_len %d) with %d KV blocks", model_names[0],
+        state = app.state.server
+        state.tool_call_parser = tool_call_parser_of(
+            state.chat_template or engine.tokenizer.chat_template, model_names[0],
+            tool_call_parser, enable_auto_tool_choice)
+        logger.info("Serving %s on %s (OpenAI, Anthropic, Responses; docs at /docs): "
+                    "max_model_len %d, %d KV blocks", model_names[0], url or "its socket",
                     engine.max_model_len, engine.num_blocks)
         watch = asyncio.create_task(_exit_when_dead(app, engine))
         yield

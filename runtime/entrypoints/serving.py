@@ -3,6 +3,7 @@ outputs, aborting when the client goes away, and Server-Sent Events."""
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 import logging
 import uuid
@@ -42,6 +43,7 @@ class ServerState:
     # --lora-modules and adapters loaded at run time: name -> adapter, chosen by `model`
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
     next_lora_id: int = 1  # for the next adapter loaded at run time
+    started: int = field(default_factory=lambda: int(time.time()))  # /v1/models' `created`
     # Tokenization and chat templating run here, off the event loop, so that a large request
     # never stalls the streams or /health. One thread: a fast tokenizer is not safe to share
     # between threads.

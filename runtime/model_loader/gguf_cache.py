@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 import transformers
 
+from runtime.plugins.paths import cache_dir
+
 FORMAT_VERSION = 1
 _MANIFEST = "manifest.json"
 # Parts built outside the cache (it could not be written), by the folder they would have had.
@@ -34,9 +36,9 @@ logger = logging.getLogger(__name__)
 
 
 def cache_root() -> str:
-    """The folder that holds the GGUF cache: `$RUNTIME_CACHE_DIR/gguf`, else `~/.cache/runtime/gguf`."""
-    base = os.environ.get("RUNTIME_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "runtime")
-    return os.path.join(base, "gguf")
+    """The folder that holds the GGUF cache: `gguf/` under the cache root
+    (`runtime.plugins.paths`)."""
+    return str(cache_dir("gguf"))
 
 
 def cache_key(path: str) -> str:

@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
+from runtime.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_ID, default_model_path
 from runtime.progress import progress_bar
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,14 +31,14 @@ class ModelSource:
 
 def resolve_model(model: str | None, tokenizer: str | None = None,
                   revision: str | None = None, download_dir: str | None = None) -> ModelSource:
-    """None means the embedded default; a .gguf file or a folder with config.json otherwise, or
-    a model id (org/name) already in the local Hugging Face cache (`download_dir`, else
-    HF_HUB_CACHE), at `revision`."""
+    """None or "default" means the embedded default; a .gguf file or a folder with config.json
+    otherwise, or a model id (org/name) already in the local Hugging Face cache (`download_dir`,
+    else HF_HUB_CACHE), at `revision`. The default's own hub id falls back to its packaged file
+    when the cache does not have it."""
     if revision is not None and model is not None and os.path.exists(model):
         raise ValueError(f"revision {revision!r} applies to a model id in the local Hugging Face "
                          f"cache; {model!r} is a local path")
-    if model is None:
-        from runtime.default_model import default_model_path
+    if model is None or model == DEFAULT_MODEL_ALIAS:
         model = default_model_path()
     if os.path.isfile(model) and model.endswith(".gguf"):
         return ModelSource(model, "gguf", tokenizer)
@@ -43,6 +47,10 @@ def resolve_model(model: str | None, tokenizer: str | None = None,
     cached = _from_hf_cache(model, revision, download_dir)
     if cached is not None:
         return ModelSource(cached, "hf", tokenizer)
+    if model == DEFAULT_MODEL_ID and revision is None:
+        path = default_model_path()
+        logger.info("%s is not in the local Hugging Face cache: using the packaged %s", model, path)
+        return ModelSource(path, "gguf", tokenizer)
     raise ValueError(f"model {model!r} is neither a .gguf file nor a folder with config.json "
                      "(nothing is downloaded from a model hub: pass a local path)")
 
