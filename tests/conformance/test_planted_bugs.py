@@ -158,3 +158,14 @@ def test_the_example_backend_passes(dtype, case):
 
 def test_the_bf16_bug_needs_the_bf16_run():
     attention("float32", "soft-cap")(with_backend(Bf16Accumulation))
+
+
+def test_a_token_mismatch_names_the_prompt_position_and_both_tokens():
+    want = [[5, 6, 7, 8]] * len(suite.PROMPTS)
+    got = [list(w) for w in want]
+    assert suite.first_difference(got, want) is None
+    got[2] = [5, 6, 9, 8]
+    assert suite.first_difference(got, want).startswith(
+        f"prompt 2 ({len(suite.PROMPTS[2])} tokens), generated token 2: got 9, transformers 7")
+    got[2] = [5, 6]
+    assert "generated token 2: got nothing, transformers 7" in suite.first_difference(got, want)
