@@ -16,8 +16,11 @@ V per layer (`AttentionBackend.k_scale`/`v_scale`, 1.0 unless a checkpoint or
 Pooling models run prefill-only steps: metadata with `prefill_only` set holds every request
 whole, and the step neither writes nor reads the KV cache (pooling requests keep no KV). With
 `causal=False` too (encoder-only models, the BERT family) each token attends to all tokens of its
-own request, both ways. Backends whose `supports_encoder_attention` is set run such steps;
-selection passes the others over for a pooling model.
+own request, both ways. Backends whose `supports_encoder_attention` is set run such steps.
+Selection (`runtime.plugins.backend_choice`) checks none of a backend's declarations: the
+platform's candidate list does (`runtime.platforms.common.offer_backend` refuses such a backend
+for a pooling model, and one whose `supports_kv_cache_dtype` refuses the cache), and the
+conformance suite fails a platform whose usable candidates do not.
 """
 from __future__ import annotations
 
@@ -110,7 +113,8 @@ class AttentionBackend(ABC):
     def supports_kv_cache_dtype(cls, dtype: torch.dtype,
                                 kv_cache_dtype: torch.dtype) -> tuple[bool, str]:
         """Whether this backend can keep the KV cache in `kv_cache_dtype` for a model computing
-        in `dtype`, and if not, why. Platforms check it before `supports`."""
+        in `dtype`, and if not, why. A platform's candidate list checks it before `supports`
+        (selection does not)."""
         if kv_cache_dtype == dtype or (cls.fp8_kv_cache and is_fp8(kv_cache_dtype)):
             return True, ""
         if is_fp8(kv_cache_dtype):

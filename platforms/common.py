@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib.util
 
+import torch
+
 from runtime.attention_backends.base import AttentionBackend
 from runtime.plugins.interfaces import BackendCandidate, ModelInfo
 
@@ -19,7 +21,11 @@ def offer_backend(name: str, backend: type[AttentionBackend], priority: int, mod
                   device_type: str, plugin: str, problems: list[str]) -> BackendCandidate:
     """A candidate for `backend`: usable unless the platform listed `problems` or the backend's
     own `supports_kv_cache_dtype` or `supports` check refuses the model, or the model pools and
-    the backend has no `supports_encoder_attention`; the reason names every problem found."""
+    the backend has no `supports_encoder_attention`; the reason names every problem found.
+    `device_type` is torch's device type (`platform.device_type`: "cpu", "cuda", "xla" …), not
+    the platform's name; anything torch does not know is refused here, before any backend's
+    `supports` sees it."""
+    _require_device_type(name, device_type)
     ok, why = backend.supports_kv_cache_dtype(model.dtype, model.kv_cache_dtype)
     if ok:
         ok, why = backend.supports(model.head_size, model.dtype, model.kv_cache_dtype,
@@ -31,3 +37,15 @@ def offer_backend(name: str, backend: type[AttentionBackend], priority: int, mod
     if problems:
         return BackendCandidate(name, None, priority, "; ".join(problems), plugin)
     return BackendCandidate(name, backend, priority, "", plugin)
+
+
+def _require_device_type(name: str, device_type: str) -> None:
+    try:
+        known = torch.device(device_type).type == device_type
+    except (RuntimeError, TypeError):
+        known = False
+    if not known:
+        raise ValueError(f"offer_backend({name!r}, ...): device_type {device_type!r} is not a "
+                         f"torch device type; pass the platform's device_type (\"cpu\", "
+                         f"\"cuda\", \"xla\" ...: what its tensors' .device.type is), not its "
+                         f"name, nor a device with an index")

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from runtime.attention_backends.base import prefill_only_metadata
-from runtime.testing.attention_check import TOLERANCE
-
 LENS, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, SCALE = [5, 1, 17, 40], 8, 2, 64, 0.37
+# atol = rtol per compute dtype
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
 def check_prefill_only(backend: type, dtype: torch.dtype, device: str | torch.device,

@@ -13,33 +13,61 @@ class AcmePagedAttention(AttentionBackend):
     @classmethod
     def supports(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
                  sliding_window: int | None, device_type: str) -> tuple[bool, str]:
-        if kv_cache_dtype != dtype:
-            return False, f"keeps the KV cache in the model dtype only, not {kv_cache_dtype}"
+        if device_type != "cpu":
+            return False, f"computes on the host (device type 'cpu'), not {device_type!r}"
         return True, ""
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        block_size = kv_cache.size(2)
-        k_cache, v_cache = kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)
-        k_cache[metadata.slot_mapping] = key  # slots < 0 never occur: acme records no graphs
-        v_cache[metadata.slot_mapping] = value
-        kv_head = torch.arange(self.num_heads) // (self.num_heads // self.num_kv_heads)
+        self.write_cache(key, value, kv_cache, metadata)
         out = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu
-        for i, seq_len in enumerate(metadata.seq_lens_cpu[:metadata.num_reqs]):
-            blocks = metadata.block_tables[i, :-(-seq_len // block_size)].long()
-            slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]
-            k = k_cache[slots][:, kv_head].float()  # [seq_len, heads, head_size]
-            v = v_cache[slots][:, kv_head].float()
-            q = query[starts[i]:starts[i + 1]].float()
-            scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
-            if self.logits_soft_cap is not None:
-                scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
-            q_pos = torch.arange(seq_len - q.size(0), seq_len)[:, None]
-            k_pos = torch.arange(seq_len)[None, :]
-            mask = k_pos <= q_pos
-            if self.sliding_window is not None:
-                mask &= k_pos > q_pos - self.sliding_window
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-            out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+        for i, seq_len in enumerate(metadata.seq_lens_cpu):
+            q = query[starts[i]:starts[i + 1]]
+            k, v = self.context(kv_cache, metadata, i)
+            q_pos = torch.arange(seq_len - q.size(0), seq_len)
+            out[starts[i]:starts[i + 1]] = self.attend(q, k, v, q_pos).to(out.dtype)
         return out
+
+    def write_cache(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                    metadata: AttentionMetadata) -> None:
+        """The step's K and V into their slots (slots < 0 never occur: acme records no graphs)."""
+        kv_cache[0].flatten(0, 1)[metadata.slot_mapping] = key
+        kv_cache[1].flatten(0, 1)[metadata.slot_mapping] = value
+
+    def context(self, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                request: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request `request`'s K and V, [seq_len, num_kv_heads, head_size], read through its
+        block table."""
+        block_size, seq_len = kv_cache.size(2), metadata.seq_lens_cpu[request]
+        blocks = metadata.block_tables[request, :-(-seq_len // block_size)].long()
+        slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]
+        return kv_cache[0].flatten(0, 1)[slots], kv_cache[1].flatten(0, 1)[slots]
+
+    def kv_head_of(self) -> torch.Tensor:
+        """The KV head each query head reads: consecutive groups of query heads share one."""
+        return torch.arange(self.num_heads) // (self.num_heads // self.num_kv_heads)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               q_pos: torch.Tensor) -> torch.Tensor:
+        """Causal attention of queries at positions `q_pos` over keys at 0 .. len(k) - 1."""
+        heads = self.kv_head_of()
+        return self.softmax_attention(q, k[:, heads], v[:, heads], self.mask(q_pos, k.size(0)))
+
+    def mask(self, q_pos: torch.Tensor, length: int) -> torch.Tensor:
+        """[queries, keys]: causal; the window holds the query's own position and the
+        `sliding_window - 1` before it."""
+        k_pos = torch.arange(length)[None, :]
+        mask = k_pos <= q_pos[:, None]
+        if self.sliding_window is not None:
+            mask &= k_pos > q_pos[:, None] - self.sliding_window
+        return mask
+
+    def softmax_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor) -> torch.Tensor:
+        """Scores, softmax and P·V in float32, whatever the input dtype."""
+        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * self.scale
+        if self.logits_soft_cap is not None:
+            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        return torch.einsum("hqk,khd->qhd", probs, v.float())

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from runtime.platforms.distributed import TorchDistCommunicator
 from runtime.plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec,
                                         ModelInfo, Platform)
+from runtime_acme.attention import AcmePagedAttention
 
 KV_CACHE_BYTES = 256 << 20  # acme's cache budget when the user asks for none
 
@@ -26,8 +27,11 @@ def acme_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 class AcmePlatform(Platform):
     name = "acme"
     device_type = "cpu"  # acme's memory is the host's; torch tensors live on "cpu"
+    attention_backend = AcmePagedAttention
 
     def device(self, local_rank: int = 0) -> torch.device:
+        """Every rank's tensors live on the host: rank > 0 (tensor or pipeline parallel) gets
+        the same device, never a refusal."""
         return torch.device("cpu")
 
     def default_dtype(self) -> torch.dtype:
@@ -44,10 +48,16 @@ class AcmePlatform(Platform):
                 "default KV cache": f"{KV_CACHE_BYTES >> 20} MiB"}
 
     def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
-        from runtime_acme.attention import AcmePagedAttention
-        ok, why = AcmePagedAttention.supports(model.head_size, model.dtype, model.kv_cache_dtype,
-                                              model.sliding_window, self.device_type)
-        return [BackendCandidate("acme_paged", AcmePagedAttention if ok else None, 10, why)]
+        """A hand-built list checks what `offer_backend` would: the KV-cache dtype, the layer
+        shape on acme's torch device type, and prefill-only attention for a pooling model."""
+        backend = self.attention_backend
+        ok, why = backend.supports_kv_cache_dtype(model.dtype, model.kv_cache_dtype)
+        if ok:
+            ok, why = backend.supports(model.head_size, model.dtype, model.kv_cache_dtype,
+                                       model.sliding_window, self.device_type)
+        if ok and model.pooling and not backend.supports_encoder_attention:
+            ok, why = False, "no prefill-only attention, which pooling models need"
+        return [BackendCandidate(backend.name, backend if ok else None, 10, why, plugin="acme")]
 
     def communicator(self, spec: CommunicatorSpec) -> Communicator:
         return TorchDistCommunicator(spec, "gloo", torch.device("cpu"))
