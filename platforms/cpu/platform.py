@@ -168,6 +168,19 @@ class CpuPlatform(Platform):
         if cpus is None:
             torch.set_num_threads(num_threads or max(1, len(usable) // host_ranks))
             return
+        if spec == "auto":
+            load = threads.cpu_load(cpus)
+            busy = threads.busy_cpus(cpus, load)
+            if busy:
+                count = max(1, len(cpus) - len(busy))
+                logger.warning(
+                    "rank %d: CPUs %s are busy with other processes (%s of the time): threads "
+                    "pinned there would wait on them, so %d unpinned thread(s) run instead "
+                    "(%s=%s pins anyway)", host_rank, busy,
+                    ", ".join(f"{load[c]:.0%}" for c in busy), count, threads.BIND_ENV,
+                    ",".join(map(str, cpus)))
+                torch.set_num_threads(count)
+                return
         failed = self.kernel_build_error()
         if failed:
             logger.warning("threads not pinned one per core (the CPU kernels did not build: "

@@ -10,7 +10,8 @@ import pytest
 
 from runtime.config import EngineConfig
 from runtime.distributed.layout import host_share
-from runtime.platforms.cpu.threads import auto_cpus, nodes_of, parse_cpu_list, plan_cpus
+from runtime.platforms.cpu.threads import (auto_cpus, busy_cpus, cpu_load, cpu_times,
+                                           load_between, nodes_of, parse_cpu_list, plan_cpus)
 
 
 def fake_sysfs(tmp_path: Path, cores: int) -> Path:
@@ -89,8 +90,13 @@ os.environ["RUNTIME_CPU_OMP_THREADS_BIND"] = "1"
 platform.set_threads(None, 0, 1)
 result["one"] = [torch.get_num_threads(), sorted(os.sched_getaffinity(0))]
 os.environ["RUNTIME_CPU_OMP_THREADS_BIND"] = "auto"
+threads.cpu_load = lambda cpus, interval=0.2: {}  # an idle host, whatever runs beside the test
 platform.set_threads(None, 0, 1)
 result["auto"] = [torch.get_num_threads(), sorted(os.sched_getaffinity(0))]
+threads.cpu_load = lambda cpus, interval=0.2: {cpus[0]: 0.9}  # another process holds one core
+before = sorted(os.sched_getaffinity(0))
+platform.set_threads(None, 0, 1)
+result["busy"] = [torch.get_num_threads(), sorted(os.sched_getaffinity(0)) == before]
 print(json.dumps(result))
 """
 
@@ -108,3 +114,16 @@ def test_bind_threads_pins_each_openmp_thread():
     assert result["one"] == [1, [1]]
     # a second engine in the same process starts from every usable CPU again
     assert result["auto"][0] >= 2 and {0, 1} <= set(result["auto"][1])
+    # a core another process keeps busy is not bound to: one thread fewer, none pinned
+    assert result["busy"] == [result["auto"][0] - 1, True]
+
+
+def test_cpu_load_reads_each_cores_busy_share():
+    # user nice system idle iowait irq softirq steal
+    before = cpu_times("cpu  10 0 10 80 0 0 0 0\ncpu0 5 0 5 40 0 0 0 0\ncpu1 5 0 5 40 0 0 0 0\n")
+    after = cpu_times("cpu  110 0 10 180 0 0 0 0\ncpu0 95 0 5 50 0 0 0 0\n"
+                      "cpu1 15 0 5 130 0 0 0 0\n")
+    load = load_between(before, after, [0, 1, 7])
+    assert load == pytest.approx({0: 0.9, 1: 0.1})
+    assert busy_cpus([0, 1, 7], load) == [0]
+    assert set(cpu_load([0])) <= {0}  # the real /proc/stat reads, or nothing where there is none
