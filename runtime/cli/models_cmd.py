@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from runtime.models.registry import MODEL_IMPLS, architecture_table_markdown, choose_model
+from runtime.config import MODEL_IMPLS
+from runtime.models.registry import architecture_table_markdown, choose_model
 
 
 def add_models_parser(subparsers: Any) -> argparse.ArgumentParser:
