@@ -129,6 +129,17 @@ class EngineConfig:
     enable_chunked_prefill: bool = option(
         True, "split long prompts over steps, beside running decodes",
         negations=("--no-chunked-prefill",))
+    max_num_partial_prefills: int = option(
+        1, "chunked prefill: how many prompts may be part-way through their prefill at once; "
+           "above 1 each step shares its budget between them, so that one long prompt does not "
+           "hold back the others (default: 1)")
+    max_long_partial_prefills: int = option(
+        1, "chunked prefill: of those, how many may be long (see "
+           "--long-prefill-token-threshold); a long prompt beyond it waits, and shorter ones "
+           "behind it go first (default: 1)")
+    long_prefill_token_threshold: int = option(
+        0, "chunked prefill: a prompt with more tokens than this left to compute is long "
+           "(default 0: 4%% of max_model_len when --max-num-partial-prefills > 1)")
     scheduling_policy: str = option("fcfs", "the waiting queue's order",
                                     choices=SCHEDULING_POLICIES)
     attention_backend: str | None = option(None, "force an attention backend")
@@ -236,10 +247,24 @@ class EngineConfig:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
                              f"({self.max_loras})")
         for name in ("max_loras", "max_lora_rank", "block_size", "max_num_seqs",
-                     "max_num_batched_tokens",
+                     "max_num_batched_tokens", "max_num_partial_prefills",
+                     "max_long_partial_prefills",
                      "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self._check_partial_prefills()
+
+    def _check_partial_prefills(self) -> None:
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills ({self.max_long_partial_prefills}) "
+                             f"must be <= max_num_partial_prefills "
+                             f"({self.max_num_partial_prefills})")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, "
+                             f"got {self.long_prefill_token_threshold}")
+        if self.max_num_partial_prefills > 1 and not self.enable_chunked_prefill:
+            raise ValueError("max_num_partial_prefills > 1 shares a step between prompt chunks: "
+                             "it needs enable_chunked_prefill")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -35,6 +35,9 @@ VALUES = {
     "max_model_len": ("--max-model-len 256", 256),
     "enable_prefix_caching": ("--no-enable-prefix-caching", False),
     "enable_chunked_prefill": ("--no-chunked-prefill", False),
+    "max_num_partial_prefills": ("--max-num-partial-prefills 2", 2),
+    "max_long_partial_prefills": ("--max-long-partial-prefills 2", 2),
+    "long_prefill_token_threshold": ("--long-prefill-token-threshold 64", 64),
     "scheduling_policy": ("--scheduling-policy priority", "priority"),
     "attention_backend": ("--attention-backend torch_paged", "torch_paged"),
     "enforce_eager": ("--enforce-eager", True),
@@ -63,7 +66,7 @@ VALUES = {
     "ray_address": ("--ray-address auto", "auto"),
 }
 # Options that need another one set with them.
-TOGETHER: dict[str, dict] = {}
+TOGETHER = {"max_long_partial_prefills": {"max_num_partial_prefills": 2}}
 # The values above that one CPU engine runs with, all at once.
 RUNNABLE = ("tokenizer", "model_impl", "runner", "device", "dtype", "kv_cache_memory",
             "gpu_memory_utilization", "block_size", "max_num_seqs", "max_num_batched_tokens",
