@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,6 +18,15 @@ class ModelChoice:
     impl: str  # "native" or "transformers"
     model_class: type
     reason: str
+
+
+def attention_heads(text_config: Any) -> tuple[int, int, int]:
+    """(query heads, KV heads, head size) of a Hugging Face text config: the one place they are
+    derived, for `ModelConfig` and for the models' attention layers alike."""
+    num_heads = text_config.num_attention_heads
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+    head_size = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+    return num_heads, num_kv_heads, head_size
 
 
 @dataclass
@@ -47,7 +57,7 @@ class ModelConfig:
         logger.info("model %s: %s implementation (%s)", choice.architecture, choice.impl,
                     choice.reason)
         text = hf_config.get_text_config()
-        num_heads = text.num_attention_heads
+        num_heads, num_kv_heads, head_size = attention_heads(text)
         limit = getattr(text, "max_position_embeddings", None) or 2048
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
@@ -64,8 +74,8 @@ class ModelConfig:
             dtype=dtype,
             num_layers=text.num_hidden_layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
-            head_size=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
             hidden_size=text.hidden_size,
             vocab_size=text.vocab_size,
             max_model_len=max_model_len or limit,
