@@ -12,7 +12,8 @@ from runtime.lora.request import LoRARequest
 from runtime.outputs import RequestOutput
 from runtime.pooling import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams,
                              PoolingRequestOutput, ScoringRequestOutput)
-from runtime.engine.pooling_engine import PoolingEngine, open_pooling_engine
+from runtime.engine.pooling_engine import PoolingEngine
+from runtime.model_spec import ModelSpec
 from runtime.pooling.processor import PromptInput, params_list, prompt_list
 from runtime.progress import GenerateProgress
 from runtime.sampling_params import SamplingParams
@@ -38,8 +39,9 @@ class LLM:
             kwargs.setdefault("disable_log_stats", True)  # as vLLM's LLM: no periodic stats
         engine_config = (EngineConfig.from_yaml(config, **kwargs) if config is not None
                          else EngineConfig.from_kwargs(**kwargs))
-        self.pooling = open_pooling_engine(engine_config)
-        self.engine = None if self.pooling else LLMEngine(engine_config)
+        spec = ModelSpec.resolve(engine_config)
+        self.pooling = PoolingEngine(engine_config, spec) if spec.pools else None
+        self.engine = None if spec.pools else LLMEngine(engine_config, spec)
         self.tokenizer = (self.pooling or self.engine).tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],

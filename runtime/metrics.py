@@ -83,7 +83,7 @@ class Metrics:
             "runtime:structured_output_grammar_cache_hit_rate",
             "Share of constrained requests whose grammar was cached.")
         self.model_name = model_name
-        self._last = CoreStats(0, 0, 0, 0.0, 0.0, 0)
+        self._last = CoreStats()
 
     def on_core_stats(self, stats: CoreStats) -> None:
         self.running.set(stats.num_running)

@@ -5,9 +5,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from runtime.config import MAX_LOGPROBS
 from runtime.structured_output.params import StructuredOutputsParams
 
-MAX_LOGPROBS = 20  # the most alternatives `logprobs` / `prompt_logprobs` may ask for (as OpenAI)
 GREEDY_EPS = 1e-5  # a temperature below this means greedy decoding
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # seeds and token ids cross the wire as int64
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from runtime.models.registry import MODEL_IMPLS, architecture_table_markdown, choose_model
+from runtime.config import MODEL_IMPLS
+from runtime.models.registry import architecture_table_markdown
 
 
 def add_models_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -24,9 +25,10 @@ def models_command(args: argparse.Namespace) -> int:
     if args.model is None:
         print(architecture_table_markdown())
         return 0
-    from runtime.model_loader.source import load_config, resolve_model
-    source = resolve_model(args.model, None, args.revision)
-    choice = choose_model(getattr(load_config(source), "architectures", None), args.model_impl)
+    from runtime.config import EngineConfig
+    from runtime.model_spec import ModelSpec
+    config = EngineConfig(model=args.model, revision=args.revision, model_impl=args.model_impl)
+    choice = ModelSpec.resolve(config).model_config.choice
     print(f"{choice.architecture}: {choice.impl} implementation "
           f"({choice.model_class.__module__}.{choice.model_class.__qualname__}), "
           f"because {choice.reason}")

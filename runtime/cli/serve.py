@@ -99,17 +99,8 @@ def resolve_options(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the options the command line left out from --config, else their defaults."""
     given: dict[str, Any] = {}
     if args.config is not None:
-        import yaml
-        with open(args.config, encoding="utf-8") as f:
-            try:
-                loaded = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                detail = " ".join(str(e).split())  # one line
-                raise ValueError(f"{args.config} is not valid YAML: {detail}") from None
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{args.config} must map option names to values, "
-                             f"got a {type(loaded).__name__}")
-        given = {str(k).replace("-", "_"): v for k, v in loaded.items()}
+        from runtime.config import load_options_file
+        given = load_options_file(args.config)
         unknown = sorted(set(given) - (set(vars(args)) - {"func", "config"}))
         if unknown:
             raise ValueError(f"{args.config}: unknown options {unknown}")

@@ -5,6 +5,12 @@ then waiting requests are admitted while budget, sequence slots and KV blocks la
 out, the least important running request is preempted: its blocks are freed and it goes back to
 the waiting queue, to be recomputed (from the prefix cache where possible) later.
 
+With `max_num_partial_prefills` N > 1 (vLLM's concurrent partial prefills), the prompts being
+prefilled share a step: each chunk takes at most max_num_batched_tokens // n tokens, n the
+prefills that can run now (at most N), and at most `max_long_partial_prefills` of them may be
+long (more than `long_prefill_token_threshold` tokens left); a long prompt beyond that waits,
+and the shorter ones behind it go first.
+
 With speculative decoding, a running request's proposed tokens are scheduled after its own, as
 ordinary tokens (budget, slots); `update` rolls back the rejected ones.
 
@@ -92,6 +98,9 @@ class Scheduler:
         # then share its prompt blocks instead of computing the prompt again.
         self.held: dict[str, list[Request]] = {}
         self.num_preemptions = 0
+        self.max_partial_prefills = config.max_num_partial_prefills
+        self.long_prefill_threshold = config.long_prefill_token_threshold or \
+            int(max_model_len * 0.04)  # vLLM's default
         self.spec = config.speculative_config
         self.spec_stats = SpecDecodeStats()
 
@@ -145,6 +154,32 @@ class Scheduler:
             return 0
         return max(0, min(self.spec.num_speculative_tokens, self.max_model_len - end))
 
+    @staticmethod
+    def _is_prefilling(request: Request) -> bool:
+        return request.num_tokens - request.num_computed_tokens > 1
+
+    def _is_long(self, request: Request) -> bool:
+        return request.num_tokens - request.num_computed_tokens > self.long_prefill_threshold
+
+    def _prefill_chunk(self) -> tuple[int, int]:
+        """(the most tokens one prefill chunk takes this step, long prefills running) when
+        max_num_partial_prefills > 1; else (the whole budget, 0)."""
+        budget = self.config.max_num_batched_tokens
+        if self.max_partial_prefills == 1:
+            return budget, 0
+        prefilling = [r for r in self.running if self._is_prefilling(r)]
+        num_long = sum(map(self._is_long, prefilling))
+        n, waiting_long = len(prefilling), 0
+        for request in self.waiting:
+            if n >= self.max_partial_prefills:
+                break
+            if self._is_long(request):
+                if num_long + waiting_long >= self.config.max_long_partial_prefills:
+                    continue
+                waiting_long += 1
+            n += 1
+        return budget // max(1, min(n, self.max_partial_prefills)), num_long
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request)
@@ -160,6 +195,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
         scheduled_ids: set[str] = set()
+        chunk, num_long = self._prefill_chunk()
 
         for request in list(self.running):
             if budget == 0:
@@ -168,6 +204,8 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens + len(request.spec_token_ids)
                           - request.num_computed_tokens, budget)
+            if self._is_prefilling(request):
+                num_new = min(num_new, chunk)
             if num_new <= 0:
                 continue
             # proposals the budget leaves out are dropped
@@ -189,11 +227,17 @@ class Scheduler:
             scheduled_ids.add(request.request_id)
             budget -= num_new
 
+        passed_over: list[Request] = []  # long prompts beyond max_long_partial_prefills
         while not out.preempted and budget > 0 and len(self.waiting) > 0 and \
                 len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if not self._lora_fits(request):
                 break
+            if self.max_partial_prefills > 1 and self._is_long(request):
+                if num_long >= self.config.max_long_partial_prefills:
+                    passed_over.append(self.waiting.pop())
+                    continue
+                num_long += 1
             cached = self._shared_or_cached_blocks(request)
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_computed
@@ -203,7 +247,7 @@ class Scheduler:
             else:
                 if not chunked and num_new > budget:
                     break
-                num_new = min(num_new, budget)
+                num_new = min(num_new, budget, chunk)
                 if not self.kv.allocate_slots(request, num_new, cached,
                                               self._lookahead(num_computed + num_new)):
                     break
@@ -215,6 +259,8 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append((request, num_new))
             budget = max(0, budget - num_new)
+        for request in reversed(passed_over):
+            self.waiting.add(request, front=True)
 
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
         return out

@@ -15,6 +15,7 @@ import zmq.asyncio
 from runtime.config import EngineConfig
 from runtime.engine.core_proc import (AddRequests, Failed, FinishRequests, FromCore, Ready,
                                       Shutdown, run_core_process)
+from runtime.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +30,9 @@ class CoreClient:
     """`name` is how errors and logs call this core ("the engine core", "data-parallel replica
     1")."""
 
-    def __init__(self, config: EngineConfig, name: str) -> None:
+    def __init__(self, config: EngineConfig, spec: ModelSpec, name: str) -> None:
         self.config = config
+        self.spec = spec
         self.name = name
         self.process: multiprocessing.process.BaseProcess | None = None
         self.dead_reason: str | None = None
@@ -57,7 +59,8 @@ class CoreClient:
         self._from_core.bind(outbox)
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_core_process, name="runtime-engine-core",
-            args=(self.config, inbox, outbox, logging.getLogger("runtime").getEffectiveLevel()))
+            args=(self.config, self.spec, inbox, outbox,
+                  logging.getLogger("runtime").getEffectiveLevel()))
         self.process.start()
         logger.info("%s: process %d starting", self.name, self.process.pid)
         loop = asyncio.get_running_loop()

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 import signal
-from typing import Union
+from typing import ClassVar, Union
 
 import msgspec
 import zmq
@@ -28,6 +28,7 @@ import zmq
 from runtime.config import EngineConfig
 from runtime.engine.core import CoreOutput, EngineCore
 from runtime.lora.request import LoRARequest
+from runtime.model_spec import ModelSpec
 from runtime.pooling.params import PoolingParams
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import SamplingParams
@@ -80,15 +81,16 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-class CoreStats(msgspec.Struct, array_like=True):
-    """The scheduler and KV cache after a step, for /metrics and the waiting-queue bound."""
+class CoreStats(msgspec.Struct, array_like=True, kw_only=True):
+    """The scheduler and KV cache after a step, for /metrics and the waiting-queue bound
+    (all zero: nothing has run yet)."""
 
-    num_running: int
-    num_waiting: int
-    num_received: int  # requests (samples) the core has taken off the wire so far
-    kv_cache_usage: float
-    prefix_cache_hit_rate: float
-    num_preemptions: int
+    num_running: int = 0
+    num_waiting: int = 0
+    num_received: int = 0  # requests (samples) the core has taken off the wire so far
+    kv_cache_usage: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
     # speculative decoding, cumulative (see runtime.spec_decode.stats)
     num_spec_drafts: int = 0
     num_spec_draft_tokens: int = 0
@@ -100,6 +102,25 @@ class CoreStats(msgspec.Struct, array_like=True):
     num_grammar_cache_hits: int = 0
     num_grammar_cache_misses: int = 0
     grammar_compile_counts: list[int] = []
+
+    # the fields that are a share, averaged over replicas; every other number is summed
+    SHARES: ClassVar[tuple[str, ...]] = ("kv_cache_usage", "prefix_cache_hit_rate")
+
+    @classmethod
+    def merge(cls, replicas: list["CoreStats"]) -> "CoreStats":
+        """The stats of several replicas as one engine's: counts summed, shares averaged."""
+        if not replicas:
+            return cls()
+        merged = {}
+        for name in cls.__struct_fields__:
+            values = [getattr(s, name) for s in replicas]
+            if name == "grammar_compile_counts":
+                merged[name] = [sum(c) for c in zip(*(v for v in values if v))]
+            elif name in cls.SHARES:
+                merged[name] = sum(values) / len(values)
+            else:
+                merged[name] = sum(values)
+        return cls(**merged)
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
@@ -127,7 +148,7 @@ ToCore = Union[AddRequests, FinishRequests, Shutdown]
 FromCore = Union[Ready, Outputs, RequestsFailed, Failed]
 
 
-def run_core_process(config: EngineConfig, input_path: str, output_path: str,
+def run_core_process(config: EngineConfig, spec: ModelSpec, input_path: str, output_path: str,
                      log_level: int) -> None:
     """The core process's entry point: load the model, say Ready, then step until Shutdown."""
     # Ctrl-C and SIGTERM to the process group are the server's to handle: it stops the core
@@ -146,10 +167,7 @@ def run_core_process(config: EngineConfig, input_path: str, output_path: str,
     core = None
     try:
         from runtime.engine.llm_engine import build_core
-        from runtime.model_loader.source import load_config, resolve_model
-        source = resolve_model(config.model, config.tokenizer, config.revision,
-                               config.download_dir)
-        core = build_core(config, source, load_config(source, config.trust_remote_code))
+        core = build_core(config, spec)
         outbox.send(encoder.encode(Ready(core.model_config.max_model_len, core.num_blocks)))
         CoreLoop(core, inbox, outbox, encoder, parent).run()
     except Exception as e:  # reported to the API process, which fails its requests
@@ -253,9 +271,16 @@ class CoreLoop:
     def _stats(self) -> CoreStats:
         scheduler, kv = self.core.scheduler, self.core.kv
         spec, grammars = scheduler.spec_stats, self.core.structured
-        return CoreStats(len(scheduler.running), scheduler.num_waiting(), self.num_received,
-                         kv.usage(), kv.hit_rate(), scheduler.num_preemptions,
-                         spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                         *((grammars.num_compiles, grammars.compile_seconds,
-                            grammars.num_cache_hits, grammars.num_cache_misses,
-                            list(grammars.compile_counts)) if grammars else ()))
+        stats = CoreStats(
+            num_running=len(scheduler.running), num_waiting=scheduler.num_waiting(),
+            num_received=self.num_received, kv_cache_usage=kv.usage(),
+            prefix_cache_hit_rate=kv.hit_rate(), num_preemptions=scheduler.num_preemptions,
+            num_spec_drafts=spec.num_drafts, num_spec_draft_tokens=spec.num_draft_tokens,
+            num_spec_accepted_tokens=spec.num_accepted_tokens)
+        if grammars:
+            stats.num_grammar_compiles = grammars.num_compiles
+            stats.grammar_compile_seconds = grammars.compile_seconds
+            stats.num_grammar_cache_hits = grammars.num_cache_hits
+            stats.num_grammar_cache_misses = grammars.num_cache_misses
+            stats.grammar_compile_counts = list(grammars.compile_counts)
+        return stats

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
@@ -12,8 +11,7 @@ from runtime.engine.core import EngineCore
 from runtime.engine.input_processor import PromptType
 from runtime.engine.processor import Processor
 from runtime.lora.request import LoRARequest
-from runtime.model_config import ModelConfig
-from runtime.model_loader.source import ModelSource, load_config, resolve_model
+from runtime.model_spec import ModelSpec
 from runtime.outputs import RequestOutput
 from runtime.request import RequestStatus
 from runtime.sampling_params import SamplingParams
@@ -21,31 +19,26 @@ from runtime.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def build_core(config: EngineConfig, source: ModelSource, hf_config: Any) -> EngineCore:
+def build_core(config: EngineConfig, spec: ModelSpec) -> EngineCore:
     """Select the platform, load the model and allocate its KV cache (in this process)."""
     platform = select_platform(config.device)
     torch.manual_seed(config.seed)
-    dtype = config.dtype or platform.default_dtype()
-    if dtype not in platform.supported_dtypes():
-        raise ValueError(f"dtype {dtype} is not supported on {platform.name}; "
-                         f"supported: {platform.supported_dtypes()}")
-    model_config = ModelConfig.from_hf(
-        hf_config, dtype, config.max_model_len, config.model_impl,
-        config.tensor_parallel_size * config.pipeline_parallel_size)
-    logger.info("platform %s, model %s, dtype %s", platform.name, source.path,
-                str(dtype).replace("torch.", ""))
-    return EngineCore(config, platform, source, model_config)
+    model_config = spec.on(platform)
+    logger.info("platform %s, model %s, dtype %s", platform.name, spec.source.path,
+                str(model_config.dtype).replace("torch.", ""))
+    return EngineCore(config, platform, spec.source, model_config)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """`spec`: the model `config` names, when the caller has resolved it already."""
+
+    def __init__(self, config: EngineConfig, spec: ModelSpec | None = None) -> None:
         self.config = config
-        self.source = resolve_model(config.model, config.tokenizer, config.revision,
-                                    config.download_dir)
-        hf_config = load_config(self.source, config.trust_remote_code)
-        self.core = build_core(config, self.source, hf_config)
+        self.spec = spec or ModelSpec.resolve(config)
+        self.source = self.spec.source
+        self.core = build_core(config, self.spec)
         self.model_config = self.core.model_config
-        self.processor = Processor(config, self.source, hf_config,
+        self.processor = Processor(config, self.source, self.spec.hf_config,
                                    self.model_config.max_model_len)
         self.tokenizer = self.processor.tokenizer
         self.inputs = self.processor.inputs

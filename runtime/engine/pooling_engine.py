@@ -3,15 +3,14 @@ requests through an in-process engine core, the same scheduler and runner as gen
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from runtime.config import EngineConfig
 from runtime.engine.core import EngineCore
 from runtime.engine.llm_engine import build_core
-from runtime.model_loader.source import ModelSource, load_config, resolve_model
-from runtime.pooling.models import resolve_runner
+from runtime.model_spec import ModelSpec
 from runtime.pooling.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,
                                      PoolingRequestOutput, ScoringRequestOutput)
 from runtime.pooling.params import PoolingParams
@@ -40,10 +39,11 @@ def by_length(inputs: list[PoolingInput]) -> list[PoolingInput]:
 
 
 class PoolingEngine:
-    def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any) -> None:
+    def __init__(self, config: EngineConfig, spec: ModelSpec) -> None:
         self.config = pooling_config(config)
-        self.core: EngineCore = build_core(self.config, source, hf_config)
-        self.processor = PoolingProcessor(self.config, source, hf_config,
+        self.spec = spec
+        self.core: EngineCore = build_core(self.config, spec)
+        self.processor = PoolingProcessor(self.config, spec.source, spec.hf_config,
                                           self.core.model_config.max_model_len)
         self.tokenizer = self.processor.tokenizer
         self.pooler = self.processor.pooler
@@ -86,13 +86,3 @@ class PoolingEngine:
         or the cosine similarity of the two embeddings."""
         inputs = self.processor.score_inputs(first, second, params)
         return self.processor.scoring_outputs(inputs, self.run(inputs))
-
-
-def open_pooling_engine(config: EngineConfig) -> PoolingEngine | None:
-    """The pooling engine when `config.runner` (or, for "auto", the model) says it pools; None
-    for a generation model."""
-    source = resolve_model(config.model, config.tokenizer, config.revision, config.download_dir)
-    hf_config = load_config(source, config.trust_remote_code)
-    if resolve_runner(config.runner, source, hf_config) != "pooling":
-        return None
-    return PoolingEngine(config, source, hf_config)

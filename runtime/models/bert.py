@@ -19,6 +19,7 @@ from torch import nn
 from runtime.layers.attention import Attention
 from runtime.layers.build_context import BuildContext
 from runtime.layers.linear import QKVParallelLinear, ReplicatedLinear
+from runtime.model_config import attention_heads
 from runtime.models.llama import default_weight_loader
 
 ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -48,9 +49,8 @@ class BertEmbeddings(nn.Module):
 class BertSelfAttention(nn.Module):
     def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
-        hidden, heads = config.hidden_size, config.num_attention_heads
-        head_size = hidden // heads
-        self.qkv = QKVParallelLinear(hidden, head_size, heads, heads, True, ctx)
+        heads, _, head_size = attention_heads(config)
+        self.qkv = QKVParallelLinear(config.hidden_size, head_size, heads, heads, True, ctx)
         self.attn = Attention(heads, head_size, head_size ** -0.5, heads, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

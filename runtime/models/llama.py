@@ -14,6 +14,7 @@ from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from runtime.layers.rotary import get_rope, rotary_embedding
+from runtime.model_config import attention_heads
 from runtime.model_loader.kv_scales import load_kv_scale
 
 
@@ -36,9 +37,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, ctx: BuildContext, prefix: str) -> None:
         super().__init__()
         hidden = config.hidden_size
-        num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        self.head_size = getattr(config, "head_dim", None) or hidden // num_heads
+        num_heads, num_kv_heads, self.head_size = attention_heads(config)
         bias = self.qkv_bias or getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(hidden, self.head_size, num_heads, num_kv_heads, bias,
                                           ctx, f"{prefix}.qkv_proj")

@@ -8,6 +8,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from runtime.model_config import attention_heads
 from runtime.models.llama import LlamaForCausalLM
 
 
@@ -17,12 +18,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]
                      ) -> Iterator[tuple[str, torch.Tensor]]:
-        config = self.config
-        head_size = getattr(config, "head_dim", None) or \
-            config.hidden_size // config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        sizes = [config.num_attention_heads * head_size, num_kv_heads * head_size,
-                 num_kv_heads * head_size]
+        num_heads, num_kv_heads, head_size = attention_heads(self.config)
+        sizes = [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size]
         for name, tensor in weights:
             if ".qkv_proj." in name:
                 for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split(sizes, 0)):

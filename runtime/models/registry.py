@@ -3,12 +3,11 @@ and decides between a native class and the transformers fallback (`model_impl`).
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from typing import Any
 
+from runtime.config import MODEL_IMPLS
+from runtime.model_config import ModelChoice
 from runtime.plugins.manager import get_plugin_manager
-
-MODEL_IMPLS = ("auto", "native", "transformers")
 
 _BUILTIN: dict[str, str] = {
     "LlamaForCausalLM": "runtime.models.llama:LlamaForCausalLM",
@@ -40,16 +39,6 @@ def supported_architectures() -> dict[str, Any]:
     for answer in get_plugin_manager().hook.runtime_register_models():
         table.update(answer or {})
     return table
-
-
-@dataclass(frozen=True)
-class ModelChoice:
-    """The implementation chosen for a model, and why."""
-
-    architecture: str
-    impl: str  # "native" or "transformers"
-    model_class: type
-    reason: str
 
 
 def _load(entry: Any) -> type:
@@ -92,11 +81,6 @@ def unsupported_message(architectures: list[str], model_impl: str, native: list[
     hint = " (try --model-impl transformers)" if model_impl == "native" else ""
     return (f"model architecture {what} is not supported with model_impl={model_impl!r}: "
             f"native classes: {', '.join(native)}{fallback}{hint}")
-
-
-def resolve_model_class(architectures: list[str] | None, model_impl: str = "auto") -> type:
-    """The class `choose_model` picks."""
-    return choose_model(architectures, model_impl).model_class
 
 
 FALLBACK_ROW = ("any other transformers causal LM whose attention goes through "

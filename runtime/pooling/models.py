@@ -3,15 +3,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.config import EngineConfig
+from runtime.config import RUNNERS, EngineConfig
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.decoder_embedding import as_embedding_model
 from runtime.models.roberta import RobertaForSequenceClassification, RobertaModel
 from runtime.pooling.pooler import is_sentence_transformers
-
-RUNNERS = ("auto", "generate", "pooling")
 
 
 def is_pooling_model(source: ModelSource, hf_config: Any) -> bool:

@@ -21,7 +21,7 @@ from runtime.forward_context import forward_context
 from runtime.layers.attention import Attention, zero_new_blocks
 from runtime.sampling.batch import SamplingBatch
 from runtime.sampling.sampler import argmax, exponential_race, random_probs
-from runtime.spec_decode.config import SpeculativeConfig
+from runtime.config.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
     from runtime.worker.inputs import ScheduledRequest
@@ -132,14 +132,12 @@ def load_draft_proposer(worker: "Worker", config: SpeculativeConfig) -> DraftMod
     the worker's own loading path (the platform's custom ops and `linear` kernel included)."""
     from runtime.layers.build_context import BuildContext
     from runtime.layers.custom_ops import CustomOps
-    from runtime.model_config import ModelConfig
-    from runtime.model_loader.source import load_config, resolve_model
+    from runtime.model_spec import ModelSpec
     from runtime.plugins.interfaces import ModelInfo
 
     target = worker.model_config
-    source = resolve_model(config.model)
-    hf_config = load_config(source, worker.config.trust_remote_code)
-    mc = ModelConfig.from_hf(hf_config, target.dtype, None)
+    draft = ModelSpec.resolve_draft(config.model, worker.config, target.dtype)
+    source, hf_config, mc = draft.source, draft.hf_config, draft.model_config
     if mc.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model {config.model} has a vocabulary of {mc.vocab_size} "
                          f"tokens, the target {target.vocab_size}: a draft model must share "

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from runtime.spec_decode.config import SpeculativeConfig
+from runtime.config.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
     from runtime.worker.inputs import ScheduledRequest

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Union
 
-from runtime.spec_decode.config import SpeculativeConfig
+from runtime.config.speculative import SpeculativeConfig
 from runtime.spec_decode.draft_model import DraftModelProposer, load_draft_proposer
 from runtime.spec_decode.ngram import NgramProposer
 

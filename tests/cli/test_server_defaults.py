@@ -56,11 +56,12 @@ def test_stat_logger_logs_throughput_and_forwards(caplog):
     from runtime.stat_logger import StatLogger
     metrics = Metrics("tiny")
     stats = StatLogger(metrics, interval=0.0)
-    stats.on_core_stats(CoreStats(0, 0, 0, 0.0, 0.0, 0))  # nothing moved yet: no line
+    stats.on_core_stats(CoreStats())  # nothing moved yet: no line
     stats.on_request_added(12)
     stats.on_tokens(3)
     with caplog.at_level(logging.INFO, logger="runtime.stats"):
-        stats.on_core_stats(CoreStats(1, 2, 3, 0.25, 0.5, 0))
+        stats.on_core_stats(CoreStats(num_running=1, num_waiting=2, num_received=3,
+                                      kv_cache_usage=0.25, prefix_cache_hit_rate=0.5))
     (line,) = [r.getMessage() for r in caplog.records]
     assert "Running: 1 reqs, Waiting: 2 reqs, KV cache usage: 25.0%" in line
     assert "Prefix cache hit rate: 50.0%" in line

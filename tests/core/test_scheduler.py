@@ -125,6 +125,52 @@ def test_chunked_prefill_splits_a_long_prompt():
     assert r.num_cached_tokens == 0 and r.first_scheduled_time is not None
 
 
+def test_one_partial_prefill_lets_a_long_prompt_take_the_whole_budget():
+    d = Driver(64, max_num_batched_tokens=16, enable_prefix_caching=False)
+    d.add("long", range(100, 160))
+    d.add("short", range(200, 208))
+    out, _ = d.step()
+    assert d.ids(out) == [("long", 16)]  # the short one waits behind it
+
+
+def test_partial_prefills_share_the_budget_between_prompts():
+    d = Driver(64, max_num_batched_tokens=16, enable_prefix_caching=False,
+               max_num_partial_prefills=2, max_long_partial_prefills=2,
+               long_prefill_token_threshold=4)
+    d.add("a", range(100, 160))
+    d.add("b", range(200, 260))
+    for _ in range(3):
+        out, _ = d.step()
+        assert d.ids(out) == [("a", 8), ("b", 8)]
+    d.add("c", range(300, 306))  # a third prefill: the budget splits in two still (at most 2)
+    out, _ = d.step()
+    assert d.ids(out) == [("a", 8), ("b", 8)]
+
+
+def test_a_long_prompt_beyond_max_long_partial_prefills_lets_shorter_ones_go_first():
+    d = Driver(64, max_num_batched_tokens=16, enable_prefix_caching=False,
+               max_num_partial_prefills=2, max_long_partial_prefills=1,
+               long_prefill_token_threshold=10)
+    d.add("long1", range(100, 140))
+    d.add("long2", range(200, 240))
+    d.add("short", range(300, 306))
+    out, _ = d.step()
+    assert d.ids(out) == [("long1", 8), ("short", 6)]  # long2 is passed over, not dropped
+    assert waiting_ids(d) == ["long2"]
+    d.run()
+    assert all(r.is_finished for r in d.all.values())
+
+
+def test_partial_prefill_options_are_checked():
+    with pytest.raises(ValueError, match=r"max_long_partial_prefills \(3\) must be <= "
+                                         r"max_num_partial_prefills \(2\)"):
+        EngineConfig(max_num_partial_prefills=2, max_long_partial_prefills=3)
+    with pytest.raises(ValueError, match="needs enable_chunked_prefill"):
+        EngineConfig(max_num_partial_prefills=2, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
+        EngineConfig(long_prefill_token_threshold=-1)
+
+
 def test_no_token_is_sampled_before_the_prompt_end():
     d = Driver(16, max_num_batched_tokens=5)
     r = d.add("a", range(12))

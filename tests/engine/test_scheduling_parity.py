@@ -1,5 +1,6 @@
 """Scheduling choices must not change what is generated: the same greedy tokens with and without
-chunked prefill, with and without prefix caching, under preemption, and under both policies."""
+chunked prefill, with and without prefix caching, with concurrent partial prefills, under
+preemption, and under both policies."""
 from __future__ import annotations
 
 import pytest
@@ -23,6 +24,9 @@ VARIANTS = {
     "no-prefix-caching": dict(enable_prefix_caching=False),
     "block-size-4": dict(block_size=4),
     "priority": dict(scheduling_policy="priority"),
+    # two prompts share each step's 32 tokens; long ones (over 20 left) one at a time
+    "partial-prefills": dict(max_num_batched_tokens=32, max_num_partial_prefills=2,
+                             max_long_partial_prefills=1, long_prefill_token_threshold=20),
     # 10 blocks of 16 tokens: the batch cannot fit, so requests are preempted and recomputed.
     "preemption": dict(kv_cache_memory=10 * BLOCK_BYTES, max_model_len=150),
     "preemption-priority": dict(kv_cache_memory=10 * BLOCK_BYTES, max_model_len=150,

@@ -1,7 +1,7 @@
 """Our import graph: no cycles, and the layering the design asks for.
 
-Every `import` of our modules counts, those inside functions too (a lazy import is still a
-dependency), except imports under `if TYPE_CHECKING:`, which never run.
+Every `import` of our modules counts: those inside functions (a lazy import is still a
+dependency) and those under `if TYPE_CHECKING:` (a type named in a signature is one too).
 """
 import ast
 from pathlib import Path
@@ -13,6 +13,17 @@ FOLDERS = {"runtime": "runtime", "plugins": "runtime.plugins", "platforms": "run
            "quantization": "runtime.quantization"}
 # user-facing front ends, which may use each other (`runtime bench` reuses the CLI's flags)
 FRONT_ENDS = ("runtime.cli", "runtime.bench")
+# Cycles known and being taken apart (issue 27, the runner's seams): the tests below fail on
+# any other cycle, and on one of these once it is gone, so that this list only shrinks.
+PENDING_MODULE_CYCLES = [
+    ["runtime.platforms.cuda.attention", "runtime.platforms.cuda.platform"],
+    ["runtime.spec_decode.draft_model", "runtime.spec_decode.proposer", "runtime.worker.worker"],
+]
+PENDING_PACKAGE_CYCLES = [
+    ["runtime.model_spec", "runtime.pooling", "runtime.request", "runtime.sampling",
+     "runtime.sampling_params", "runtime.spec_decode", "runtime.structured_output",
+     "runtime.worker"],
+]
 
 
 def _modules() -> dict[str, Path]:
@@ -37,8 +48,6 @@ def _imports(path: Path) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
             if isinstance(child, ast.Import):
                 found.update(alias.name for alias in child.names)
             elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
@@ -103,14 +112,14 @@ def _show(graph: dict[str, set[str]], cycles: list[list[str]]) -> str:
 def test_no_module_imports_itself_through_others():
     graph = _graph()
     cycles = _cycles(graph)
-    assert not cycles, "import cycles:\n" + _show(graph, cycles)
+    assert sorted(cycles) == PENDING_MODULE_CYCLES, "import cycles:\n" + _show(graph, cycles)
 
 
 def test_no_package_cycles_in_the_engine():
     engine = {a: {b for b in bs if not b.startswith(FRONT_ENDS)}
               for a, bs in _graph(level=2).items() if not a.startswith(FRONT_ENDS)}
     cycles = _cycles(engine)
-    assert not cycles, "package cycles:\n" + _show(engine, cycles)
+    assert sorted(cycles) == PENDING_PACKAGE_CYCLES, "package cycles:\n" + _show(engine, cycles)
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -129,4 +138,14 @@ def test_the_contract_imports_nothing_of_the_engine():
     wrong = {m: sorted(t for t in _imports(p) if not t.startswith(
                  ("runtime.plugins", "runtime.attention_backends")))
              for m, p in MODULES.items() if m.startswith("runtime.plugins")}
+    assert not {m: t for m, t in wrong.items() if t}, wrong
+
+
+def test_the_config_sits_at_the_bottom():
+    """The engine's config and the model's facts import only each other and the contract."""
+    allowed = ("runtime.config", "runtime.model_config", "runtime.plugins",
+               "runtime.attention_backends.base")
+    wrong = {m: sorted(t for t in _imports(p) if not t.startswith(allowed))
+             for m, p in MODULES.items()
+             if m.startswith(("runtime.config", "runtime.model_config"))}
     assert not {m: t for m, t in wrong.items() if t}, wrong

@@ -150,13 +150,13 @@ def test_concurrent_embedding_requests_are_batched(tiny_model_factory):
                           max_queue_len=len(prompts), listener=metrics)
         await engine.start()
         batches = []  # pooled results per core step, as the core's outputs arrive
-        handle = engine._handle
+        handle = engine.on_outputs
 
         def recorded(replica, message):
             batches.append(sum(o.pooling_output is not None for o in message.outputs))
             handle(replica, message)
 
-        engine._handle = recorded
+        engine.on_outputs = recorded
         app = create_app(engine, metrics, ["bert"], None, None, "v1", 1 << 20,
                          CORS([], [], []), False)
         try:

@@ -14,7 +14,7 @@ from runtime.config import EngineConfig
 from runtime.engine.core_proc import (AddRequests, CoreLoop, CoreRequest, FromCore, Outputs,
                                       RequestsFailed, Shutdown)
 from runtime.engine.llm_engine import build_core
-from runtime.model_loader.source import load_config, resolve_model
+from runtime.model_spec import ModelSpec
 from runtime.sampling_params import SamplingParams
 
 
@@ -22,8 +22,7 @@ from runtime.sampling_params import SamplingParams
 def core(tiny_llama):
     config = EngineConfig.from_kwargs(model=tiny_llama, dtype="float32",
                                       kv_cache_memory="16MiB", num_threads=1)
-    source = resolve_model(config.model, config.tokenizer)
-    core = build_core(config, source, load_config(source, config.trust_remote_code))
+    core = build_core(config, ModelSpec.resolve(config))
     yield core
     core.shutdown()
 

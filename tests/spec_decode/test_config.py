@@ -7,7 +7,7 @@ from runtime import LLM
 from runtime.config import EngineConfig
 from runtime.engine.core_proc import CoreStats
 from runtime.metrics import Metrics
-from runtime.spec_decode.config import SpeculativeConfig
+from runtime.config.speculative import SpeculativeConfig
 from runtime.spec_decode.ngram import NgramProposer
 
 
@@ -56,8 +56,9 @@ def test_ngram_lookup():
 
 def test_metrics_export_acceptance():
     metrics = Metrics("m")
-    metrics.on_core_stats(CoreStats(1, 0, 1, 0.1, 0.0, 0, num_spec_drafts=2,
-                                    num_spec_draft_tokens=8, num_spec_accepted_tokens=6))
+    metrics.on_core_stats(CoreStats(num_running=1, num_received=1, kv_cache_usage=0.1,
+                                    num_spec_drafts=2, num_spec_draft_tokens=8,
+                                    num_spec_accepted_tokens=6))
     text = metrics.render().decode()
     assert 'runtime:spec_decode_num_draft_tokens_total{model_name="m"} 8.0' in text
     assert 'runtime:spec_decode_num_accepted_tokens_total{model_name="m"} 6.0' in text

@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 
 from runtime.config import EngineConfig
 from runtime.structured_output import StructuredOutputsParams
-from runtime.structured_output.backends import StructuredOutputsConfig, check
+from runtime.config.structured_outputs import StructuredOutputsConfig
+from runtime.structured_output.backends import check
 from runtime.structured_output.grammar import GrammarCompiler, build_grammar
 from runtime.structured_output.params import MAX_WHITESPACE_CNT
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.distributed.load_balancer import LoadBalancer
+from runtime.engine.load_balancer import LoadBalancer
 
 BLOCK = 4
 

@@ -1,0 +1,302 @@
+"""Engine configuration: what the user chose, and what follows from the model."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, Callable
+
+import torch
+
+from runtime.attention_backends.base import KV_CACHE_DTYPES
+from runtime.config.speculative import SpeculativeConfig
+from runtime.config.structured_outputs import StructuredOutputsConfig
+
+_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+DTYPE_NAMES = tuple(_DTYPES)
+SCHEDULING_POLICIES = ("fcfs", "priority")
+EXECUTOR_BACKENDS = ("uniproc", "mp", "ray")
+MAX_LOGPROBS = 20  # the most alternatives `logprobs` / `prompt_logprobs` may ask for (as OpenAI)
+MODEL_IMPLS = ("auto", "native", "transformers")  # see runtime.models.registry
+RUNNERS = ("auto", "generate", "pooling")  # see runtime.pooling.models
+# vLLM's names for what we call otherwise; `LLM(...)` and the flags accept both.
+KEYWORD_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
+EXECUTOR_BACKEND_ALIASES = {"uni": "uniproc"}
+
+
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    """`--dtype` as a torch dtype; None means the platform's default."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {value!r}")
+    return _DTYPES[value]
+
+
+def parse_size(value: int | str | None, name: str = "kv_cache_memory") -> int | None:
+    """A byte or token count from an int or a string, as vLLM reads them: '4GiB', '4Gi', '4G'
+    and '512MB' are binary (x1024), a lowercase unit alone is decimal ('32k' = 32000)."""
+    if value is None or isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(?:([kmgtKMGT])(i?)[bB]?)?\s*", value)
+    if match is None:
+        raise ValueError(f"{name} must be a count or a size like '4GiB' or '32k', got {value!r}")
+    number, unit, binary = match.groups()
+    if unit is None:
+        return int(float(number))
+    power = "kmgt".index(unit.lower()) + 1
+    base = 1024 if unit.isupper() or binary else 1000
+    return int(float(number) * base ** power)
+
+
+ENGINE = "engine"
+LORA = "LoRA adapters (see docs/lora.md)"
+PARALLEL = "parallelism (see docs/distributed.md)"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How an `EngineConfig` field appears on the command line; runtime.cli.engine_args builds
+    every engine flag from these, so a field, its default and its flag are declared once.
+
+    The flag is `--field-name` (an int, float or str value, a str for a None default unless
+    `type` says otherwise; a bool is `--x/--no-x`, or `--x` alone with `store_true`), then
+    `aliases` (vLLM's spellings, short forms), and `negations`, extra flags that set a bool
+    False.
+    """
+
+    help: str = ""
+    aliases: tuple[str, ...] = ()
+    negations: tuple[str, ...] = ()
+    type: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    store_true: bool = False
+    group: str = ENGINE
+
+
+def option(default: Any, help: str = "", *, cli: bool = True, **flag: Any) -> Any:
+    """An `EngineConfig` field with its flag (`cli=False`: set by the engine, not a user)."""
+    return field(default=default, metadata={"flag": Flag(help, **flag) if cli else None})
+
+
+def flag_of(f: Field) -> Flag | None:
+    return f.metadata.get("flag")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start; `LLM(**kwargs)` and the CLI flags map onto it."""
+
+    model: str | None = option(
+        None, "a Hugging Face folder, a model id in the local Hugging Face cache, or a .gguf "
+              "file (default: the embedded SmolLM2-135M-Instruct)")
+    tokenizer: str | None = option(None, "tokenizer folder, if not the model's")
+    model_impl: str = option(
+        "auto", "native: our model classes; transformers: the transformers fallback; auto: "
+                "native when the architecture has a class (default)", choices=MODEL_IMPLS)
+    runner: str = option(
+        "auto", "pooling: embeddings, scoring and classification (/v1/embeddings, /score, "
+                "/rerank, /classify); auto: pooling for sentence-transformers folders, encoders "
+                "and *ForSequenceClassification (default)", choices=RUNNERS)
+    device: str | None = option(
+        None, "force a platform by name (default: RUNTIME_DEVICE, else detection)")
+    # after __post_init__ a torch dtype, or None for the platform's default
+    dtype: torch.dtype | str | None = option(
+        "auto", "default: auto, the platform's native choice", choices=DTYPE_NAMES)
+    kv_cache_memory: int | str | None = option(
+        None, "bytes for the KV cache, e.g. 4GiB or 4294967296 (default: a safe share of "
+              "memory); more than the device has free is refused",
+        aliases=("--kv-cache-memory-bytes",), type=parse_size)
+    kv_cache_dtype: str = option(
+        "auto", "auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte per element, "
+                "scaled per layer (see docs/kv_cache.md)", choices=KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = option(
+        False, "FP8 KV cache: per-layer k/v scales from the first batch instead of the "
+               "checkpoint's (default 1.0)")
+    gpu_memory_utilization: float = option(
+        0.9, "accelerators: share of device memory for weights, activations and KV cache "
+             "together (default: 0.9)")
+    block_size: int = option(16, "tokens per KV-cache block")
+    max_num_seqs: int = option(256, "the most sequences in one step's batch")
+    max_num_batched_tokens: int = option(2048, "the token budget of one step")
+    max_model_len: int | str | None = option(
+        None, "context length in tokens, e.g. 2048 or 2k (default: the model's)",
+        type=parse_size)
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV blocks of shared prompt prefixes", negations=("--no-prefix-caching",))
+    enable_chunked_prefill: bool = option(
+        True, "split long prompts over steps, beside running decodes",
+        negations=("--no-chunked-prefill",))
+    max_num_partial_prefills: int = option(
+        1, "chunked prefill: how many prompts may be part-way through their prefill at once; "
+           "above 1 each step shares its budget between them, so that one long prompt does not "
+           "hold back the others (default: 1)")
+    max_long_partial_prefills: int = option(
+        1, "chunked prefill: of those, how many may be long (see "
+           "--long-prefill-token-threshold); a long prompt beyond it waits, and shorter ones "
+           "behind it go first (default: 1)")
+    long_prefill_token_threshold: int = option(
+        0, "chunked prefill: a prompt with more tokens than this left to compute is long "
+           "(default 0: 4%% of max_model_len when --max-num-partial-prefills > 1)")
+    scheduling_policy: str = option("fcfs", "the waiting queue's order",
+                                    choices=SCHEDULING_POLICIES)
+    attention_backend: str | None = option(None, "force an attention backend")
+    enforce_eager: bool = option(False, "never compile or capture graphs")
+    num_threads: int | None = option(None, "host threads for the model", type=int)
+    seed: int = option(0, "the seed of the engine's random state")
+    revision: str | None = option(
+        None, "with a model id (org/name): the branch, tag or commit to take from the local "
+              "Hugging Face cache (nothing is downloaded)")
+    download_dir: str | None = option(
+        None, "with a model id: the Hugging Face cache folder to look in (default: "
+              "HF_HUB_CACHE, ~/.cache/huggingface/hub)")
+    trust_remote_code: bool = option(
+        False, "let a model folder's own Python code define its config and tokenizer")
+    max_logprobs: int = option(
+        MAX_LOGPROBS, "the most logprobs or prompt_logprobs a request may ask for")
+    generation_config: str = option(
+        "auto", "'auto': sampling defaults (temperature, top_p, top_k, repetition_penalty, "
+                "max_new_tokens) from the model's generation_config.json; 'vllm': none, "
+                "SamplingParams' own; or a folder holding a generation_config.json "
+                "(default: auto)")
+    disable_log_stats: bool = option(
+        False, "no periodic throughput and KV-cache usage lines in the log", store_true=True)
+    quantization: str | None = option(
+        None, "quantization method: int8 | int4 | fp8 (at load) | gguf (a .gguf kept "
+              "quantized) | gptq | awq | mxfp4 | nvfp4 (read from the checkpoint), with options "
+              "as NAME:key=value,... (default: the checkpoint's own, else none; `runtime "
+              "plugins` lists them)", aliases=("-q",))
+    # speculative decoding: a SpeculativeConfig, or its dict / JSON text; None: off
+    speculative_config: SpeculativeConfig | dict | str | None = option(
+        None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", '
+              '"model": PATH, "num_speculative_tokens": 4} (see docs/speculative.md)')
+    # structured outputs: a StructuredOutputsConfig, or its dict / JSON text; None: defaults
+    structured_outputs_config: StructuredOutputsConfig | dict | str | None = option(
+        None, 'structured outputs, as JSON: {"backend": "auto" | "xgrammar" | "guidance"} '
+              '(auto: xgrammar; guidance: llguidance; see docs/structured_outputs.md)')
+    # multi-LoRA (runtime.lora): adapters in max_loras device slots, max_cpu_loras in host memory
+    enable_lora: bool = option(
+        False, "serve PEFT LoRA adapters on top of the model, mixed in one batch",
+        store_true=True, group=LORA)
+    max_loras: int = option(1, "adapters one step may use (device slots)", group=LORA)
+    max_lora_rank: int = option(16, "the largest adapter rank", group=LORA)
+    max_cpu_loras: int | None = option(
+        None, "adapters kept read in host memory, least recently used dropped (default: "
+              "--max-loras)", type=int, group=LORA)
+    tensor_parallel_size: int = option(
+        1, "ranks that split every layer (heads, MLP columns, vocabulary)", aliases=("-tp",),
+        group=PARALLEL)
+    pipeline_parallel_size: int = option(
+        1, "ranks that each run a consecutive share of the layers", aliases=("-pp",),
+        group=PARALLEL)
+    enable_expert_parallel: bool = option(
+        False, "MoE layers: each tensor-parallel rank holds num_experts / tp whole experts "
+               "instead of a slice of every expert", aliases=("-ep",), group=PARALLEL)
+    data_parallel_size: int = option(
+        1, "engine replicas behind the server, each with tp x pp ranks", aliases=("-dp",),
+        group=PARALLEL)
+    # set by the server for each replica: which of the data_parallel_size_local replicas on this
+    # host a core is (the host's cores are shared out between all their ranks)
+    data_parallel_rank: int = option(0, cli=False)
+    data_parallel_size_local: int = option(1, cli=False)
+    distributed_executor_backend: str | None = option(
+        None, "how ranks run: in this process (uniproc), one process per rank on this machine "
+              "(mp), or Ray actors (ray); 'uni' is vLLM's name for uniproc (default: uniproc "
+              "for one rank, else mp)",
+        choices=EXECUTOR_BACKENDS + tuple(EXECUTOR_BACKEND_ALIASES), group=PARALLEL)
+    ray_address: str | None = option(
+        None, "an existing Ray cluster for --distributed-executor-backend ray (default: "
+              "RAY_ADDRESS, else a new local Ray instance)", group=PARALLEL)
+
+    def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.structured_outputs_config = StructuredOutputsConfig.parse(
+            self.structured_outputs_config)
+        if self.speculative_config is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("speculative decoding needs pipeline_parallel_size 1, got "
+                             f"{self.pipeline_parallel_size}")
+        self.dtype = parse_dtype(self.dtype)
+        self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
+        self.max_model_len = parse_size(self.max_model_len, "max_model_len")
+        if self.device is None:
+            self.device = os.environ.get("RUNTIME_DEVICE") or None
+        for name in ("model_impl", "runner", "kv_cache_dtype", "scheduling_policy"):
+            choices = flag_of(self.__dataclass_fields__[name]).choices
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, "
+                                 f"got {getattr(self, name)!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        backend = self.distributed_executor_backend = EXECUTOR_BACKEND_ALIASES.get(
+            self.distributed_executor_backend, self.distributed_executor_backend)
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                             f"got {backend!r}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the most the "
+                             f"sampler returns), got {self.max_logprobs}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.enable_lora:  # a captured graph would not see each step's adapter slots
+            self.enforce_eager = True
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+        for name in ("max_loras", "max_lora_rank", "block_size", "max_num_seqs",
+                     "max_num_batched_tokens", "max_num_partial_prefills",
+                     "max_long_partial_prefills",
+                     "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self._check_partial_prefills()
+
+    def _check_partial_prefills(self) -> None:
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills ({self.max_long_partial_prefills}) "
+                             f"must be <= max_num_partial_prefills "
+                             f"({self.max_num_partial_prefills})")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, "
+                             f"got {self.long_prefill_token_threshold}")
+        if self.max_num_partial_prefills > 1 and not self.enable_chunked_prefill:
+            raise ValueError("max_num_partial_prefills > 1 shares a step between prompt chunks: "
+                             "it needs enable_chunked_prefill")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        for alias, name in KEYWORD_ALIASES.items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"give {alias} or {name}, not both")
+                kwargs[name] = kwargs.pop(alias)
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine options {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_yaml(cls, path: str, **overrides: Any) -> "EngineConfig":
+        """Fields from a YAML file of options (as `runtime tune` writes), with `overrides`
+        (e.g. the caller's explicit keywords) on top."""
+        return cls.from_kwargs(**{**load_options_file(path), **overrides})
+
+
+def load_options_file(path: str) -> dict[str, Any]:
+    """A YAML file of options (`max_num_seqs: 64`; `max-num-seqs` alike), as a dict with
+    underscored names: the one reader of `LLM(config=...)` and `runtime serve --config`."""
+    import yaml
+    with open(path, encoding="utf-8") as f:
+        try:
+            loaded = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            detail = " ".join(str(e).split())  # one line
+            raise ValueError(f"{path} is not valid YAML: {detail}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path} must map option names to values, "
+                         f"got a {type(loaded).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in loaded.items()}
