@@ -64,13 +64,21 @@ def token_major(backend_cls, cache: torch.Tensor) -> torch.Tensor:
     return cache.transpose(2, 3) if head_major(backend_cls) else cache
 
 
+def build_layer(backend_cls, device: str | torch.device, *args, **kwargs):
+    """`backend_cls(*args, **kwargs)` built on `device`, as the engine builds its layers, so the
+    layer's own tensors (the FP8 `k_scale`/`v_scale`) live where its inputs do."""
+    with torch.device(device):
+        return backend_cls(*args, **kwargs)
+
+
 def run_backend(backend_cls, batch, sliding_window: int | None = None) -> tuple[torch.Tensor,
                                                                                  torch.Tensor]:
-    """One layer's forward on a copy of the batch's cache (in the backend's layout); returns
-    (output, cache after, token-major)."""
+    """One layer's forward on a copy of the batch's cache (in the backend's layout), the layer
+    built on the batch's device; returns (output, cache after, token-major)."""
     query, key, value, kv_cache, metadata = batch
     num_heads, head_size = query.shape[1:]
-    impl = backend_cls(num_heads, head_size, head_size ** -0.5, key.shape[1], sliding_window)
+    impl = build_layer(backend_cls, query.device, num_heads, head_size, head_size ** -0.5,
+                       key.shape[1], sliding_window)
     cache = in_layout(backend_cls, kv_cache)
     return impl.forward(query, key, value, cache, metadata), token_major(backend_cls, cache)
 
@@ -97,8 +105,8 @@ def run_two_steps(backend_cls, query_lens: list[int], seq_lens: list[int], block
     qkv = [torch.randn(s, num_heads + 2 * num_kv_heads, head_size, generator=gen)
            .to(input_dtype or dtype).float() for s in seq_lens]
     scale = head_size ** -0.5 if scale is None else scale
-    impl = backend_cls(num_heads, head_size, scale, num_kv_heads, sliding_window,
-                       logits_soft_cap)
+    impl = build_layer(backend_cls, device, num_heads, head_size, scale, num_kv_heads,
+                       sliding_window, logits_soft_cap)
     cache = torch.zeros(backend_cls.kv_cache_shape(num_blocks, block_size, num_kv_heads,
                                                    head_size), dtype=dtype, device=device)
     context = [(i, 0, s - q) for i, (q, s) in enumerate(zip(query_lens, seq_lens)) if s > q]

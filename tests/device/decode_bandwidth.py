@@ -9,6 +9,7 @@ import torch
 
 from runtime.attention_backends.base import AttentionMetadata
 from runtime.attention_backends.triton_paged import TritonPagedAttention
+from runtime.testing.paged_batch import build_layer
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
 ITERS = 20
@@ -45,7 +46,8 @@ def decode_bandwidth(batch: int, context: int) -> tuple[float, float]:
         block_tables=torch.arange(batch * blocks_per_req, **i32).view(batch, blocks_per_req),
         query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[context] * batch,
         max_query_len=1, max_seq_len=context, num_decode_tokens=batch)
-    layer = TritonPagedAttention(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS)
+    layer = build_layer(TritonPagedAttention, "cuda", HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5,
+                        KV_HEADS)
     t = seconds_per_call(lambda: layer.forward(query, key, value, cache, metadata))
     return t, cache.nbytes / t
 

@@ -142,3 +142,94 @@ def fake_flashinfer(monkeypatch) -> list[dict]:
     module.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     return plans
+
+
+def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     table: torch.Tensor, kv_len: int, scale: float, causal: bool,
+                     window: tuple[int, int], softcap: float) -> torch.Tensor:
+    """One sequence's attention as FlashAttention defines it: q [Lq, H, D] over the first
+    `kv_len` positions of its pages, the causal mask and window aligned to the sequence's end."""
+    page = k_cache.size(1)
+    pages = table[:-(-kv_len // page)].long()
+    group = q.size(1) // k_cache.size(2)
+    k, v = (c[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, 1).float()
+            for c in (k_cache, v_cache))
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    q_pos = torch.arange(kv_len - q.size(0), kv_len)[:, None]
+    k_pos = torch.arange(kv_len)[None, :]
+    visible = k_pos <= q_pos if causal else torch.ones_like(k_pos <= q_pos)
+    if window[0] >= 0:
+        visible &= k_pos >= q_pos - window[0]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+
+
+def _check_flash_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_table: torch.Tensor | None) -> None:
+    """The checks flash-attn 2's C++ entry points make before a paged call."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise RuntimeError("query and key must have the same dtype")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise RuntimeError("Input tensor must have contiguous last dimension")
+    if block_table is not None:
+        if block_table.dtype != torch.int32:
+            raise RuntimeError("block_table must have dtype torch.int32")
+        if k_cache.size(1) % 256:
+            raise RuntimeError("Paged KV cache block size must be divisible by 256")
+
+
+def fake_flash_attn(monkeypatch) -> list[str]:
+    """An importable `flash_attn` whose `flash_attn_varlen_func` and `flash_attn_with_kvcache`
+    have flash-attn 2.7's signatures, make its input checks and compute its documented paged
+    semantics in plain torch. Returns the list each call's function name is appended to."""
+    calls: list[str] = []
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               dropout_p=0.0, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                               deterministic=False, return_attn_probs=False, block_table=None):
+        _check_flash_inputs(q, k, v, block_table)
+        assert block_table is not None and dropout_p == 0.0 and alibi_slopes is None
+        if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
+            raise RuntimeError("cu_seqlens_q must have dtype int32")
+        calls.append("flash_attn_varlen_func")
+        starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        out = torch.empty_like(q)
+        for i in range(len(starts_q) - 1):
+            lo, hi = starts_q[i], starts_q[i + 1]
+            kv_len = starts_k[i + 1] - starts_k[i]
+            assert hi - lo <= max_seqlen_q and kv_len <= max_seqlen_k
+            out[lo:hi] = _paged_attention(q[lo:hi], k, v, block_table[i], kv_len,
+                                          softmax_scale, causal, window_size, softcap)
+        return out
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                                rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                                cache_leftpad=None, block_table=None, softmax_scale=None,
+                                causal=False, window_size=(-1, -1), softcap=0.0,
+                                rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                                return_softmax_lse=False):
+        _check_flash_inputs(q, k_cache, v_cache, block_table)
+        assert k is None and v is None and rotary_cos is None and cache_batch_idx is None
+        if cache_seqlens is None or cache_seqlens.dtype != torch.int32:
+            raise RuntimeError("cache_seqlens must have dtype int32")
+        calls.append("flash_attn_with_kvcache")
+        out = torch.empty_like(q)  # [batch, q_len, heads, head_size]
+        for i, kv_len in enumerate(cache_seqlens.tolist()):
+            if kv_len:
+                out[i] = _paged_attention(q[i], k_cache, v_cache, block_table[i], kv_len,
+                                          softmax_scale, causal, window_size, softcap)
+            else:
+                out[i] = 0
+        return out
+
+    module = types.ModuleType("flash_attn")
+    module.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
+    module.flash_attn_varlen_func = flash_attn_varlen_func
+    module.flash_attn_with_kvcache = flash_attn_with_kvcache
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+    return calls
