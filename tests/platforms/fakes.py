@@ -96,50 +96,83 @@ class FakeDeviceState:
 
 
 def fake_flashinfer(monkeypatch) -> list[dict]:
-    """An importable `flashinfer` whose paged prefill wrapper runs FlashInfer's documented
-    semantics in plain torch (pages through indptr/indices/last-page lengths, causal mask
-    aligned to each sequence's end, `window_left`, `sm_scale`, `logits_soft_cap`) from its
-    last plan. Returns the list every `plan` call's arguments are appended to."""
+    """An importable `flashinfer` whose paged decode and prefill wrappers run FlashInfer's
+    documented semantics in plain torch (pages through indptr/indices/last-page lengths, the
+    causal mask aligned to each sequence's end, `window_left`, `sm_scale`, `logits_soft_cap`)
+    from their last plan. Returns the list every `plan` call's arguments are appended to, with
+    `kind` "decode" or "prefill"."""
     plans: list[dict] = []
 
+    def attend(a: dict, q: torch.Tensor, paged_kv: tuple[torch.Tensor, torch.Tensor],
+               qo_indptr: list[int]) -> torch.Tensor:
+        k_cache, v_cache = paged_kv
+        group = a["num_qo_heads"] // a["num_kv_heads"]
+        out = torch.empty_like(q)
+        for i in range(len(qo_indptr) - 1):
+            pages = a["kv_indices"][a["kv_indptr"][i]:a["kv_indptr"][i + 1]]
+            kv_len = (len(pages) - 1) * a["page_size"] + a["last"][i]
+            k, v = (c[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, 1).float()
+                    for c in (k_cache, v_cache))
+            lo, hi = qo_indptr[i], qo_indptr[i + 1]
+            scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k) * a["sm_scale"]
+            if a["logits_soft_cap"]:
+                scores = a["logits_soft_cap"] * torch.tanh(scores / a["logits_soft_cap"])
+            q_pos = torch.arange(kv_len - (hi - lo), kv_len)[:, None]
+            k_pos = torch.arange(kv_len)[None, :]
+            visible = k_pos <= q_pos
+            if a["window_left"] >= 0:
+                visible &= k_pos >= q_pos - a["window_left"]
+            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        return out
+
+    def record(kind: str, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads,
+               page_size, **kw) -> dict:
+        args = dict(kind=kind, kv_indptr=kv_indptr.tolist(), kv_indices=kv_indices.tolist(),
+                    last=last_page_len.tolist(), num_qo_heads=num_qo_heads,
+                    num_kv_heads=num_kv_heads, page_size=page_size, **kw)
+        plans.append(args)
+        return args
+
     class BatchPrefillWithPagedKVCacheWrapper:
-        def __init__(self, workspace: torch.Tensor, kv_layout: str) -> None:
-            assert kv_layout == "NHD" and workspace.dtype == torch.uint8
+        def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                     use_cuda_graph: bool = False) -> None:
+            assert kv_layout == "NHD" and float_workspace_buffer.dtype == torch.uint8
             self.args: dict = {}
 
-        def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads,
-                 num_kv_heads, head_dim, page_size, **kw) -> None:
-            self.args = dict(qo_indptr=qo_indptr.tolist(), kv_indptr=kv_indptr.tolist(),
-                             kv_indices=kv_indices.tolist(), last=last_page_len.tolist(),
-                             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                             page_size=page_size, **kw)
-            plans.append(self.args)
+        def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                 num_qo_heads, num_kv_heads, head_dim_qk, page_size, **kw) -> None:
+            self.args = record("prefill", paged_kv_indptr, paged_kv_indices,
+                               paged_kv_last_page_len, num_qo_heads, num_kv_heads, page_size,
+                               qo_indptr=qo_indptr.tolist(), **kw)
 
-        def run(self, q: torch.Tensor, paged_kv: tuple[torch.Tensor, torch.Tensor]):
-            a, (k_cache, v_cache) = self.args, paged_kv
-            group = a["num_qo_heads"] // a["num_kv_heads"]
-            out = torch.empty_like(q)
-            for i in range(len(a["qo_indptr"]) - 1):
-                pages = a["kv_indices"][a["kv_indptr"][i]:a["kv_indptr"][i + 1]]
-                kv_len = (len(pages) - 1) * a["page_size"] + a["last"][i]
-                k, v = (c[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, 1).float()
-                        for c in (k_cache, v_cache))
-                lo, hi = a["qo_indptr"][i], a["qo_indptr"][i + 1]
-                scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k) * a["sm_scale"]
-                if a["logits_soft_cap"]:
-                    scores = a["logits_soft_cap"] * torch.tanh(scores / a["logits_soft_cap"])
-                q_pos = torch.arange(kv_len - (hi - lo), kv_len)[:, None]
-                k_pos = torch.arange(kv_len)[None, :]
-                visible = k_pos <= q_pos
-                if a["window_left"] >= 0:
-                    visible &= k_pos >= q_pos - a["window_left"]
-                probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-                out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
-            return out
+        def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]):
+            return attend(self.args, q, paged_kv_cache, self.args["qo_indptr"])
+
+    class BatchDecodeWithPagedKVCacheWrapper:
+        def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                     use_cuda_graph: bool = False, use_tensor_cores: bool = False) -> None:
+            assert kv_layout == "NHD" and float_workspace_buffer.dtype == torch.uint8
+            self.use_tensor_cores = use_tensor_cores
+            self.args: dict = {}
+
+        def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                 page_size, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
+                 q_data_type="float16", kv_data_type=None, data_type=None, sm_scale=None,
+                 rope_scale=None, rope_theta=None, non_blocking=True) -> None:
+            self.args = record("decode", indptr, indices, last_page_len, num_qo_heads,
+                               num_kv_heads, page_size, window_left=window_left,
+                               logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
+                               kv_data_type=kv_data_type, sm_scale=sm_scale,
+                               use_tensor_cores=self.use_tensor_cores)
+
+        def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]):
+            return attend(self.args, q, paged_kv_cache, list(range(q.size(0) + 1)))
 
     module = types.ModuleType("flashinfer")
     module.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)
     module.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
+    module.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     return plans
 
