@@ -1,15 +1,22 @@
 """The CUDA path's backends on the CPU: FlashAttention through a fake `flash_attn` with the real
 library's signatures and checks (the K/V write is the Triton kernel, run by Triton's
-interpreter), and the paged-batch harness building its layers where its inputs live."""
+interpreter), FlashInfer's decode and prefill plans through a fake `flashinfer`, the TPU
+fallback's gather, and the paged-batch harness building its layers where its inputs live."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from runtime.attention_backends import flashinfer
 from runtime.attention_backends.flash_attention import FlashAttentionBackend
+from runtime.attention_backends.flashinfer import FlashInferBackend
 from runtime.attention_backends.torch_paged import TorchPagedAttention
+from runtime.attention_backends.xla_paged import XlaPagedAttention, context_blocks
 from runtime.testing.paged_batch import build_layer, make_batch, run_backend, run_two_steps
-from tests.platforms.fakes import fake_flash_attn
+from tests.platforms.fakes import fake_flash_attn, fake_flashinfer
 
 triton = pytest.importorskip("triton")
 needs_interpreter = pytest.mark.skipif(
@@ -53,3 +60,47 @@ def test_layers_are_built_on_the_batch_device():
     out, _ = run_backend(Probe, batch)
     assert out.device.type == "meta" and seen == [(out.device, out.device)]
     assert torch.ones(()).device.type == "cpu"  # the default device is left as it was
+
+
+@pytest.fixture
+def flashinfer_plans(monkeypatch):
+    monkeypatch.setattr(flashinfer, "_PLANS", {})
+    monkeypatch.setattr(flashinfer, "_WORKSPACES", {})
+    return fake_flashinfer(monkeypatch)
+
+
+@pytest.mark.parametrize("lens,kinds", [(([1, 1, 6, 9], [5, 21, 6, 30]), ["prefill", "decode"]),
+                                        (([1, 1, 1], [5, 21, 40]), ["decode"]),
+                                        (([6, 9], [6, 30]), ["prefill"])])
+def test_flashinfer_plans_from_host_lists(flashinfer_plans, lens, kinds):
+    """Decodes through the decode wrapper, chunks through the prefill wrapper, each planned
+    without reading the metadata's device tensors other than the block table (here on "meta",
+    which cannot be read at all)."""
+    query, key, value, kv_cache, metadata = make_batch(*lens, 4, 16, 2, 64)
+    want = TorchPagedAttention(16, 64, 0.125, 2).forward(query, key, value, kv_cache.clone(),
+                                                         metadata)
+    blind = dataclasses.replace(metadata, query_start_loc=metadata.query_start_loc.to("meta"),
+                                seq_lens=metadata.seq_lens.to("meta"))
+    got = FlashInferBackend(16, 64, 0.125, 2).forward(query, key, value, kv_cache.clone(), blind)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert [p["kind"] for p in flashinfer_plans] == kinds
+    # 8 query heads per KV head: the decode kernel runs on tensor cores
+    assert all(p["use_tensor_cores"] for p in flashinfer_plans if p["kind"] == "decode")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_xla_fallback_gathers_only_the_blocks_in_use(dtype, tol):
+    """The pure-torch part of the TPU fallback: it reads the block table only as far as the
+    longest context's power-of-two bucket of blocks (ids past it are never touched: here they
+    are out of range), in the cache's dtype."""
+    query, key, value, kv_cache, metadata = make_batch([1, 1, 5], [9, 33, 20], 4, 4, 2, 16, dtype)
+    want = TorchPagedAttention(4, 16, 0.25, 2).forward(query.float(), key.float(), value.float(),
+                                                       kv_cache.float(), metadata)
+    assert context_blocks(metadata.max_seq_len, 4, 64) == 16  # 33 positions: 9 blocks -> 16
+    wide = F.pad(metadata.block_tables, (0, 64 - metadata.block_tables.size(1)))
+    wide[:, 16:] = 1 << 30
+    metadata = dataclasses.replace(metadata, block_tables=wide)
+    cache = torch.cat([kv_cache, torch.zeros_like(kv_cache[:, :1])], 1)  # + the scratch block
+    got = XlaPagedAttention(4, 16, 0.25, 2).forward(query, key, value, cache, metadata)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
