@@ -1,6 +1,7 @@
-"""CUDA engine checks, run by tests/device/run.sh on a GPU (skipped elsewhere): section 2 (decode
-graphs against eager against transformers), 3 (every usable backend against the portable one)
-and 5 (the engine at --gpu-memory-utilization 0.9, memory around graph capture)."""
+"""CUDA engine checks, run by tests/device/run.sh on a GPU (skipped elsewhere): section 1 (decode
+graphs against eager against transformers), 3d-3h (each backend alone against the portable one,
+one process per backend; the float32 engines) and 6 (the engine at --gpu-memory-utilization 0.9,
+memory around graph capture)."""
 import gc
 
 import pytest
@@ -70,7 +71,7 @@ def transformers_tokens(path: str) -> list[list[int]]:
 
 
 def test_graphs_eager_and_transformers_agree(tiny, replays):
-    """Section 2: float32 graphs == eager == transformers; bfloat16 graphs == eager."""
+    """Section 1: float32 graphs == eager == transformers; bfloat16 graphs == eager."""
     want = transformers_tokens(tiny)
     for dtype in ("float32", "bfloat16"):
         eager = tokens(engine(tiny, dtype=dtype, enforce_eager=True, **ENGINE))
@@ -96,7 +97,7 @@ ALWAYS_THERE = {"triton_paged", "torch_paged"}
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("name", ["flash_attn", "flashinfer", "triton_paged", "torch_paged"])
 def test_backend_matches_the_portable_one(name, block_size, dtype, kv):
-    """Section 3, kernels: one backend of the CUDA platform alone, two steps over the paged
+    """Sections 3d-3g: one backend of the CUDA platform alone, two steps over the paged
     cache, against the portable backend in float32 on the host from the same rounded inputs
     (and the same FP8 cache); one the platform refuses here is skipped with its reason."""
     kv_dtype = dtype if kv == "auto" else torch.float8_e4m3fn
@@ -116,13 +117,13 @@ def test_backend_matches_the_portable_one(name, block_size, dtype, kv):
 
 @pytest.mark.parametrize("backend", ["triton_paged", "torch_paged"])
 def test_engine_in_float32_matches_transformers(tiny, backend):
-    """Section 3, engine: the backends that compute float32, token for token."""
+    """Section 3h: the backends that compute float32, token for token."""
     llm = engine(tiny, dtype="float32", attention_backend=backend, **ENGINE)
     assert tokens(llm) == transformers_tokens(tiny)
 
 
 def test_engine_at_09_with_graphs(tmp_path, monkeypatch, replays):
-    """Section 5: the default engine (graphs on) at --gpu-memory-utilization 0.9: memory before
+    """Section 6: the default engine (graphs on) at --gpu-memory-utilization 0.9: memory before
     and after graph capture, and generation afterwards within the budget."""
     seen = {}
     capture = CudaGraphRunner.capture_graphs
