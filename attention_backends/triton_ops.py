@@ -90,14 +90,17 @@ def attention_tile(prefill: bool, group_p2: int, head_p2: int, dtype: torch.dtyp
     return max(1, rows // group_p2), kv_tile
 
 
-def decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, processors: int) -> int:
-    """How many pieces to cut each context of a decode-only batch into: 1 (no split) when the
-    (request, KV head) programs already cover the multiprocessors or the contexts are short."""
+def decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, processors: int,
+                  kv_tile: int = 32) -> tuple[int, int]:
+    """(pieces, positions per piece) to cut each context of a decode-only batch into, a piece a
+    whole number of K/V tiles; (1, 0), no split, when the (request, KV head) programs already
+    cover the multiprocessors or the contexts are short."""
     programs = num_reqs * num_kv_heads
-    if programs >= processors:
-        return 1
-    return max(1, min(MAX_SPLITS, triton.cdiv(processors, programs),
-                      max_seq_len // MIN_SPLIT_LEN))
+    pieces = min(MAX_SPLITS, triton.cdiv(processors, programs), max_seq_len // MIN_SPLIT_LEN)
+    if programs >= processors or pieces <= 1:
+        return 1, 0
+    length = triton.cdiv(triton.cdiv(max_seq_len, pieces), kv_tile) * kv_tile
+    return triton.cdiv(max_seq_len, length), length
 
 
 def fp8_format(dtype: torch.dtype) -> dict[str, float]:
@@ -313,10 +316,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     decode = metadata.max_query_len == 1
     block_m, kv_tile = attention_tile(not decode, group_p2, head_p2, query.dtype, shared_limit)
     assert query.stride(-1) == out.stride(-1) == k_cache.stride(-1) == 1
-    splits = (decode_splits(metadata.num_reqs, num_kv_heads, metadata.max_seq_len, processors)
-              if decode else 1)
-    split_len = triton.cdiv(triton.cdiv(metadata.max_seq_len, splits), kv_tile) * kv_tile
-    splits = triton.cdiv(metadata.max_seq_len, split_len) if splits > 1 else 1
+    splits, split_len = (decode_splits(metadata.num_reqs, num_kv_heads, metadata.max_seq_len,
+                                       processors, kv_tile) if decode else (1, 0))
     target, lse = out, out  # lse: unused unless split
     if splits > 1:
         target = torch.empty(num_tokens, num_heads, splits, head_size, dtype=torch.float32,

@@ -55,11 +55,12 @@ def test_mi300_takes_smaller_tiles_where_the_large_ones_overflow_its_lds():
 
 
 def test_decode_splits_fill_the_device_only_when_the_batch_does_not():
-    assert decode_splits(1, 8, 4096, 132) == 16  # 8 programs: 16 pieces of 256
-    assert decode_splits(1, 8, 32768, 132) == 17  # enough pieces to cover 132 SMs
-    assert decode_splits(4, 2, 600, 132) == 2  # pieces of at least MIN_SPLIT_LEN
-    assert decode_splits(1, 8, 200, 132) == 1  # too short to split
-    assert decode_splits(64, 8, 32768, 132) == 1  # 512 programs cover the device
+    assert decode_splits(1, 8, 4096, 132) == (16, 256)  # 8 programs: 16 pieces of 256
+    assert decode_splits(1, 8, 32768, 132) == (17, 1952)  # enough pieces to cover 132 SMs
+    assert decode_splits(4, 2, 600, 132) == (2, 320)  # pieces of at least MIN_SPLIT_LEN
+    assert decode_splits(4, 2, 600, 132, kv_tile=16) == (2, 304)  # whole K/V tiles
+    assert decode_splits(1, 8, 300, 132) == (1, 0)  # too short to split
+    assert decode_splits(64, 8, 32768, 132) == (1, 0)  # 512 programs cover the device
 
 
 # decode-only batches with contexts long enough to split (2 KV heads: 2 x 3 programs)

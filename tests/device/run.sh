@@ -138,7 +138,15 @@ bench() {
     local model
     model=$(python3 tests/device/model.py "$WORK/model") || return 1
     python3 -m runtime.cli.main bench throughput --backend runtime --model "$model" \
-        --dtype bfloat16 --num-prompts 256 --input-len 256 --output-len 128 --timeout 45
+        --dtype bfloat16 --num-prompts 256 --input-len 256 --output-len 128 --timeout 45 \
+        --output-json "$WORK/bench.json" || return 1
+    python3 - "$WORK/bench.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    if "error" not in r:
+        print(f"result: {r['output_tokens_per_s']:,.0f} output tok/s, "
+              f"{r['total_tokens_per_s']:,.0f} total tok/s")
+PY
 }
 
 export -f install preflight bench
@@ -193,6 +201,8 @@ for s in "${SECTIONS[@]}"; do
         esac
         ((rc == 0)) || FAILED=$((FAILED + 1))
         detail=$(pytest_note "$WORK/section.out")
+        [[ -n $detail ]] && note="${note:+$note; }$detail"
+        detail=$(grep -m1 '^result: ' "$WORK/section.out" | cut -c9-)  # a figure a section prints
         [[ -n $detail ]] && note="${note:+$note; }$detail"
     fi
     echo "--- ($number) $status in $((SECONDS - began)) s ${note:+($note)}"
