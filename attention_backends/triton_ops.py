@@ -13,7 +13,8 @@ A decode-only batch too small to occupy the device (requests x KV heads below it
 multiprocessors) is split along the context instead (flash-decoding): the grid becomes
 (request, piece, KV head), each program writes its piece's output and log-sum-exp, and a second
 kernel merges the pieces. The split count follows from host-side sizes only (requests, longest
-context), so a recorded graph keeps it.
+context), so a recorded graph keeps it; it is a runtime argument, so a growing context compiles
+nothing new.
 
 Positions are gathered through the block table one by one, so BLOCK_N is independent of the
 cache's block size (any size works, powers of two or not). Kernels are compiled on first use
@@ -168,19 +169,19 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 @triton.jit
 def _paged_attention_kernel(
         out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_loc_ptr, scale, k_scale_ptr, v_scale_ptr, split_len,
+        query_start_loc_ptr, scale, k_scale_ptr, v_scale_ptr, num_splits, split_len,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_cb, stride_cs, stride_ch,
         stride_bt, NUM_HEADS: tl.constexpr,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
         FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_SUBNORMAL: tl.constexpr,
-        NUM_SPLITS: tl.constexpr):
+        SPLIT: tl.constexpr):
     req = tl.program_id(0)
     tile = tl.program_id(1)
     kv_head = tl.program_id(2)
     split = 0
-    if NUM_SPLITS > 1:  # decodes only: axis 1 walks the pieces of the context, not query tiles
+    if SPLIT:  # decodes only: axis 1 walks the pieces of the context, not query tiles
         split = tile
         tile = 0
     q_start = tl.load(query_start_loc_ptr + req)
@@ -213,7 +214,7 @@ def _paged_attention_kernel(
     if SLIDING_WINDOW > 0:
         first = tl.maximum(context_len + tile * BLOCK_M - SLIDING_WINDOW + 1, 0)
         kv_start = (first // BLOCK_N) * BLOCK_N
-    if NUM_SPLITS > 1:
+    if SPLIT:
         kv_start = tl.maximum(kv_start, split * split_len)
         kv_end = tl.minimum(kv_end, (split + 1) * split_len)
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
@@ -249,28 +250,28 @@ def _paged_attention_kernel(
     o_off = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
     tl.store(out_ptr + o_off + split * stride_os + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
-    if NUM_SPLITS > 1:  # this piece's log-sum-exp, for the merge (-inf: it saw nothing)
+    if SPLIT:  # this piece's log-sum-exp, for the merge (-inf: it saw nothing)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
-        row = ((q_start + token).to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+        row = ((q_start + token).to(tl.int64) * NUM_HEADS + head) * num_splits + split
         tl.store(lse_ptr + row, lse, mask=row_ok)
 
 
 @triton.jit
-def _merge_splits_kernel(out_ptr, partial_ptr, lse_ptr, stride_ot, stride_oh,
+def _merge_splits_kernel(out_ptr, partial_ptr, lse_ptr, stride_ot, stride_oh, num_splits,
                          NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+                         SPLITS_P2: tl.constexpr):
     """One (token, head): the pieces' outputs weighted by exp(lse - max lse)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     row = token.to(tl.int64) * NUM_HEADS + head
     s = tl.arange(0, SPLITS_P2)
-    s_ok = s < NUM_SPLITS
+    s_ok = s < num_splits
     d = tl.arange(0, HEAD_P2)
     d_ok = d < HEAD_SIZE
-    lse = tl.load(lse_ptr + row * NUM_SPLITS + s, mask=s_ok, other=float("-inf"))
+    lse = tl.load(lse_ptr + row * num_splits + s, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     weight = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # 0 for empty pieces
-    parts = tl.load(partial_ptr + (row * NUM_SPLITS + s[:, None]) * HEAD_SIZE + d[None, :],
+    parts = tl.load(partial_ptr + (row * num_splits + s[:, None]) * HEAD_SIZE + d[None, :],
                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     total = tl.sum(weight, 0)
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
@@ -329,7 +330,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _paged_attention_kernel[(metadata.num_reqs, axis1, num_kv_heads)](
         target, lse, query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
-        metadata.query_start_loc, scale, k_scale, v_scale, split_len,
+        metadata.query_start_loc, scale, k_scale, v_scale, splits, split_len,
         query.stride(0), query.stride(1), target.stride(0), target.stride(1),
         target.stride(2) if splits > 1 else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
@@ -338,9 +339,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
         SLIDING_WINDOW=sliding_window or 0, FP8_MANT=fp8["FP8_MANT"], FP8_BIAS=fp8["FP8_BIAS"],
         FP8_SUBNORMAL=fp8["FP8_SUBNORMAL"],
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # "tf32" fails on AMD
-        NUM_SPLITS=splits)
+        SPLIT=splits > 1)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            out, target, lse, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
-            HEAD_SIZE=head_size, HEAD_P2=_pow2(head_size), NUM_SPLITS=splits,
-            SPLITS_P2=_pow2(splits))
+            out, target, lse, out.stride(0), out.stride(1), splits, NUM_HEADS=num_heads,
+            HEAD_SIZE=head_size, HEAD_P2=_pow2(head_size), SPLITS_P2=_pow2(splits))
