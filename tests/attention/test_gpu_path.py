@@ -45,6 +45,32 @@ def test_flash_attention_at_block_size_256(monkeypatch, lens, window):
                          else "flash_attn_varlen_func")
 
 
+@needs_interpreter
+def test_flash_attention_on_a_graph_padded_decode_batch(monkeypatch):
+    """What CUDA-graph capture at --block-size 256 runs: decodes padded to the graph's batch
+    size (slot -1, sequence length 0), the host lists frozen at the model's length."""
+    fake_flash_attn(monkeypatch)
+    query, key, value, kv_cache, md = make_batch([1, 1], [17, 300], 256, 8, 2, 64, torch.float16)
+    want, want_cache = run_backend(TorchPagedAttention, (query.float(), key.float(),
+                                                         value.float(), kv_cache.float(), md))
+    bs, max_len = 4, 2048
+
+    def pad(x: torch.Tensor, value: float = 0) -> torch.Tensor:
+        return torch.cat([x, torch.full((bs - x.size(0), *x.shape[1:]), value, dtype=x.dtype)])
+
+    static = dataclasses.replace(
+        md, slot_mapping=pad(md.slot_mapping, -1), query_start_loc=torch.arange(bs + 1,
+                                                                                dtype=torch.int32),
+        seq_lens=pad(md.seq_lens), block_tables=pad(md.block_tables),
+        query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[max_len] * bs,
+        max_query_len=1, max_seq_len=max_len, num_decode_tokens=bs)
+    got, cache = run_backend(FlashAttentionBackend, (pad(query), pad(key), pad(value), kv_cache,
+                                                     static))
+    torch.testing.assert_close(got[:2].float(), want, atol=5e-3, rtol=5e-3)
+    assert got[2:].eq(0).all()
+    torch.testing.assert_close(cache.float(), want_cache, atol=0, rtol=0)  # padding wrote nothing
+
+
 def test_layers_are_built_on_the_batch_device():
     """The layer's FP8 scales live where the layer's inputs do ("meta" stands in for a GPU)."""
     seen = []
