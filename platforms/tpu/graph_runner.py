@@ -1,10 +1,11 @@
 """XLA execution with bucketed shapes: every step is padded to a bucket so graphs are reused.
 
 XLA traces the forward lazily and compiles one graph per distinct set of input shapes. Each step
-is padded to the next bucket of token count (powers of two from 16), request count (powers of two),
-longest query and longest context (powers of two), with the block table at its full width, so a
-server compiles a few dozen graphs once instead of one per batch. Padding tokens sit at position 0 with KV slot -1
-(the backend writes them to a scratch block); padding requests have no query and no context.
+is padded to the next bucket of token count (powers of two from 16), request count, longest
+query and longest context (powers of two), with the block table at its full width, so a server
+compiles a few dozen graphs once instead of one per batch. Padding tokens sit at position 0 with
+KV slot -1 (the backend writes them to a scratch block); padding requests have no query and no
+context.
 After the forward, the graph is cut (`torch_xla.sync`) so it is compiled and cached on its own.
 The padding itself is plain torch, so the tests run this runner on the CPU.
 """
