@@ -147,8 +147,9 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
-        # float32 scalars on the device the layer is built on; updated in place, so a recorded
-        # device graph reads the current values
+        # float32 scalars on the default device, which is the layer's: the engine (and
+        # `runtime.testing.paged_batch`) build layers under `torch.device(device)`. Updated in
+        # place, so a recorded device graph reads the current values.
         self.k_scale = torch.ones((), dtype=torch.float32)
         self.v_scale = torch.ones((), dtype=torch.float32)
 

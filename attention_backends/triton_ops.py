@@ -5,7 +5,16 @@ One attention launch serves a whole flat batch, prefill chunks and decodes alike
 up to BLOCK_M of its request's new tokens, walking the request's context through the block table
 BLOCK_N positions at a time with an online softmax. Packing the group's heads into the rows of
 one tile lets a decode (one token) still fill a 16-row tensor-core tile when the group is large,
-and loads each K/V tile once for the whole group.
+and loads each K/V tile once for the whole group. The tile is the largest of a short list whose
+operands fit in the device's shared memory per block, as Triton's driver reports it (MI300's
+64 KiB LDS takes smaller tiles than an H100's 227 KiB).
+
+A decode-only batch too small to occupy the device (requests x KV heads below its
+multiprocessors) is split along the context instead (flash-decoding): the grid becomes
+(request, piece, KV head), each program writes its piece's output and log-sum-exp, and a second
+kernel merges the pieces. The split count follows from host-side sizes only (requests, longest
+context), so a recorded graph keeps it; it is a runtime argument, so a growing context compiles
+nothing new.
 
 Positions are gathered through the block table one by one, so BLOCK_N is independent of the
 cache's block size (any size works, powers of two or not). Kernels are compiled on first use
@@ -25,17 +34,74 @@ follows later changes; k_scale multiplies the scores and v_scale the output.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import driver
 
 from runtime.attention_backends.base import AttentionMetadata, is_fp8
 
-# Rows of one attention tile (query tokens x heads of a GQA group): 16 is the smallest tile
-# tensor cores take, used for decode-only batches; prefill tiles are larger.
-DECODE_ROWS = 16
-PREFILL_ROWS = 64
-KV_TILE = 32
+# Rows of one attention tile (query tokens x heads of a GQA group) by K/V positions per step:
+# 16 is the smallest tile tensor cores take, used for decode-only batches; prefill tiles are
+# larger. Each list is in order of preference; the first whose operands fit in the device's
+# shared memory per block is used (`attention_tile`).
+DECODE_TILES = [(16, 32), (16, 16)]
+PREFILL_TILES = [(64, 32), (32, 32), (16, 32), (16, 16)]
+# Split-KV decoding (flash-decoding): when a decode batch has fewer (request, KV head) programs
+# than the device has multiprocessors, each request's context is cut into up to MAX_SPLITS
+# pieces of at least MIN_SPLIT_LEN positions, attended in parallel and merged by log-sum-exp.
+MIN_SPLIT_LEN = 256
+MAX_SPLITS = 64
+# What the interpreter (TRITON_INTERPRET=1, no device) stands for: no shared-memory limit, and
+# an H100's 132 multiprocessors, so the split path runs in the CPU tests as it would there.
+INTERPRETER_LIMITS = (1 << 31, 132)
+
+
+@functools.cache
+def device_limits(index: int) -> tuple[int, int]:
+    """(shared memory one block may use in bytes, multiprocessors) of device `index`, as
+    Triton's driver reports them (CUDA's opt-in per-block limit; AMD's LDS size)."""
+    if triton.knobs.runtime.interpret:
+        return INTERPRETER_LIMITS
+    props = driver.active.utils.get_device_properties(index)
+    return props["max_shared_mem"], props["multiprocessor_count"]
+
+
+def tile_shared_bytes(rows: int, kv_tile: int, head_p2: int, dtype: torch.dtype) -> int:
+    """Shared memory the attention kernel asks for with one tile shape: the dot operands (the
+    query tile, one K and one V tile) and the probabilities' layout change, in the compute
+    dtype, plus a margin. Matches what Triton allocates for NVIDIA targets to within the margin
+    (tests/device/shared_memory.py measures it): 69,888 B at 64 rows, head 256, bf16."""
+    size = torch.finfo(dtype).bits // 8
+    return size * (rows * head_p2 + 2 * kv_tile * head_p2 + rows * kv_tile) + 1024
+
+
+def attention_tile(prefill: bool, group_p2: int, head_p2: int, dtype: torch.dtype,
+                   shared_limit: int) -> tuple[int, int]:
+    """(query tokens per tile, K/V positions per step): the preferred tile whose operands fit
+    in `shared_limit` bytes, else the smallest (whose launch then reports the shortfall)."""
+    tiles = PREFILL_TILES if prefill else DECODE_TILES
+    for rows, kv_tile in tiles:
+        block_m = max(1, rows // group_p2)
+        if tile_shared_bytes(block_m * group_p2, kv_tile, head_p2, dtype) <= shared_limit:
+            return block_m, kv_tile
+    rows, kv_tile = tiles[-1]
+    return max(1, rows // group_p2), kv_tile
+
+
+def decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, processors: int,
+                  kv_tile: int = 32) -> tuple[int, int]:
+    """(pieces, positions per piece) to cut each context of a decode-only batch into, a piece a
+    whole number of K/V tiles; (1, 0), no split, when the (request, KV head) programs already
+    cover the multiprocessors or the contexts are short."""
+    programs = num_reqs * num_kv_heads
+    pieces = min(MAX_SPLITS, triton.cdiv(processors, programs), max_seq_len // MIN_SPLIT_LEN)
+    if programs >= processors or pieces <= 1:
+        return 1, 0
+    length = triton.cdiv(triton.cdiv(max_seq_len, pieces), kv_tile) * kv_tile
+    return triton.cdiv(max_seq_len, length), length
 
 
 def fp8_format(dtype: torch.dtype) -> dict[str, float]:
@@ -102,16 +168,22 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 @triton.jit
 def _paged_attention_kernel(
-        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_loc_ptr, scale, k_scale_ptr, v_scale_ptr,
-        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+        out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+        query_start_loc_ptr, scale, k_scale_ptr, v_scale_ptr, num_splits, split_len,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_cb, stride_cs, stride_ch,
+        stride_bt, NUM_HEADS: tl.constexpr,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_SUBNORMAL: tl.constexpr):
+        FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_SUBNORMAL: tl.constexpr,
+        SPLIT: tl.constexpr):
     req = tl.program_id(0)
     tile = tl.program_id(1)
     kv_head = tl.program_id(2)
+    split = 0
+    if SPLIT:  # decodes only: axis 1 walks the pieces of the context, not query tiles
+        split = tile
+        tile = 0
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     if tile * BLOCK_M >= q_len:
@@ -142,6 +214,9 @@ def _paged_attention_kernel(
     if SLIDING_WINDOW > 0:
         first = tl.maximum(context_len + tile * BLOCK_M - SLIDING_WINDOW + 1, 0)
         kv_start = (first // BLOCK_N) * BLOCK_N
+    if SPLIT:
+        kv_start = tl.maximum(kv_start, split * split_len)
+        kv_end = tl.minimum(kv_end, (split + 1) * split_len)
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
     for start in range(kv_start, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
@@ -173,8 +248,35 @@ def _paged_attention_kernel(
     if FP8_MANT > 0:
         out = out * tl.load(v_scale_ptr)
     o_off = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
-    tl.store(out_ptr + o_off + d[None, :], out.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + o_off + split * stride_os + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
+    if SPLIT:  # this piece's log-sum-exp, for the merge (-inf: it saw nothing)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+        row = ((q_start + token).to(tl.int64) * NUM_HEADS + head) * num_splits + split
+        tl.store(lse_ptr + row, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, partial_ptr, lse_ptr, stride_ot, stride_oh, num_splits,
+                         NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr,
+                         SPLITS_P2: tl.constexpr):
+    """One (token, head): the pieces' outputs weighted by exp(lse - max lse)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    row = token.to(tl.int64) * NUM_HEADS + head
+    s = tl.arange(0, SPLITS_P2)
+    s_ok = s < num_splits
+    d = tl.arange(0, HEAD_P2)
+    d_ok = d < HEAD_SIZE
+    lse = tl.load(lse_ptr + row * num_splits + s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # 0 for empty pieces
+    parts = tl.load(partial_ptr + (row * num_splits + s[:, None]) * HEAD_SIZE + d[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + d,
+             out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _pow2(n: int, floor: int = 1) -> int:
@@ -207,24 +309,38 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
                     sliding_window: int | None, k_scale: torch.Tensor,
                     v_scale: torch.Tensor) -> None:
     """Attend query [T, H, D] over the paged cache into `out` [T, H, D] (see the module doc)."""
-    num_heads, head_size = query.shape[1], query.shape[2]
+    num_tokens, num_heads, head_size = query.shape
     num_kv_heads = k_cache.size(2)
     group = num_heads // num_kv_heads
-    group_p2 = _pow2(group)
-    rows = DECODE_ROWS if metadata.max_query_len == 1 else PREFILL_ROWS
-    block_m = max(1, rows // group_p2)
+    group_p2, head_p2 = _pow2(group), _pow2(head_size, 16)
+    shared_limit, processors = device_limits(query.device.index or 0)
+    decode = metadata.max_query_len == 1
+    block_m, kv_tile = attention_tile(not decode, group_p2, head_p2, query.dtype, shared_limit)
     assert query.stride(-1) == out.stride(-1) == k_cache.stride(-1) == 1
-    grid = (metadata.num_reqs, triton.cdiv(metadata.max_query_len, block_m), num_kv_heads)
+    splits, split_len = (decode_splits(metadata.num_reqs, num_kv_heads, metadata.max_seq_len,
+                                       processors, kv_tile) if decode else (1, 0))
+    target, lse = out, out  # lse: unused unless split
+    if splits > 1:
+        target = torch.empty(num_tokens, num_heads, splits, head_size, dtype=torch.float32,
+                             device=query.device)
+        lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=query.device)
+    axis1 = splits if splits > 1 else triton.cdiv(metadata.max_query_len, block_m)
     fp8 = fp8_format(k_cache.dtype)
     if fp8["FP8_MANT"]:
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    _paged_attention_kernel[grid](
-        out, query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
-        metadata.query_start_loc, scale, k_scale, v_scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+    _paged_attention_kernel[(metadata.num_reqs, axis1, num_kv_heads)](
+        target, lse, query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+        metadata.query_start_loc, scale, k_scale, v_scale, splits, split_len,
+        query.stride(0), query.stride(1), target.stride(0), target.stride(1),
+        target.stride(2) if splits > 1 else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
-        GROUP=group, GROUP_P2=group_p2, BLOCK_SIZE=k_cache.size(1), HEAD_SIZE=head_size,
-        HEAD_P2=_pow2(head_size, 16), BLOCK_M=block_m, BLOCK_N=KV_TILE,
+        NUM_HEADS=num_heads, GROUP=group, GROUP_P2=group_p2, BLOCK_SIZE=k_cache.size(1),
+        HEAD_SIZE=head_size, HEAD_P2=head_p2, BLOCK_M=block_m, BLOCK_N=kv_tile,
         SLIDING_WINDOW=sliding_window or 0, FP8_MANT=fp8["FP8_MANT"], FP8_BIAS=fp8["FP8_BIAS"],
         FP8_SUBNORMAL=fp8["FP8_SUBNORMAL"],
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None)  # "tf32" fails on AMD
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # "tf32" fails on AMD
+        SPLIT=splits > 1)
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, target, lse, out.stride(0), out.stride(1), splits, NUM_HEADS=num_heads,
+            HEAD_SIZE=head_size, HEAD_P2=_pow2(head_size), SPLITS_P2=_pow2(splits))

@@ -3,6 +3,8 @@ reads its own slot's matrices), for GPU platforms to answer the `runtime_custom_
 Tested on the CPU under TRITON_INTERPRET=1 against `runtime.plugins.lora_ops`."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -67,6 +69,13 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Ten
     return out
 
 
+@functools.cache
+def device_offsets(offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A layer's slice offsets on the device: copied once per layer shape and device, not per
+    layer and step (the first call is a warm-up outside any graph capture)."""
+    return torch.tensor(offsets, dtype=torch.int32, device=device)
+
+
 def lora_expand(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, batch: LoRABatch,
                 offsets: list[int]) -> torch.Tensor:
     """As `runtime.plugins.lora_ops.lora_expand`; y must be contiguous (it is updated in place)."""
@@ -76,6 +85,6 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, batch: LoRA
     if num_tokens:
         _expand_kernel[(num_tokens, triton.cdiv(d_out, block_n))](
             y, buf.contiguous(), b.contiguous(), batch.token_slots,
-            torch.tensor(offsets, dtype=torch.int32, device=y.device), num_tokens, d_out, rank,
+            device_offsets(tuple(offsets), y.device), num_tokens, d_out, rank,
             NUM_SLICES=buf.size(0), BLOCK_N=block_n, BLOCK_R=triton.next_power_of_2(rank))
     return y

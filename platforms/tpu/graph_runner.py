@@ -1,10 +1,11 @@
 """XLA execution with bucketed shapes: every step is padded to a bucket so graphs are reused.
 
 XLA traces the forward lazily and compiles one graph per distinct set of input shapes. Each step
-is padded to the next bucket of token count (powers of two from 16), request count (powers of two)
-and longest query (powers of two), with the block table at its full width, so a server compiles a
-few dozen graphs once instead of one per batch. Padding tokens sit at position 0 with KV slot -1
-(the backend writes them to a scratch block); padding requests have no query and no context.
+is padded to the next bucket of token count (powers of two from 16), request count, longest
+query and longest context (powers of two), with the block table at its full width, so a server
+compiles a few dozen graphs once instead of one per batch. Padding tokens sit at position 0 with
+KV slot -1 (the backend writes them to a scratch block); padding requests have no query and no
+context.
 After the forward, the graph is cut (`torch_xla.sync`) so it is compiled and cached on its own.
 The padding itself is plain torch, so the tests run this runner on the CPU.
 """
@@ -72,6 +73,7 @@ class XlaGraphRunner(GraphRunner):
         self.token_buckets = buckets(MIN_TOKEN_BUCKET, spec.max_num_batched_tokens)
         self.req_buckets = buckets(1, spec.max_num_seqs)
         self.query_buckets = buckets(1, spec.max_num_batched_tokens)
+        self.context_buckets = buckets(1, spec.max_model_len)
         self.sync = _graph_cut()
 
     def run(self, **inputs: Any) -> torch.Tensor:
@@ -81,7 +83,8 @@ class XlaGraphRunner(GraphRunner):
         num_tokens = bucket(self.token_buckets, n)
         padded = pad_metadata(md, num_tokens, bucket(self.req_buckets, md.num_reqs),
                               bucket(self.query_buckets, md.max_query_len),
-                              self.spec.max_blocks_per_seq, self.spec.max_model_len)
+                              self.spec.max_blocks_per_seq,
+                              bucket(self.context_buckets, md.max_seq_len))
         with self.spec.forward_context(padded):
             out = self._forward(input_ids=F.pad(input_ids, (0, num_tokens - n)),
                                 positions=F.pad(positions, (0, num_tokens - n)))

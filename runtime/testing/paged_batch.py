@@ -64,13 +64,21 @@ def token_major(backend_cls, cache: torch.Tensor) -> torch.Tensor:
     return cache.transpose(2, 3) if head_major(backend_cls) else cache
 
 
+def build_layer(backend_cls, device: str | torch.device, *args, **kwargs):
+    """`backend_cls(*args, **kwargs)` built on `device`, as the engine builds its layers, so the
+    layer's own tensors (the FP8 `k_scale`/`v_scale`) live where its inputs do."""
+    with torch.device(device):
+        return backend_cls(*args, **kwargs)
+
+
 def run_backend(backend_cls, batch, sliding_window: int | None = None) -> tuple[torch.Tensor,
                                                                                  torch.Tensor]:
-    """One layer's forward on a copy of the batch's cache (in the backend's layout); returns
-    (output, cache after, token-major)."""
+    """One layer's forward on a copy of the batch's cache (in the backend's layout), the layer
+    built on the batch's device; returns (output, cache after, token-major)."""
     query, key, value, kv_cache, metadata = batch
     num_heads, head_size = query.shape[1:]
-    impl = backend_cls(num_heads, head_size, head_size ** -0.5, key.shape[1], sliding_window)
+    impl = build_layer(backend_cls, query.device, num_heads, head_size, head_size ** -0.5,
+                       key.shape[1], sliding_window)
     cache = in_layout(backend_cls, kv_cache)
     return impl.forward(query, key, value, cache, metadata), token_major(backend_cls, cache)
 
@@ -80,14 +88,17 @@ def run_two_steps(backend_cls, query_lens: list[int], seq_lens: list[int], block
                   device: str | torch.device, sliding_window: int | None = None,
                   seed: int = 0, scale: float | None = None,
                   logits_soft_cap: float | None = None,
-                  input_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  input_dtype: torch.dtype | None = None,
+                  kv_cache_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run one layer of `backend_cls` for two steps over a cache in the backend's own layout.
 
     Step 1 prefills each request's earlier context (writing it through the backend), step 2
     runs the batch of new tokens (`query_lens`, decodes first) reading it back. Works for any
     cache layout a backend declares. `scale` defaults to head_size ** -0.5; the random inputs
     are rounded through `input_dtype` (default `dtype`) first, so a float32 reference can see
-    exactly the values a bf16 run sees. Returns both steps' outputs, on the CPU in float32.
+    exactly the values a bf16 run sees. The cache is kept in `kv_cache_dtype` (default `dtype`;
+    an FP8 one with the layer's scales at 1.0). Returns both steps' outputs, on the CPU in
+    float32.
     """
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
@@ -97,10 +108,11 @@ def run_two_steps(backend_cls, query_lens: list[int], seq_lens: list[int], block
     qkv = [torch.randn(s, num_heads + 2 * num_kv_heads, head_size, generator=gen)
            .to(input_dtype or dtype).float() for s in seq_lens]
     scale = head_size ** -0.5 if scale is None else scale
-    impl = backend_cls(num_heads, head_size, scale, num_kv_heads, sliding_window,
-                       logits_soft_cap)
+    impl = build_layer(backend_cls, device, num_heads, head_size, scale, num_kv_heads,
+                       sliding_window, logits_soft_cap)
     cache = torch.zeros(backend_cls.kv_cache_shape(num_blocks, block_size, num_kv_heads,
-                                                   head_size), dtype=dtype, device=device)
+                                                   head_size), dtype=kv_cache_dtype or dtype,
+                        device=device)
     context = [(i, 0, s - q) for i, (q, s) in enumerate(zip(query_lens, seq_lens)) if s > q]
     context.sort(key=lambda c: c[2] > 1)  # one-token requests first
     new = [(i, s - q, s) for i, (q, s) in enumerate(zip(query_lens, seq_lens))]

@@ -1,14 +1,17 @@
 """How close the Triton decode kernel comes to the GPU's memory bandwidth (printed, never
 asserted). Decode reads each request's whole K/V once, so bytes read / time against a plain
-device copy says whether the (request x KV head) grid leaves the GPU idle: small batches with
-long contexts are where a split-KV decode kernel would pay off.
+device copy says whether the grid leaves the GPU idle: small batches with long contexts run the
+split-KV path (`triton_ops.decode_splits` pieces per context, printed), large ones one program
+per request and KV head.
 """
 import time
 
 import torch
 
 from runtime.attention_backends.base import AttentionMetadata
+from runtime.attention_backends.triton_ops import decode_splits, device_limits
 from runtime.attention_backends.triton_paged import TritonPagedAttention
+from runtime.testing.paged_batch import build_layer
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
 ITERS = 20
@@ -45,7 +48,8 @@ def decode_bandwidth(batch: int, context: int) -> tuple[float, float]:
         block_tables=torch.arange(batch * blocks_per_req, **i32).view(batch, blocks_per_req),
         query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[context] * batch,
         max_query_len=1, max_seq_len=context, num_decode_tokens=batch)
-    layer = TritonPagedAttention(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS)
+    layer = build_layer(TritonPagedAttention, "cuda", HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5,
+                        KV_HEADS)
     t = seconds_per_call(lambda: layer.forward(query, key, value, cache, metadata))
     return t, cache.nbytes / t
 
@@ -57,8 +61,9 @@ def main() -> None:
     for batch in (1, 8, 64):
         for context in (4096, 32768):
             t, bw = decode_bandwidth(batch, context)
-            print(f"  batch {batch:>2} x {context:>5} tokens: {t * 1e6:8.1f} us/layer, "
-                  f"{bw / 1e9:7,.0f} GB/s = {bw / peak:4.0%} of the copy")
+            splits, _ = decode_splits(batch, KV_HEADS, context, device_limits(0)[1])
+            print(f"  batch {batch:>2} x {context:>5} tokens ({splits:>2} pieces): "
+                  f"{t * 1e6:8.1f} us/layer, {bw / 1e9:7,.0f} GB/s = {bw / peak:4.0%} of the copy")
             torch.cuda.empty_cache()
 
 

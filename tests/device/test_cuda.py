@@ -1,6 +1,7 @@
-"""CUDA engine checks, run by tests/device/run.sh on a GPU (skipped elsewhere): section 2 (decode
-graphs against eager against transformers), 3 (every usable backend against the portable one)
-and 5 (the engine at --gpu-memory-utilization 0.9, memory around graph capture)."""
+"""CUDA engine checks, run by tests/device/run.sh on a GPU (skipped elsewhere): section 1 (decode
+graphs against eager against transformers), 3d-3h (each backend alone against the portable one,
+one process per backend; the float32 engines) and 6 (the engine at --gpu-memory-utilization 0.9,
+memory around graph capture)."""
 import gc
 
 import pytest
@@ -15,7 +16,7 @@ from runtime.platforms.cuda import graph_runner  # noqa: E402
 from runtime.platforms.cuda.graph_runner import CudaGraphRunner, replay_size  # noqa: E402
 from runtime.plugins.interfaces import ModelInfo  # noqa: E402
 from runtime.plugins.manager import reset_plugin_manager  # noqa: E402
-from runtime.plugins.selection import explain_attention_backends, select_platform  # noqa: E402
+from runtime.plugins.selection import select_platform  # noqa: E402
 from runtime.testing.paged_batch import run_two_steps  # noqa: E402
 from runtime.testing.tiny_model import build_tiny_llama  # noqa: E402
 from tests.device.model import model_path  # noqa: E402
@@ -70,7 +71,7 @@ def transformers_tokens(path: str) -> list[list[int]]:
 
 
 def test_graphs_eager_and_transformers_agree(tiny, replays):
-    """Section 2: float32 graphs == eager == transformers; bfloat16 graphs == eager."""
+    """Section 1: float32 graphs == eager == transformers; bfloat16 graphs == eager."""
     want = transformers_tokens(tiny)
     for dtype in ("float32", "bfloat16"):
         eager = tokens(engine(tiny, dtype=dtype, enforce_eager=True, **ENGINE))
@@ -88,33 +89,41 @@ def test_graphs_eager_and_transformers_agree(tiny, replays):
         del llm, runner
 
 
+ALWAYS_THERE = {"triton_paged", "torch_paged"}
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_every_usable_backend_matches_the_portable_one(dtype, block_size):
-    """Section 3, kernels: each backend the CUDA platform can use here, two steps over the
-    paged cache, against the portable backend in float32 on the host."""
+@pytest.mark.parametrize("name", ["flash_attn", "flashinfer", "triton_paged", "torch_paged"])
+def test_backend_matches_the_portable_one(name, block_size, dtype, kv):
+    """Sections 3d-3g: one backend of the CUDA platform alone, two steps over the paged
+    cache, against the portable backend in float32 on the host from the same rounded inputs
+    (and the same FP8 cache); one the platform refuses here is skipped with its reason."""
+    kv_dtype = dtype if kv == "auto" else torch.float8_e4m3fn
     cuda = select_platform("cuda")
-    model = ModelInfo("LlamaForCausalLM", dtype, dtype, 128, 16, 4, None, block_size)
-    print({r["name"]: r["why"] for r in explain_attention_backends(cuda, model)["backends"]})
+    model = ModelInfo("LlamaForCausalLM", dtype, kv_dtype, 128, 16, 4, None, block_size)
+    candidate = next(c for c in cuda.attention_backend_candidates(model) if c.name == name)
+    if candidate.backend is None:
+        assert name not in ALWAYS_THERE, candidate.reason
+        pytest.skip(f"{name}: {candidate.reason}")
     shape = ([1, 1, 1, 9, 300], [17, 600, 257, 9, 700], block_size, 16, 4, 128)
-    want = run_two_steps(TorchPagedAttention, *shape, torch.float32, "cpu")
-    usable = [c for c in cuda.attention_backend_candidates(model) if c.backend is not None]
-    assert "triton_paged" in {c.name for c in usable}
-    for c in usable:
-        got = run_two_steps(c.backend, *shape, dtype, "cuda")
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, atol=3e-2, rtol=3e-2, msg=c.name)
+    got = run_two_steps(candidate.backend, *shape, dtype, "cuda", kv_cache_dtype=kv_dtype)
+    want = run_two_steps(TorchPagedAttention, *shape, torch.float32, "cpu", input_dtype=dtype,
+                         kv_cache_dtype=None if kv == "auto" else kv_dtype)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("backend", ["triton_paged", "torch_paged"])
 def test_engine_in_float32_matches_transformers(tiny, backend):
-    """Section 3, engine: the backends that compute float32, token for token."""
+    """Section 3h: the backends that compute float32, token for token."""
     llm = engine(tiny, dtype="float32", attention_backend=backend, **ENGINE)
     assert tokens(llm) == transformers_tokens(tiny)
 
 
 def test_engine_at_09_with_graphs(tmp_path, monkeypatch, replays):
-    """Section 5: the default engine (graphs on) at --gpu-memory-utilization 0.9: memory before
+    """Section 6: the default engine (graphs on) at --gpu-memory-utilization 0.9: memory before
     and after graph capture, and generation afterwards within the budget."""
     seen = {}
     capture = CudaGraphRunner.capture_graphs

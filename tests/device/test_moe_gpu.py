@@ -1,4 +1,4 @@
-"""Section 8 of tests/device/run.sh: the Triton `fused_moe` compiled for the GPU against the
+"""Section 2a of tests/device/run.sh: the Triton `fused_moe` compiled for the GPU against the
 portable op in float32 on the host (bf16 too, which the CPU interpreter lacks), at
 Mixtral-like and Qwen3-MoE-like widths; recorded in a CUDA graph (nothing waits on the host);
 and a tiny random Mixtral through the engine, graphs and eager, against transformers."""

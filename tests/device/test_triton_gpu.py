@@ -1,7 +1,8 @@
-"""Section 1 of tests/device/run.sh: the Triton paged-attention kernel compiled for the GPU,
+"""Section 3a of tests/device/run.sh: the Triton paged-attention kernel compiled for the GPU,
 against the portable torch backend in float32 on the host, over the shapes the CPU interpreter
 is too slow for: bf16 and fp16, block sizes 16 and 256, head sizes 64/128/256 (256 is where the
-64-row prefill tile is largest), MQA 32:1 and a sliding window over contexts longer than it."""
+64-row prefill tile is largest), MQA 32:1, a sliding window over contexts longer than it, and
+decodes of few requests over long contexts (the split-KV path, pieces merged by log-sum-exp)."""
 import pytest
 import torch
 
@@ -46,3 +47,9 @@ def test_mqa_32_to_1(dtype):
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_sliding_window(block_size, dtype):
     check(MIXED, block_size, 8, 2, 128, dtype, window=100)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [None, 1000])
+def test_split_kv_decodes(dtype, window):
+    check(([1, 1], [4100, 20000]), 16, 32, 8, 128, dtype, window)

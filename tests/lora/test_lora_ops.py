@@ -97,3 +97,19 @@ def test_triton_kernels_match_the_torch_reference():
     torch.testing.assert_close(lora_triton.lora_expand(y0.clone(), buf, b, batch, offsets),
                                lora_expand(y0.clone(), buf, b, batch, offsets),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_triton_expand_copies_a_layers_offsets_to_the_device_once(monkeypatch):
+    from runtime.platforms.cuda import lora_triton
+    x, y0, a, b, batch, offsets = random_case(2, 2, 8, 48, [32, 16, 16], [1, -1, 0, 1])
+    lora_triton.device_offsets.cache_clear()
+    copies = []
+    real = torch.tensor
+    monkeypatch.setattr(lora_triton.torch, "tensor",
+                        lambda *args, **kw: copies.append(args) or real(*args, **kw))
+    buf = lora_triton.lora_shrink(x, a, batch)
+    for _ in range(3):  # three steps of one layer
+        got = lora_triton.lora_expand(y0.clone(), buf, b, batch, offsets)
+    torch.testing.assert_close(got, lora_expand(y0.clone(), buf, b, batch, offsets),
+                               rtol=1e-4, atol=1e-4)
+    assert copies == [(tuple(offsets),)]

@@ -160,11 +160,13 @@ def test_flashinfer_plans_per_layer_kind(flashinfer_plans):
         got = FlashInferBackend(*args).forward(query, key, value, kv_cache.clone(), metadata)
         want = TorchPagedAttention(*args).forward(query, key, value, kv_cache.clone(), metadata)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert [(p["window_left"], p["sm_scale"]) for p in flashinfer_plans] == [(-1, 0.125),
-                                                                            (4, 0.2)]
+    # the two decodes through the decode kernel, the two chunks through the prefill kernel
+    assert [(p["kind"], p["window_left"], p["sm_scale"]) for p in flashinfer_plans] == [
+        ("prefill", -1, 0.125), ("decode", -1, 0.125), ("prefill", 4, 0.2), ("decode", 4, 0.2)]
+    assert [p["kv_indptr"] for p in flashinfer_plans[:2]] == [[0, 2, 10], [0, 2, 8]]
     next_step = dataclasses.replace(metadata)
     FlashInferBackend(4, 64, 0.125, 2).forward(query, key, value, kv_cache.clone(), next_step)
-    assert len(flashinfer_plans) == 3  # a new step's metadata is planned again
+    assert len(flashinfer_plans) == 6  # a new step's metadata is planned again
     assert len(flashinfer._WORKSPACES) == 1  # the wrappers share one workspace
 
 
@@ -174,7 +176,7 @@ def test_flashinfer_soft_cap_is_part_of_the_plan(flashinfer_plans):
     capped.logits_soft_cap = 0.5
     plain_out, _ = run_backend(FlashInferBackend, batch)
     capped_out = capped.forward(*batch[:3], batch[3].clone(), batch[4])
-    assert [p["logits_soft_cap"] for p in flashinfer_plans] == [None, 0.5]
+    assert [p["logits_soft_cap"] for p in flashinfer_plans] == [None, None, 0.5, 0.5]
     assert not torch.allclose(plain_out, capped_out)
 
 
