@@ -33,7 +33,7 @@ class ModelConfig:
         tensor x pipeline ranks that will run it, is checked against what that one allows.
         The architecture is checked first, so an unsupported config fails with one line that
         names what is supported, whatever fields it lacks."""
-        choice = choose_model(getattr(hf_config, "architectures", None), model_impl)
+        choice = choose_model(getattr(hf_config, "architectures", None), model_impl, hf_config)
         if choice.impl == "transformers" and num_ranks > 1:
             raise ValueError(f"{choice.architecture} runs through the transformers fallback, "
                              f"which runs on one rank only: tensor and pipeline parallel need "

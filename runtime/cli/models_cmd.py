@@ -26,7 +26,12 @@ def models_command(args: argparse.Namespace) -> int:
         return 0
     from runtime.model_loader.source import load_config, resolve_model
     source = resolve_model(args.model, None, args.revision)
-    choice = choose_model(getattr(load_config(source), "architectures", None), args.model_impl)
+    config = load_config(source)
+    try:
+        choice = choose_model(getattr(config, "architectures", None), args.model_impl, config)
+    except ValueError as e:
+        print(e)
+        return 1
     print(f"{choice.architecture}: {choice.impl} implementation "
           f"({choice.model_class.__module__}.{choice.model_class.__qualname__}), "
           f"because {choice.reason}")

@@ -14,12 +14,21 @@ As vLLM's backend does, the model's `nn.Linear` layers then compute through the 
 kernel (the `linear` custom op: oneDNN-packed weights on the CPU) and its RMSNorms whose forward
 is Llama's, line for line, through the `rms_norm` op; both keep the original parameters, so
 names, ties and the loader are unchanged.
+
+What the fallback cannot run exactly is refused before anything is built (`fallback_refusal`):
+modules that keep state between steps (Mamba, short-conv and linear-attention mixers take a
+cache object that is not attention's), attention-function arguments that our `Attention` does
+not honour (sinks, sparse indices, position biases), per-layer head sizes and MLA, chunked
+attention, and vision-language models. Logits come from the causal LM's own head code, run on
+our hidden states, so its scaling and soft-capping are transformers' own.
 """
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
-from typing import Iterable
+import textwrap
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -32,15 +41,196 @@ from runtime.quantization.base import LinearMethod
 
 ATTENTION_NAME = "runtime"
 
+# The names under which transformers hands a module its cache (attention's KV, or a mixer's
+# recurrent state).
+CACHE_ARGUMENTS = frozenset({"cache", "past_key_values", "past_key_value", "cache_params",
+                             "layer_past"})
+# Arguments of the attention function that our Attention honours (the window and the soft-cap
+# are checked against the layer's), or that do not change the result in eval.
+HONOURED_ATTENTION_ARGUMENTS = frozenset({"attention_mask", "scaling", "dropout",
+                                          "sliding_window", "softcap",
+                                          "is_causal", "position_ids", "cache_position",
+                                          "output_attentions", "use_cache"})
+_ATTENTION_FEATURES = {
+    "s_aux": "attention sinks (`s_aux`)", "sinks": "attention sinks (`sinks`)",
+    "indices": "sparse attention over selected indices", "block_indices": "block-sparse attention",
+    "position_bias": "a relative position bias added to the attention scores",
+}
+
 
 def transformers_class(architecture: str) -> type | None:
-    """The transformers class of `architecture` when it can run on our attention, else None."""
+    """The transformers causal-LM class named `architecture` whose attention goes through
+    AttentionInterface, else None. Whether it runs exactly is `fallback_refusal`'s question."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if architecture not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
         return None
     cls = getattr(transformers, architecture, None)
     return cls if cls is not None and cls.is_backend_compatible() else None
+
+
+def fallback_refusal(architecture: str, config: Any | None = None) -> str | None:
+    """Why the fallback cannot run `architecture` (with `config`, when given) exactly as
+    transformers does, in a few words; None when it can."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if _is_multimodal(architecture, config):
+        return "a vision-language model: not supported yet"
+    if architecture not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        return "not a transformers causal LM"
+    cls = getattr(transformers, architecture, None)
+    if cls is None:
+        return f"this transformers ({transformers.__version__}) has no {architecture}"
+    if config is None:
+        return None if cls.is_backend_compatible() else _hand_written_reason(cls)
+    text = config.get_text_config()
+    layer_types = set(getattr(text, "layer_types", None) or ())
+    if getattr(text, "attention_chunk_size", None) or "chunked_attention" in layer_types:
+        return "chunked attention (`attention_chunk_size`): not supported yet"
+    model = _meta_model(cls, config)
+    if isinstance(model, str):
+        return model
+    stateful = _stateful_modules(model)
+    recurrent = [n for n, m in stateful.items() if _keeps_recurrent_state(type(m))]
+    if recurrent:
+        return (f"needs the recurrent-state cache, not yet supported ({', '.join(recurrent)}: "
+                f"state carried between steps)")
+    if not cls.is_backend_compatible():
+        return _hand_written_reason(cls)
+    if stateful:
+        return (f"{', '.join(stateful)} keep their own cache between steps (not attention's "
+                f"KV): not supported yet")
+    return _attention_refusal(model, text)
+
+
+def _is_multimodal(architecture: str, config: Any | None) -> bool:
+    """A conditional-generation class, or a config with a tower or a separate text config."""
+    if architecture.endswith("ForConditionalGeneration"):
+        return True
+    if config is None:
+        return False
+    towers = ("vision_config", "audio_config", "vision_tower", "visual")
+    return (any(getattr(config, name, None) is not None for name in towers)
+            or config.get_text_config() is not config)
+
+
+def _hand_written_reason(cls: type) -> str:
+    return (f"{cls.__name__} computes its attention itself instead of going through "
+            "transformers' AttentionInterface")
+
+
+def _meta_model(cls: type, config: Any) -> nn.Module | str:
+    """The model built on the meta device with our attention, or why it cannot be built."""
+    import copy
+    _register_attention()
+    config = copy.deepcopy(config)
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        with torch.device("meta"):
+            return cls._from_config(config)
+    except Exception as e:  # any config transformers cannot build: its own reason
+        return f"transformers cannot build it from this config ({type(e).__name__}: {e})"
+
+
+@functools.cache
+def _forward_parameters(cls: type) -> frozenset[str]:
+    try:
+        return frozenset(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+def _calls_attention_interface(cls: type) -> bool:
+    source = _forward_source(cls) or ""
+    return "ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
+
+
+def _stateful_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """By class name, the modules that use a cache themselves (they take one, no submodule of
+    theirs does) without going through AttentionInterface."""
+    takes_cache = {name for name, m in model.named_modules()
+                   if _forward_parameters(type(m)) & CACHE_ARGUMENTS}
+    found: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if name not in takes_cache or _calls_attention_interface(type(module)):
+            continue
+        prefix = f"{name}." if name else ""
+        if not any(other.startswith(prefix) for other in takes_cache if other != name):
+            found.setdefault(type(module).__name__, module)
+    return found
+
+
+_RECURRENT_STATE_WORDS = ("conv_state", "ssm_state", "recurrent_state", "state_size",
+                          "time_mix", "wkv")
+
+
+def _keeps_recurrent_state(cls: type) -> bool:
+    """Whether a cache-reading module carries a recurrent (Mamba, conv, linear-attention or
+    RWKV) state rather than keys and values."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return False
+    return any(word in source for word in _RECURRENT_STATE_WORDS)
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules that hand their Q, K and V to the attention function, in layer order."""
+    return [m for m in model.modules()
+            if hasattr(m, "layer_idx") and _calls_attention_interface(type(m))]
+
+
+def _attention_refusal(model: nn.Module, text: Any) -> str | None:
+    modules = attention_modules(model)
+    bidirectional = [type(m).__name__ for m in modules if getattr(m, "is_causal", True) is False]
+    if bidirectional:
+        return (f"{bidirectional[0]} attends both ways (`is_causal` is False; for a decoder, "
+                "the config's `is_decoder`)")
+    for cls in dict.fromkeys(type(m) for m in modules):
+        calls = _attention_calls(cls)
+        if len(calls) > 1:
+            return (f"{cls.__name__} calls the attention function {len(calls)} times per layer "
+                    "(differential attention): the KV cache holds one per layer")
+        for name, value in (calls[0] if calls else {}).items():
+            if name == "attention_mask" and value != "attention_mask":
+                return f"{cls.__name__} builds its own attention mask (`{value}`)"
+            if name == "is_causal" and value not in ("True", None):
+                return f"{cls.__name__} runs bidirectional attention (`is_causal={value}`)"
+            if name not in HONOURED_ATTENTION_ARGUMENTS:
+                feature = _ATTENTION_FEATURES.get(name, f"the attention argument `{name}`")
+                return f"{feature} in {cls.__name__}: not supported by the fallback yet"
+    for m in modules:
+        qk, v = getattr(m, "qk_head_dim", None), getattr(m, "v_head_dim", None)
+        if qk is not None and v is not None and qk != v:
+            return (f"multi-head latent attention (q/k heads of {qk}, v heads of {v}): needs "
+                    "an MLA backend, not yet supported")
+    try:
+        head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    except RuntimeError as e:  # a per-layer attribute (Gemma 4)
+        return f"per-layer head sizes ({e})"
+    sizes = sorted({getattr(m, "head_dim", head_size) for m in modules})
+    if sizes != [head_size]:
+        return (f"per-layer head sizes ({', '.join(map(str, sizes))}): the KV cache holds "
+                f"one head size ({head_size}) for every layer")
+    return None
+
+
+@functools.cache
+def _attention_calls(cls: type) -> list[dict[str, str]]:
+    """Each call of the attention function in `cls.forward`: its keyword arguments (and the
+    mask it passes, under "attention_mask") as source text."""
+    source = _forward_source(cls)
+    if source is None:
+        return []
+    calls = []
+    for node in ast.walk(ast.parse(textwrap.dedent(source))):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "attention_interface"):
+            keywords = {k.arg: ast.unparse(k.value) for k in node.keywords if k.arg}
+            if len(node.args) > 4:
+                keywords["attention_mask"] = ast.unparse(node.args[4])
+            calls.append(keywords)
+    return calls
 
 
 def runtime_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -50,14 +240,36 @@ def runtime_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
                               **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query [1, H, T, D], key/value [1, Hkv, T, D]
     -> ([1, T, H, D], no weights). Runs layer `module.layer_idx` of `attention_instances`
-    (whose sliding window and soft-cap come from the config, as the model's own do)."""
+    (whose sliding window and soft-cap come from the module, as the model's own do); anything
+    passed that it would not honour is an error, never dropped."""
     attn = attention_instances[module.layer_idx]
+    _check_attention_arguments(module, attn, attention_mask, kwargs)
     t = query.size(2)
     # The module's own scaling is the backend's (as vLLM's): a model that pre-scales its
     # query passes 1.0 (OPT). It is the same at every call of a layer.
     attn.impl.scale = query.size(-1) ** -0.5 if scaling is None else scaling
     out = attn(*(x[0].transpose(0, 1).reshape(t, -1) for x in (query, key, value)))
     return out.view(1, t, attn.num_heads, attn.head_size), None
+
+
+def _check_attention_arguments(module: nn.Module, attn: Attention,
+                               attention_mask: torch.Tensor | None, kwargs: dict) -> None:
+    where = type(module).__name__
+    if attention_mask is not None:
+        raise ValueError(f"{where} builds its own attention mask, which the transformers "
+                         "fallback does not apply")
+    for name, value in kwargs.items():
+        if value is None or name in ("dropout", "position_ids", "cache_position",
+                                     "output_attentions", "use_cache"):
+            continue
+        if name == "sliding_window" and value == attn.sliding_window:
+            continue
+        if name == "softcap" and value == attn.impl.logits_soft_cap:
+            continue
+        if name == "is_causal" and value:
+            continue
+        raise ValueError(f"{where} passes {name}={value!r} to the attention function, which "
+                         "the transformers fallback does not honour")
 
 
 def _register_attention() -> None:
@@ -112,6 +324,59 @@ def use_platform_layers(model: nn.Module, ctx: BuildContext) -> None:
         setattr(model.get_submodule(parent), attr, new)
 
 
+def _base_model_name(hf: nn.Module) -> str:
+    """The attribute that holds the base model: `base_model_prefix`, or the one pretrained
+    child when the prefix names none (Llama 4's "language_model" against its `model`)."""
+    from transformers import PreTrainedModel
+    prefix = hf.base_model_prefix
+    if isinstance(getattr(hf, prefix, None), nn.Module):
+        return prefix
+    children = [n for n, m in hf.named_children() if isinstance(m, PreTrainedModel)]
+    if len(children) != 1:
+        raise ValueError(f"{type(hf).__name__} has no base model under {prefix!r}")
+    return children[0]
+
+
+class _HeadOnly:
+    """`self` for a causal LM's forward in which the base model returns hidden states already
+    computed: everything else (the LM head, config, buffers) is the model's own."""
+
+    def __init__(self, hf: nn.Module, base_model_name: str, hidden: torch.Tensor) -> None:
+        self.__dict__.update(_hf=hf, _base=base_model_name,
+                             _stand_in=_BaseModelStandIn(_BaseModelOutput(hidden)))
+
+    def __getattr__(self, name: str) -> Any:
+        return self._stand_in if name == self._base else getattr(self._hf, name)
+
+
+class _BaseModelStandIn:
+    """Answers the base model's call, or a call of any of its parts (OPT's `model.decoder`),
+    with the output already computed."""
+
+    def __init__(self, output: "_BaseModelOutput") -> None:
+        self.__dict__["_output"] = output
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_BaseModelOutput":
+        return self._output
+
+    def __getattr__(self, name: str) -> "_BaseModelStandIn":
+        return self
+
+
+class _BaseModelOutput:
+    """A base model's output holding only the last hidden states (the cache, attentions and
+    the rest are None)."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.last_hidden_state = hidden
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return (self.last_hidden_state,)[index]
+
+    def __getattr__(self, name: str) -> None:
+        return None
+
+
 class TransformersForCausalLM(nn.Module):
     """The engine's model contract (`forward`, `compute_logits`, `load_weights`) around a
     transformers causal LM."""
@@ -127,8 +392,8 @@ class TransformersForCausalLM(nn.Module):
         architecture = (getattr(config, "architectures", None) or ["?"])[0]
         cls = transformers_class(architecture)
         if cls is None:
-            raise ValueError(f"transformers has no {architecture} that routes its attention "
-                             "through AttentionInterface")
+            raise ValueError(f"the transformers fallback cannot run {architecture}: "
+                             f"{fallback_refusal(architecture)}")
         _register_attention()
         from transformers.initialization import no_init_weights
         config._attn_implementation = ATTENTION_NAME
@@ -138,51 +403,72 @@ class TransformersForCausalLM(nn.Module):
         self.hf.eval()
         use_platform_layers(self.hf, ctx)
         self.config = config
+        self.base_model_name = _base_model_name(self.hf)
         text = config.get_text_config()
         num_heads = text.num_attention_heads
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
         head_size = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         soft_cap = getattr(text, "attn_logit_softcapping", None)
+        windows = {m.layer_idx: getattr(m, "sliding_window",
+                                        layer_sliding_window(text, m.layer_idx))
+                   for m in attention_modules(self.hf)}
         self.attention_instances = nn.ModuleList(
-            Attention(num_heads, head_size, 1.0, num_kv_heads, ctx, layer_sliding_window(text, i),
-                      soft_cap)
+            Attention(num_heads, head_size, 1.0, num_kv_heads, ctx,
+                      windows.get(i, layer_sliding_window(text, i)), soft_cap)
             for i in range(text.num_hidden_layers))
-        self.final_logit_softcapping = getattr(text, "final_logit_softcapping", None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self.hf.base_model(input_ids=input_ids[None], position_ids=positions[None],
-                                 use_cache=False, attention_instances=self.attention_instances)
+        base = getattr(self.hf, self.base_model_name)
+        out = base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                   attention_instances=self.attention_instances)
         return out.last_hidden_state[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.hf.get_output_embeddings()(hidden).float()
-        cap = self.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        """The causal LM's own forward with its base model's output replaced by `hidden`: its
+        LM head and whatever follows it (Granite's `logits_scaling`, Cohere's `logit_scale`,
+        Gemma's final soft-cap …) exactly as transformers runs them."""
+        head = _HeadOnly(self.hf, self.base_model_name, hidden[None])
+        ids = torch.zeros(1, hidden.size(0), dtype=torch.long, device=hidden.device)
+        return type(self.hf).forward(head, input_ids=ids, use_cache=False).logits[0].float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Checkpoint tensors by their checkpoint names, renamed as transformers renames them
-        (its conversion mapping's renamings, the base model's prefix added or stripped);
-        returns our names of the parameters loaded, tied ones included. Conversions that fuse
-        or split tensors (e.g. per-expert weights into one) are not done here: such a tensor
-        has no place and is refused."""
+        """Checkpoint tensors by their checkpoint names, converted as transformers converts
+        them on load (its conversion mapping: renamings, the base model's prefix added or
+        stripped, and the converters that stack per-expert tensors into one); returns our
+        names of the parameters loaded, tied ones included. A converter's tensors are held
+        until the checkpoint has been read, then converted by transformers' own operations."""
+        import copy
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming, rename_source_key
-        renamings = [t for t in get_model_conversion_mapping(self.hf)
-                     if isinstance(t, WeightRenaming)]
+        from transformers.core_model_loading import (WeightConverter, WeightRenaming,
+                                                     rename_source_key)
+        mapping = get_model_conversion_mapping(self.hf)
+        renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+        converters = [t for t in mapping if isinstance(t, WeightConverter)]
+        by_pattern = {p: c for c in converters for p in c.source_patterns}
         hf_params = dict(self.hf.named_parameters(remove_duplicate=False))
         buffers = {name for name, _ in self.hf.named_buffers()}
+        pending: dict[str, WeightConverter] = {}
         loaded: set[str] = set()
         for name, tensor in weights:
-            target, _ = rename_source_key(name, renamings, [], self.hf.base_model_prefix,
-                                          hf_params)
-            if target in hf_params:
+            target, pattern = rename_source_key(name, renamings, converters,
+                                                self.hf.base_model_prefix, hf_params)
+            if target not in hf_params and name in hf_params:
+                target, pattern = name, None
+            if target in hf_params and pattern is not None:
+                converter = pending.setdefault(target, copy.deepcopy(by_pattern[pattern]))
+                converter.add_tensor(target, name, pattern, tensor)
+            elif target in hf_params:
                 default_weight_loader(hf_params[target], tensor)
                 loaded.add(f"hf.{target}")
             elif target not in buffers and not target.endswith(".inv_freq"):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                  f"{type(self.hf).__name__} (the transformers fallback)")
+        for target, converter in pending.items():
+            for full_name, tensor in converter.convert(target, model=self.hf,
+                                                       config=self.hf.config).items():
+                tensor = tensor[0] if isinstance(tensor, list) else tensor
+                default_weight_loader(hf_params[full_name], tensor)
+                loaded.add(f"hf.{full_name}")
         return loaded | self._tied(loaded)
 
     def _tied(self, loaded: set[str]) -> set[str]:
