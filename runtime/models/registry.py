@@ -105,8 +105,8 @@ def resolve_model_class(architectures: list[str] | None, model_impl: str = "auto
     return choose_model(architectures, model_impl).model_class
 
 
-FALLBACK_ROW = ("any other transformers causal LM whose attention goes through "
-                "`AttentionInterface`", "transformers fallback (one rank, unquantized)", "")
+FALLBACK_ROW = ("any other transformers causal LM the fallback runs exactly (listed below)",
+                "transformers fallback (one rank, unquantized)", "")
 
 
 def architecture_table() -> list[tuple[str, str, str]]:

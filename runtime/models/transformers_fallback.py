@@ -40,11 +40,12 @@ from runtime.models.llama import default_weight_loader, layer_sliding_window
 from runtime.quantization.base import LinearMethod
 
 ATTENTION_NAME = "runtime"
+PROBE_NAME = "runtime-probe"  # the attention that records what a meta-device forward passes
 
 # The names under which transformers hands a module its cache (attention's KV, or a mixer's
 # recurrent state).
 CACHE_ARGUMENTS = frozenset({"cache", "past_key_values", "past_key_value", "cache_params",
-                             "layer_past"})
+                             "layer_past", "state"})
 # Arguments of the attention function that our Attention honours (the window and the soft-cap
 # are checked against the layer's), or that do not change the result in eval.
 HONOURED_ATTENTION_ARGUMENTS = frozenset({"attention_mask", "scaling", "dropout",
@@ -100,7 +101,7 @@ def fallback_refusal(architecture: str, config: Any | None = None) -> str | None
     if stateful:
         return (f"{', '.join(stateful)} keep their own cache between steps (not attention's "
                 f"KV): not supported yet")
-    return _attention_refusal(model, text)
+    return _attention_refusal(model, text) or _probe_refusal(model)
 
 
 def _is_multimodal(architecture: str, config: Any | None) -> bool:
@@ -115,8 +116,8 @@ def _is_multimodal(architecture: str, config: Any | None) -> bool:
 
 
 def _hand_written_reason(cls: type) -> str:
-    return (f"{cls.__name__} computes its attention itself instead of going through "
-            "transformers' AttentionInterface")
+    return (f"{cls.__name__} does not go through transformers' AttentionInterface (its "
+            "attention or mixer is its own code)")
 
 
 def _meta_model(cls: type, config: Any) -> nn.Module | str:
@@ -124,12 +125,13 @@ def _meta_model(cls: type, config: Any) -> nn.Module | str:
     import copy
     _register_attention()
     config = copy.deepcopy(config)
-    config._attn_implementation = ATTENTION_NAME
+    config._attn_implementation = PROBE_NAME
     try:
         with torch.device("meta"):
             return cls._from_config(config)
     except Exception as e:  # any config transformers cannot build: its own reason
-        return f"transformers cannot build it from this config ({type(e).__name__}: {e})"
+        return (f"transformers cannot build it from this config ({type(e).__name__}: "
+                f"{' '.join(str(e).split())})")
 
 
 @functools.cache
@@ -161,7 +163,7 @@ def _stateful_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 _RECURRENT_STATE_WORDS = ("conv_state", "ssm_state", "recurrent_state", "state_size",
-                          "time_mix", "wkv")
+                          "time_mix", "wkv", "LightningAttention")
 
 
 def _keeps_recurrent_state(cls: type) -> bool:
@@ -187,6 +189,9 @@ def _attention_refusal(model: nn.Module, text: Any) -> str | None:
         return (f"{bidirectional[0]} attends both ways (`is_causal` is False; for a decoder, "
                 "the config's `is_decoder`)")
     for cls in dict.fromkeys(type(m) for m in modules):
+        if "get_seq_length" in (_forward_source(cls) or ""):
+            return (f"{cls.__name__} reads token positions from its cache's length (Llama 4's "
+                    "NoPE temperature tuning), which the fallback's flat batch does not give")
         calls = _attention_calls(cls)
         if len(calls) > 1:
             return (f"{cls.__name__} calls the attention function {len(calls)} times per layer "
@@ -204,8 +209,14 @@ def _attention_refusal(model: nn.Module, text: Any) -> str | None:
         if qk is not None and v is not None and qk != v:
             return (f"multi-head latent attention (q/k heads of {qk}, v heads of {v}): needs "
                     "an MLA backend, not yet supported")
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    groups = sorted({getattr(m, "num_key_value_groups", heads // kv_heads) for m in modules})
+    if groups != [heads // kv_heads]:
+        return (f"K/V heads per layer ({', '.join(str(heads // g) for g in groups)}) that the "
+                f"config does not state (`num_key_value_heads`: {kv_heads})")
     try:
-        head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
     except RuntimeError as e:  # a per-layer attribute (Gemma 4)
         return f"per-layer head sizes ({e})"
     sizes = sorted({getattr(m, "head_dim", head_size) for m in modules})
@@ -242,8 +253,16 @@ def runtime_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     -> ([1, T, H, D], no weights). Runs layer `module.layer_idx` of `attention_instances`
     (whose sliding window and soft-cap come from the module, as the model's own do); anything
     passed that it would not honour is an error, never dropped."""
+    if attention_instances is None:
+        raise ValueError(f"{type(module).__name__} is not handed the fallback's attention "
+                         "layers: its model does not pass keyword arguments on (`**kwargs`)")
     attn = attention_instances[module.layer_idx]
     _check_attention_arguments(module, attn, attention_mask, kwargs)
+    if module.layer_idx in attention_instances.called:
+        raise ValueError(f"{type(module).__name__} {module.layer_idx} attends more than once "
+                         "per forward (a looped or shared layer): the KV cache holds one "
+                         "attention per layer")
+    attention_instances.called.add(module.layer_idx)
     t = query.size(2)
     # The module's own scaling is the backend's (as vLLM's): a model that pre-scales its
     # query passes 1.0 (OPT). It is the same at every call of a layer.
@@ -275,6 +294,50 @@ def _check_attention_arguments(module: nn.Module, attn: Attention,
 def _register_attention() -> None:
     from transformers import AttentionInterface
     AttentionInterface.register(ATTENTION_NAME, runtime_attention_forward)
+    AttentionInterface.register(PROBE_NAME, _probe_attention_forward)
+
+
+def _probe_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, attention_mask: torch.Tensor | None,
+                             **kwargs) -> tuple[torch.Tensor, None]:
+    module.config.probe_record.append((module, attention_mask, kwargs))
+    return query.transpose(1, 2), None
+
+
+def _probe_refusal(model: nn.Module) -> str | None:
+    """Runs the base model on the meta device with an attention that records its calls: a
+    layer that attends twice (looped layers), a mask the model built, an argument we do not
+    honour, or a layer that does not pass our arguments through is refused. A model whose
+    forward cannot run on the meta device (data-dependent routing) is left to the checks
+    made when it runs."""
+    # (module, mask, kwargs) of each call; kwargs hold `record` itself under
+    # "attention_instances" when the model passed its keyword arguments on
+    record: list[tuple[nn.Module, torch.Tensor | None, dict]] = []
+    ids = torch.zeros(1, 4, dtype=torch.long, device="meta")
+    for module in attention_modules(model):
+        module.config.probe_record = record
+    try:
+        getattr(model, _base_model_name(model))(
+            input_ids=ids, position_ids=torch.arange(4, device="meta")[None], use_cache=False,
+            attention_instances=record)
+    except Exception:  # not runnable on meta: the runtime checks remain
+        return None
+    seen: set[int] = set()
+    for module, mask, kwargs in record:
+        if kwargs.pop("attention_instances", None) is not record:
+            return (f"{type(module).__name__} is not handed the arguments the model is called "
+                    "with (`**kwargs`), which the fallback passes its attention layers in")
+        where = type(module).__name__
+        if module.layer_idx in seen:
+            return (f"{where} {module.layer_idx} attends more than once per forward (looped "
+                    "or shared layers): the KV cache holds one attention per layer")
+        seen.add(module.layer_idx)
+        if mask is not None:
+            return f"{where} is given an attention mask the model builds itself"
+        for name, value in kwargs.items():
+            if value is not None and name not in HONOURED_ATTENTION_ARGUMENTS:
+                return f"the attention argument `{name}` of {where}: not supported yet"
+    return None
 
 
 class PlatformLinear(nn.Module):
@@ -377,6 +440,14 @@ class _BaseModelOutput:
         return None
 
 
+class AttentionLayers(nn.ModuleList):
+    """One `Attention` per layer, and the layers that have attended in the current forward."""
+
+    def __init__(self, layers: Iterable[Attention]) -> None:
+        super().__init__(layers)
+        self.called: set[int] = set()
+
+
 class TransformersForCausalLM(nn.Module):
     """The engine's model contract (`forward`, `compute_logits`, `load_weights`) around a
     transformers causal LM."""
@@ -412,13 +483,14 @@ class TransformersForCausalLM(nn.Module):
         windows = {m.layer_idx: getattr(m, "sliding_window",
                                         layer_sliding_window(text, m.layer_idx))
                    for m in attention_modules(self.hf)}
-        self.attention_instances = nn.ModuleList(
+        self.attention_instances = AttentionLayers(
             Attention(num_heads, head_size, 1.0, num_kv_heads, ctx,
                       windows.get(i, layer_sliding_window(text, i)), soft_cap)
             for i in range(text.num_hidden_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         base = getattr(self.hf, self.base_model_name)
+        self.attention_instances.called.clear()
         out = base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                    attention_instances=self.attention_instances)
         return out.last_hidden_state[0]
