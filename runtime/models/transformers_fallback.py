@@ -314,9 +314,9 @@ def _probe_refusal(model: nn.Module) -> str | None:
     # "attention_instances" when the model passed its keyword arguments on
     record: list[tuple[nn.Module, torch.Tensor | None, dict]] = []
     ids = torch.zeros(1, 4, dtype=torch.long, device="meta")
-    for module in attention_modules(model):
-        module.config.probe_record = record
     try:
+        for module in attention_modules(model):
+            module.config.probe_record = record
         getattr(model, _base_model_name(model))(
             input_ids=ids, position_ids=torch.arange(4, device="meta")[None], use_cache=False,
             attention_instances=record)
