@@ -69,7 +69,7 @@ def choose_model(architectures: list[str] | None, model_impl: str = "auto",
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, "
                          f"got {model_impl!r}")
-    from runtime.models.transformers_fallback import fallback_refusal
+    from runtime.models.fallback_checks import fallback_refusal
     table = supported_architectures()
     names = list(architectures or [])
     if model_impl != "transformers":
