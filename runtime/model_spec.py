@@ -39,7 +39,8 @@ class ModelSpec:
         runner = resolve_runner(config.runner, source, hf_config)
         # the architecture is checked first, so an unsupported config fails with one line
         # that names what is supported, whatever fields it lacks
-        choice = choose_model(getattr(hf_config, "architectures", None), config.model_impl)
+        choice = choose_model(getattr(hf_config, "architectures", None), config.model_impl,
+                              hf_config)
         model_config = ModelConfig.from_hf(
             hf_config, choice, config.dtype, config.max_model_len,
             config.tensor_parallel_size * config.pipeline_parallel_size)

@@ -28,7 +28,11 @@ def models_command(args: argparse.Namespace) -> int:
     from runtime.config import EngineConfig
     from runtime.model_spec import ModelSpec
     config = EngineConfig(model=args.model, revision=args.revision, model_impl=args.model_impl)
-    choice = ModelSpec.resolve(config).model_config.choice
+    try:
+        choice = ModelSpec.resolve(config).model_config.choice
+    except ValueError as e:
+        print(e)
+        return 1
     print(f"{choice.architecture}: {choice.impl} implementation "
           f"({choice.model_class.__module__}.{choice.model_class.__qualname__}), "
           f"because {choice.reason}")

@@ -48,14 +48,17 @@ def _load(entry: Any) -> type:
     return entry
 
 
-def choose_model(architectures: list[str] | None, model_impl: str = "auto") -> ModelChoice:
+def choose_model(architectures: list[str] | None, model_impl: str = "auto",
+                 hf_config: Any | None = None) -> ModelChoice:
     """The class for config.json's `architectures`: a registered native class when there is
     one (and `model_impl` is not "transformers"), else the transformers fallback (unless
-    `model_impl` is "native"). Raises ValueError naming what is supported when neither fits."""
+    `model_impl` is "native") when it runs the model exactly (checked against `hf_config`
+    when given). Raises ValueError naming what is supported, and why the fallback refused,
+    when neither fits."""
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, "
                          f"got {model_impl!r}")
-    from runtime.models.transformers_fallback import transformers_class
+    from runtime.models.fallback_checks import fallback_refusal
     table = supported_architectures()
     names = list(architectures or [])
     if model_impl != "transformers":
@@ -64,27 +67,30 @@ def choose_model(architectures: list[str] | None, model_impl: str = "auto") -> M
                 return ModelChoice(name, "native", _load(table[name]),
                                    "a native class is registered" if model_impl == "auto"
                                    else "model_impl='native'")
+    refusals: list[str] = []
     if model_impl != "native":
         for name in names:
-            if transformers_class(name) is not None:
+            refusal = fallback_refusal(name, hf_config)
+            if refusal is None:
                 reason = ("model_impl='transformers'" if model_impl == "transformers"
                           else "no native class is registered")
                 return ModelChoice(name, "transformers", _load(_FALLBACK), reason)
-    raise ValueError(unsupported_message(names, model_impl, sorted(table)))
+            refusals.append(refusal if len(names) == 1 else f"{name}: {refusal}")
+    raise ValueError(unsupported_message(names, model_impl, sorted(table), refusals))
 
 
-def unsupported_message(architectures: list[str], model_impl: str, native: list[str]) -> str:
+def unsupported_message(architectures: list[str], model_impl: str, native: list[str],
+                        refusals: list[str] = ()) -> str:
     what = ", ".join(architectures) or "a config without `architectures`"
-    fallback = ("" if model_impl == "native" else
-                "; the transformers fallback runs any transformers causal LM whose "
-                "attention goes through AttentionInterface, and this one does not")
+    fallback = ("" if model_impl == "native" or not refusals else
+                f"; the transformers fallback cannot run it: {'; '.join(refusals)}")
     hint = " (try --model-impl transformers)" if model_impl == "native" else ""
     return (f"model architecture {what} is not supported with model_impl={model_impl!r}: "
             f"native classes: {', '.join(native)}{fallback}{hint}")
 
 
-FALLBACK_ROW = ("any other transformers causal LM whose attention goes through "
-                "`AttentionInterface`", "transformers fallback (one rank, unquantized)", "")
+FALLBACK_ROW = ("any other transformers causal LM the fallback runs exactly (listed below)",
+                "transformers fallback (one rank, unquantized)", "")
 
 
 def architecture_table() -> list[tuple[str, str, str]]:

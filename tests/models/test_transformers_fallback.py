@@ -4,6 +4,7 @@ prefill, prefix caching and preemption in play."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import pytest
@@ -44,6 +45,12 @@ CASES = {
     "phi": ("PhiForCausalLM", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, partial_rotary_factor=0.5,
                                    max_position_embeddings=256)),
+    # logits / logits_scaling after the head: a fallback that skips it is ~4 nats off
+    "granite": ("GraniteForCausalLM", dict(hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, max_position_embeddings=256,
+                                           logits_scaling=8.0, residual_multiplier=0.5,
+                                           embedding_multiplier=2.0, attention_multiplier=0.1)),
     "starcoder2-sliding": ("Starcoder2ForCausalLM", dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, sliding_window=16)),
@@ -139,3 +146,45 @@ def test_fallback_refuses_tensor_parallel(fallback_model):
     path, _ = fallback_model("gpt2")
     with pytest.raises(ValueError, match="tensor and pipeline parallel need a native model"):
         LLM(path, dtype="float32", kv_cache_memory="8MiB", tensor_parallel_size=2)
+
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256)
+# architecture -> (config, the reason the refusal must give)
+REFUSALS = {
+    "GraniteMoeHybridForCausalLM": (lambda: transformers.GraniteMoeHybridConfig(
+        **SMALL, layer_types=["mamba", "attention"]), "needs the recurrent-state cache"),
+    "Lfm2ForCausalLM": (lambda: transformers.Lfm2Config(
+        **SMALL, layer_types=["conv", "full_attention"]), "needs the recurrent-state cache"),
+    "GptOssForCausalLM": (lambda: transformers.GptOssConfig(**SMALL),
+                          r"attention sinks \(`s_aux`\)"),
+    "DeepseekV3ForCausalLM": (lambda: transformers.DeepseekV3Config(**SMALL),
+                              "multi-head latent attention"),
+    "Gemma4ForCausalLM": (lambda: transformers.Gemma4TextConfig(**SMALL), "per-layer head sizes"),
+    "Llama4ForCausalLM": (lambda: transformers.Llama4TextConfig(**SMALL), "chunked attention"),
+    "Gemma3ForConditionalGeneration": (lambda: transformers.Gemma3Config(),
+                                       "a vision-language model: not supported yet"),
+    "DiffLlamaForCausalLM": (lambda: transformers.DiffLlamaConfig(**SMALL),
+                             "calls the attention function 2 times"),
+    "MambaForCausalLM": (lambda: transformers.MambaConfig(hidden_size=64, num_hidden_layers=2),
+                         "needs the recurrent-state cache"),
+    "BertLMHeadModel": (lambda: transformers.BertConfig(hidden_size=64, num_hidden_layers=2,
+                                                        num_attention_heads=4),
+                        "attends both ways"),
+}
+
+
+@pytest.mark.parametrize("architecture", sorted(REFUSALS))
+def test_refusal_names_the_reason(architecture, tmp_path, capsys):
+    """What the fallback would run wrong is refused, saying why; `runtime models --model`
+    says the same."""
+    make, reason = REFUSALS[architecture]
+    config = make()
+    config.architectures = [architecture]
+    with pytest.raises(ValueError, match=f"cannot run it: .*{reason}"):
+        choose_model(config.architectures, "auto", config)
+    config.save_pretrained(tmp_path)
+    from runtime.cli.main import main
+    assert main(["models", "--model", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(reason, out) and "\n" not in out.strip(), out
