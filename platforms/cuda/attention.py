@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,15 +12,12 @@ from runtime.attention_backends.triton_paged import TritonPagedAttention
 from runtime.platforms.common import module_available, offer_backend
 from runtime.plugins.interfaces import BackendCandidate, ModelInfo
 
-if TYPE_CHECKING:
-    from runtime.platforms.cuda.platform import CudaPlatform
-
 PLUGIN = "cuda"
 
 
-def attention_candidates(platform: CudaPlatform, model: ModelInfo) -> list[BackendCandidate]:
-    """Every backend the CUDA platform knows, offered or refused for this GPU and model."""
-    cc = platform.capability
+def attention_candidates(cc: tuple[int, int], model: ModelInfo) -> list[BackendCandidate]:
+    """Every backend the CUDA platform knows, offered or refused for a GPU of compute
+    capability `cc` and this model."""
     cc_text = ".".join(map(str, cc))
 
     def needs(library: str, min_cc: tuple[int, int]) -> list[str]:

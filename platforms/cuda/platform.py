@@ -149,7 +149,7 @@ class CudaPlatform(Platform):
 
     def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
         from runtime.platforms.cuda.attention import attention_candidates
-        return attention_candidates(self, model)
+        return attention_candidates(self.capability, model)
 
     def graph_runner(self, model: ModelInfo, enforce_eager: bool) -> GraphRunner:
         """Decode steps recorded as CUDA graphs; eager with `--enforce-eager`."""
