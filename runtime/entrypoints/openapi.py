@@ -3,7 +3,7 @@ bodies' schemas (OpenAI's, or Anthropic's on /v1/messages), event streams beside
 API key where it is required. FastAPI's own 422 is gone: a bad body is a 400 here."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -42,8 +42,8 @@ def _error(status: int, path: str) -> dict:
     return response
 
 
-def build_openapi(app: FastAPI, auth_prefixes: tuple[str, ...] | None) -> dict:
-    """The schema; `auth_prefixes` are the paths the API key guards (None: no key)."""
+def build_openapi(app: FastAPI, guarded: Callable[[str], bool] | None) -> dict:
+    """The schema; `guarded` says which paths the API key guards (None: no key)."""
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     for path, operations in schema["paths"].items():
         for method, op in operations.items():
@@ -57,7 +57,7 @@ def build_openapi(app: FastAPI, auth_prefixes: tuple[str, ...] | None) -> dict:
                 responses["200"]["content"]["text/event-stream"] = {"schema": SSE_EVENT}
             if path == "/v1/models/{model}":
                 statuses.add(404)
-            if auth_prefixes is not None and path.startswith(auth_prefixes):
+            if guarded is not None and guarded(path):
                 statuses.add(401)
                 op["security"] = [{"bearer": []}, {"x-api-key": []}]
             for status in sorted(statuses):
@@ -71,7 +71,7 @@ def build_openapi(app: FastAPI, auth_prefixes: tuple[str, ...] | None) -> dict:
     components = schema.setdefault("components", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.get("schemas", {}).pop(name, None)
-    if auth_prefixes is not None:
+    if guarded is not None:
         components["securitySchemes"] = {
             "bearer": {"type": "http", "scheme": "bearer"},
             "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
