@@ -20,7 +20,8 @@ ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties"
             "type": {"type": "string"}, "message": {"type": "string"}}}}}
 
 WHY = {400: "invalid request (the message names the field and what is allowed)",
-       401: "invalid or missing API key", 404: "no such model",
+       401: "invalid or missing API key", 404: "no such model or adapter",
+       408: "the request body did not all arrive within --body-timeout",
        413: "request body above --max-request-body-bytes",
        500: "the engine failed on this request, or is dead",
        503: "overloaded (the waiting queue is full) or the engine is restarting: retry after "
@@ -51,11 +52,11 @@ def build_openapi(app: FastAPI, guarded: Callable[[str], bool] | None) -> dict:
             responses.pop("422", None)
             statuses = set()
             if "requestBody" in op:
-                statuses |= {400, 413}
+                statuses |= {400, 408, 413}
             if path in GENERATING:
                 statuses |= {500, 503}
                 responses["200"]["content"]["text/event-stream"] = {"schema": SSE_EVENT}
-            if path == "/v1/models/{model}":
+            if path in ("/v1/models/{model}", "/v1/unload_lora_adapter"):
                 statuses.add(404)
             if guarded is not None and guarded(path):
                 statuses.add(401)

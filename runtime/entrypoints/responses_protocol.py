@@ -10,7 +10,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag
 
-from runtime.entrypoints.protocol import (Body, Bool, ChatMessage, RequestBody, Count, Float, FunctionDefinition,
+from runtime.entrypoints.protocol import (Body, Bool, ChatMessage, Count, Float,
+                                          FunctionDefinition, RequestBody,
                                           make_sampling_params, only)
 from runtime.entrypoints.structured import checked
 from runtime.entrypoints.tool_parsers import ToolChoice
