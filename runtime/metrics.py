@@ -10,6 +10,7 @@ from prometheus_client.core import HistogramMetricFamily
 from runtime.engine.core_proc import CoreStats
 from runtime.outputs import RequestMetrics
 from runtime.spec_decode.stats import SpecDecodeStats
+from runtime.structured_output.checker import CheckCache
 from runtime.structured_output.stats import COMPILE_SECONDS_BUCKETS, empty_counts
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
@@ -82,8 +83,16 @@ class Metrics:
         self.grammar_cache_hit_rate = gauge(
             "runtime:structured_output_grammar_cache_hit_rate",
             "Share of constrained requests whose grammar was cached.")
+        self.grammar_check_cache_bytes = gauge(
+            "runtime:structured_output_check_cache_bytes",
+            "Bytes held by the API process's cache of checked grammars (LRU, bounded by "
+            "--grammar-cache-bytes).")
         self.model_name = model_name
         self._last = CoreStats()
+
+    def watch_grammar_checks(self, cache: CheckCache) -> None:
+        """Report the size of the API process's cache of checked grammars."""
+        self.grammar_check_cache_bytes.set_function(lambda: cache.bytes)
 
     def on_core_stats(self, stats: CoreStats) -> None:
         self.running.set(stats.num_running)

@@ -59,6 +59,20 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "they end with an error")
     g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get HTTP 413 (default: 32 MiB)")
+    g.add_argument("--grammar-check-timeout", type=float, default=10.0,
+                   help="seconds a request's grammar may take to check (in a worker "
+                        "process); longer gets HTTP 400")
+    g.add_argument("--max-grammar-bytes", type=int, default=2**20,
+                   help="larger grammars, schemas, regexes and choice lists get HTTP 400 "
+                        "(default: 1 MiB)")
+    g.add_argument("--grammar-cache-bytes", type=int, default=64 * 2**20,
+                   help="bytes of checked grammars the API process keeps (LRU; default: "
+                        "64 MiB)")
+    g.add_argument("--header-timeout", type=float, default=30.0,
+                   help="seconds a connection may take to send a request's headers; then "
+                        "HTTP 408 and the connection is closed")
+    g.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request's body may take to arrive; then HTTP 408")
     g.add_argument("--max-core-restarts", type=int, default=2,
                    help="times a dead engine core is restarted within a minute; one more "
                         "death and the server exits with code 1")
@@ -127,7 +141,8 @@ def serve_command(args: argparse.Namespace) -> int:
         from runtime.entrypoints.chat import load_chat_template
         from runtime.lora.adapter import load_adapter
         from runtime.lora.request import parse_lora_modules
-        from runtime.entrypoints.server import CORS, TLS, bind_socket, create_app, run_server
+        from runtime.entrypoints.server import (CORS, TLS, Limits, bind_socket, create_app,
+                                                run_server)
         from runtime.metrics import Metrics
     except ImportError as e:
         raise SystemExit(f"error: {e}: the server needs the serve extra: "
@@ -169,6 +184,11 @@ def serve_command(args: argparse.Namespace) -> int:
                      args.enable_log_requests and not args.disable_log_requests,
                      args.tool_call_parser, args.enable_auto_tool_choice, lora_modules,
                      args.enable_runtime_lora_updating,
+                     Limits(grammar_check_timeout=args.grammar_check_timeout,
+                            max_grammar_bytes=args.max_grammar_bytes,
+                            grammar_cache_bytes=args.grammar_cache_bytes,
+                            header_timeout=args.header_timeout,
+                            body_timeout=args.body_timeout),
                      url=server_url(sock, tls is not None, args.root_path))
     return run_server(app, sock, args.shutdown_timeout, tls, args.root_path,
                       args.uvicorn_log_level)

@@ -75,8 +75,8 @@ class InputProcessor:
             from runtime.structured_output.backends import check
             # raises ValueError naming what is wrong
             check(params.structured_outputs, self.structured_outputs_backend)
-        if params.bad_words:
-            params = params.clone(_bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
+        if params.bad_words and params._bad_words_token_ids is None:
+            params = params.clone(_bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt is {len(token_ids)} tokens long, but the model's "
                              f"context (max_model_len) is {self.max_model_len} tokens, which "
@@ -92,7 +92,7 @@ class InputProcessor:
             params = params.clone(stop_token_ids=list(params.stop_token_ids) + extra)
         return params.with_eos(primary)
 
-    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens, alone and after a space (the two ways it occurs in text)."""
         variants = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
                     for word in words for text in (word.strip(), " " + word.strip())}

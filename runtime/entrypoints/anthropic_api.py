@@ -14,7 +14,7 @@ from runtime.entrypoints.protocol import MessagesRequest
 from runtime.entrypoints.tool_parsers import Delta, ToolChoice
 from runtime.entrypoints.tool_parsers.anthropic import (anthropic_messages,
                                                         anthropic_tool_choice, content_blocks)
-from runtime.entrypoints.serving import (check_model, final_outputs, grammar_backend, new_id,
+from runtime.entrypoints.serving import (check_model, final_outputs, new_id,
                                          open_streams, sse, state_of, stream_error,
                                          unless_disconnected)
 from runtime.outputs import CompletionOutput
@@ -34,10 +34,10 @@ async def create_message(body: MessagesRequest, raw: Request) -> Any:
     prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
                                   state.chat_template, True, tools.tools)
     params = tools.constrain(body.sampling_params(state.engine.processor.sampling_defaults),
-                             "tool_choice", grammar_backend(state))
+                             "tool_choice")
     message_id = new_id("msg")
     streams = await open_streams(state, message_id, [{"prompt_token_ids": prompt}], params,
-                                 body.stream, model=model)
+                                 body.stream, model=model, raw=raw, constraint_param="tools")
     if body.stream:
         blocks = partial(_tool_blocks, streams[0], tools) if tools.reads_calls \
             else partial(_text_block, streams[0])

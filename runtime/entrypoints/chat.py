@@ -20,8 +20,15 @@ def text_of(content: str | list[dict[str, Any]] | None) -> str:
     {"type": "text", "text": ...} and Anthropic's text blocks alike)."""
     if content is None or isinstance(content, str):
         return content or ""
+    if not isinstance(content, list):
+        raise bad_request(f"content must be a string or a list of text parts, got "
+                          f"{type(content).__name__}", param="messages")
     texts = []
     for part in content:
+        if not isinstance(part, dict):
+            raise bad_request(f"content parts must be objects such as "
+                              f'{{"type": "text", "text": "..."}}, got {type(part).__name__}',
+                              param="messages")
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise bad_request(f"only text content is supported, got a {part.get('type')!r} part",
                               param="messages")
@@ -29,17 +36,38 @@ def text_of(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(texts)
 
 
+# apply_chat_template's own parameters: not template variables a request may set
+_TEMPLATE_CALL_ARGS = frozenset((
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"))
+
+
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None,
-                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
+                add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of `messages` ({"role", "content"} dicts, with "tool_calls" and
-    "tool_call_id" where given) rendered with the template, which also renders `tools`."""
+    "tool_call_id" where given) rendered with the template, which also renders `tools`;
+    `continue_final_message` leaves the last message open for the model to go on with (as
+    vLLM's field), `template_kwargs` are extra template variables (`chat_template_kwargs`)."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template: start the server with "
                           "--chat-template, or use /v1/completions", param="messages")
+    if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
+        raise bad_request("continue_final_message continues the last message, which must be "
+                          "the assistant's, and needs add_generation_prompt=false",
+                          param="continue_final_message")
+    reserved = sorted(_TEMPLATE_CALL_ARGS & set(template_kwargs or ()))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {reserved}: they are request "
+                          "fields or the server's", param="chat_template_kwargs")
     try:
         text = tokenizer.apply_chat_template(messages, chat_template=chat_template,
                                              add_generation_prompt=add_generation_prompt,
-                                             tools=tools, tokenize=False)
+                                             continue_final_message=continue_final_message,
+                                             tools=tools, tokenize=False,
+                                             **(template_kwargs or {}))
     except Exception as e:  # a template may raise on roles or orders it does not accept
         raise bad_request(f"the chat template failed on these messages: {e}",
                           param="messages") from None

@@ -5,9 +5,11 @@ from fastapi.responses import JSONResponse
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                    404: "not_found_error", 405: "invalid_request_error",
+                   408: "invalid_request_error",
                    413: "request_too_large", 503: "overloaded_error"}
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 405: "invalid_request_error",
+                408: "invalid_request_error",
                 413: "invalid_request_error", 503: "server_overloaded"}
 
 

@@ -17,23 +17,31 @@ logger = logging.getLogger(__name__)
 
 MAX_JSON_DEPTH = 64  # arrays and objects nested deeper are refused (Python's parser recurses)
 MAX_REQUEST_ID_CHARS = 128
-# --api-key-scope all covers these too; /health (for probes) and the API schema stay open.
-ALL_SCOPE_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/metrics")
+# With an API key, every path needs it but these: /health (for probes) and the API schema,
+OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+# and, unless --api-key-scope is "all", the utility routes.
+UTILITY_PATHS = ("/tokenize", "/detokenize", "/metrics")
+
+
+def needs_key(path: str, api_key_scope: str) -> bool:
+    """Whether a server with an API key guards `path` (a path no route serves included)."""
+    return path not in OPEN_PATHS and (api_key_scope == "all" or path not in UTILITY_PATHS)
 
 
 class RequestContext:
     """ASGI middleware: gives every HTTP request an id for the logs and the X-Request-Id header
     (the client's, if printable and short, else a new one: it is a label only, never the
     engine's request id), checks the API key (`Authorization: Bearer KEY`, or Anthropic's
-    `x-api-key: KEY`) on /v1 routes, or with scope "all" on /tokenize, /detokenize and /metrics
-    too, and checks request bodies (`BodyGuard`)."""
+    `x-api-key: KEY`) on every path `needs_key` names, and checks request bodies
+    (`BodyGuard`)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, api_key_scope: str,
-                 max_body_bytes: int) -> None:
+                 max_body_bytes: int, body_timeout_s: float) -> None:
         self.app = app
         self.api_key = api_key
-        self.prefixes = ("/v1",) if api_key_scope == "v1" else ALL_SCOPE_PREFIXES
+        self.api_key_scope = api_key_scope
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -50,11 +58,12 @@ class RequestContext:
 
         path = route_path(scope)
         try:
-            if scope["method"] != "OPTIONS" and path.startswith(self.prefixes) \
+            if scope["method"] != "OPTIONS" and needs_key(path, self.api_key_scope) \
                     and not self._authorized(headers):
                 raise APIError(401, "invalid or missing API key", code="invalid_api_key")
             if scope["method"] in ("POST", "PUT", "PATCH"):
-                receive = await BodyGuard(self.max_body_bytes).check(headers, receive)
+                guard = BodyGuard(self.max_body_bytes, self.body_timeout_s)
+                receive = await guard.check(headers, receive)
         except APIError as e:
             log = logger.warning if e.status < 500 else logger.error
             log("request %s: %d on %s: %s", request_id, e.status, path, e.message)
@@ -79,28 +88,25 @@ def _label(value: bytes) -> str:
 
 
 class BodyGuard:
-    """Reads a request body (413 beyond `max_bytes`) and checks, off the event loop, that it is
-    UTF-8 JSON nested at most MAX_JSON_DEPTH deep with no lone surrogate in any string (400
-    naming the top-level field). Returns a `receive` that replays the body to the route."""
+    """Reads a request body (413 beyond `max_bytes`, 408 when it has not all come within
+    `timeout_s`: a Content-Length larger than what is sent, or a client sending a byte now and
+    then) and checks, off the event loop, that it is UTF-8 JSON nested at most MAX_JSON_DEPTH
+    deep with no lone surrogate in any string (400 naming the top-level field). Returns a
+    `receive` that replays the body to the route."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, timeout_s: float) -> None:
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def check(self, headers: dict[bytes, bytes], receive: Receive) -> Receive:
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
             raise self._too_large()
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                raise APIError(400, "the client closed the request before sending its body")
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                raise self._too_large()
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        try:
+            body = await asyncio.wait_for(self._read(receive), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.timeout_s:g} s "
+                           "(--body-timeout)") from None
         if body:
             await asyncio.to_thread(_check_json, body)
         replayed = False
@@ -113,6 +119,19 @@ class BodyGuard:
             return {"type": "http.request", "body": body, "more_body": False}
 
         return replay
+
+    async def _read(self, receive: Receive) -> bytes:
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise APIError(400, "the client closed the request before sending its body")
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                raise self._too_large()
+            more = message.get("more_body", False)
+        return b"".join(chunks)
 
     def _too_large(self) -> APIError:
         return APIError(413, f"the request body is larger than {self.max_bytes} bytes "

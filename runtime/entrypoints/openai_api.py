@@ -12,9 +12,10 @@ from runtime.engine.async_llm import RequestStream
 from runtime.entrypoints.chat import render_chat, text_of
 from runtime.entrypoints.errors import APIError, bad_request
 from runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from runtime.entrypoints.structured import constraint_field
 from runtime.entrypoints.tool_parsers import CallReader, ToolChoice, template_messages
 from runtime.entrypoints.serving import (ServerState, check_budget, check_fits, check_model,
-                                         final_outputs, grammar_backend, merge, new_id,
+                                         final_outputs, merge, new_id,
                                          open_streams, sse, state_of, stream_error,
                                          unless_disconnected)
 from runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -63,11 +64,11 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Any:
         return await unless_disconnected(raw, work, [])
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs,
-                                  state.engine.processor.sampling_defaults,
-                                  grammar_backend(state))
+                                  state.engine.processor.sampling_defaults)
     request_id = new_id("cmpl")
     streams = await open_streams(state, request_id, prompts, params, body.stream,
-                                 body.priority, model=model)
+                                 body.priority, model=model, raw=raw,
+                                 constraint_param=constraint_field(body))
     reply = Reply(request_id, model, "text_completion", state, params.n, streams)
     if body.stream:
         return _event_stream(reply.completion_chunks(body))
@@ -83,16 +84,17 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
     tools = ToolChoice.of(body, state.tool_call_parser, state.enable_auto_tool_choice)
     messages = template_messages(body.messages, text_of)
     prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
-                                  state.chat_template, body.add_generation_prompt, tools.tools)
+                                  state.chat_template, body.add_generation_prompt, tools.tools,
+                                  body.continue_final_message, body.chat_template_kwargs)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     budget = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs,
-                                  defaults=state.engine.processor.sampling_defaults,
-                                  backend=grammar_backend(state))
-    params = tools.constrain(params, "response_format", grammar_backend(state))
+                                  defaults=state.engine.processor.sampling_defaults)
+    params = tools.constrain(params, "response_format")
     request_id = new_id("chatcmpl")
     streams = await open_streams(state, request_id, [{"prompt_token_ids": prompt}], params,
-                                 body.stream, body.priority, budget, model)
+                                 body.stream, body.priority, budget, model, raw,
+                                 "tools" if tools.forces_call else constraint_field(body))
     reply = Reply(request_id, model, "chat.completion", state, params.n, streams, tools)
     if body.stream:
         return _event_stream(reply.chat_chunks(body))

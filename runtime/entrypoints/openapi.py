@@ -3,7 +3,7 @@ bodies' schemas (OpenAI's, or Anthropic's on /v1/messages), event streams beside
 API key where it is required. FastAPI's own 422 is gone: a bad body is a 400 here."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -20,7 +20,8 @@ ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties"
             "type": {"type": "string"}, "message": {"type": "string"}}}}}
 
 WHY = {400: "invalid request (the message names the field and what is allowed)",
-       401: "invalid or missing API key", 404: "no such model",
+       401: "invalid or missing API key", 404: "no such model or adapter",
+       408: "the request body did not all arrive within --body-timeout",
        413: "request body above --max-request-body-bytes",
        500: "the engine failed on this request, or is dead",
        503: "overloaded (the waiting queue is full) or the engine is restarting: retry after "
@@ -42,8 +43,8 @@ def _error(status: int, path: str) -> dict:
     return response
 
 
-def build_openapi(app: FastAPI, auth_prefixes: tuple[str, ...] | None) -> dict:
-    """The schema; `auth_prefixes` are the paths the API key guards (None: no key)."""
+def build_openapi(app: FastAPI, guarded: Callable[[str], bool] | None) -> dict:
+    """The schema; `guarded` says which paths the API key guards (None: no key)."""
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     for path, operations in schema["paths"].items():
         for method, op in operations.items():
@@ -51,13 +52,13 @@ def build_openapi(app: FastAPI, auth_prefixes: tuple[str, ...] | None) -> dict:
             responses.pop("422", None)
             statuses = set()
             if "requestBody" in op:
-                statuses |= {400, 413}
+                statuses |= {400, 408, 413}
             if path in GENERATING:
                 statuses |= {500, 503}
                 responses["200"]["content"]["text/event-stream"] = {"schema": SSE_EVENT}
-            if path == "/v1/models/{model}":
+            if path in ("/v1/models/{model}", "/v1/unload_lora_adapter"):
                 statuses.add(404)
-            if auth_prefixes is not None and path.startswith(auth_prefixes):
+            if guarded is not None and guarded(path):
                 statuses.add(401)
                 op["security"] = [{"bearer": []}, {"x-api-key": []}]
             for status in sorted(statuses):
@@ -71,7 +72,7 @@ def build_openapi(app: FastAPI, auth_prefixes: tuple[str, ...] | None) -> dict:
     components = schema.setdefault("components", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.get("schemas", {}).pop(name, None)
-    if auth_prefixes is not None:
+    if guarded is not None:
         components["securitySchemes"] = {
             "bearer": {"type": "http", "scheme": "bearer"},
             "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}

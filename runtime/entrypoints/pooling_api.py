@@ -16,7 +16,7 @@ from pydantic import Field
 
 from runtime.engine.async_llm import AsyncLLM, EngineRestartingError, QueueFullError
 from runtime.entrypoints.errors import bad_request
-from runtime.entrypoints.protocol import Body, Count, TokenId
+from runtime.entrypoints.protocol import Bool, Count, RequestBody, Text, TokenId
 from runtime.entrypoints.serving import (ServerState, check_model, engine_error, new_id,
                                          state_of)
 from runtime.pooling.params import PoolingParams
@@ -25,11 +25,13 @@ from runtime.pooling.processor import PoolingInput, PoolingProcessor
 router = APIRouter()
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-Input = str | list[str] | TokenIds | list[TokenIds]
-Truncate = Annotated[int, Field(strict=True, ge=-1)]
+Input = Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | \
+    Annotated[list[TokenIds], Field(min_length=1)]
+# -1 (the model's limit) or keep the last k >= 1 tokens
+Truncate = Literal[-1] | Annotated[int, Field(strict=True, ge=1)]
 
 
-class EmbeddingRequest(Body):
+class EmbeddingRequest(RequestBody):
     input: Input
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
@@ -38,25 +40,25 @@ class EmbeddingRequest(Body):
     truncate_prompt_tokens: Truncate | None = None
 
 
-class ClassificationRequest(Body):
+class ClassificationRequest(RequestBody):
     input: Input
     model: str | None = None
     truncate_prompt_tokens: Truncate | None = None
 
 
-class ScoreRequest(Body):
-    text_1: str | list[str]
-    text_2: str | list[str]
+class ScoreRequest(RequestBody):
+    text_1: Text | Annotated[list[Text], Field(min_length=1)]
+    text_2: Text | Annotated[list[Text], Field(min_length=1)]
     model: str | None = None
     truncate_prompt_tokens: Truncate | None = None
 
 
-class RerankRequest(Body):
+class RerankRequest(RequestBody):
     query: str
-    documents: list[str]
+    documents: Annotated[list[str], Field(min_length=1)]
     model: str | None = None
     top_n: Annotated[int, Field(strict=True, ge=0)] | None = None  # None or 0: all
-    return_documents: bool = True
+    return_documents: Bool = True
     truncate_prompt_tokens: Truncate | None = None
 
 
@@ -78,10 +80,8 @@ def _pooling(state: ServerState, route: str) -> PoolingProcessor:
 
 def _prompts(value: Any) -> list:
     """One input or a batch: a string, strings, token ids, or lists of token ids."""
-    if isinstance(value, str) or (value and isinstance(value[0], int)):
+    if isinstance(value, str) or isinstance(value[0], int):
         value = [value]
-    if not value:
-        raise bad_request("input must not be empty", param="input")
     return [{"prompt_token_ids": v} if isinstance(v, list) else v for v in value]
 
 
@@ -100,9 +100,13 @@ def _checked(prepare, *args: Any) -> list[PoolingInput]:
         raise bad_request(str(e)) from None
 
 
-async def _encode(state: ServerState, inputs: list[PoolingInput]) -> list:
-    """The engine's results for `inputs`; a full queue or a restarting core is a 503."""
+async def _encode(state: ServerState, inputs: list[PoolingInput], param: str) -> list:
+    """The engine's results for `inputs`; a full queue or a restarting core is a 503, more
+    inputs than may ever wait a 400 naming `param`."""
     engine: AsyncLLM = state.engine
+    if len(inputs) > engine.max_queue_len:
+        raise bad_request(f"this request has {len(inputs)} inputs, but at most "
+                          f"{engine.max_queue_len} may wait (--max-queue-len)", param=param)
     try:
         return await engine.encode(inputs)
     except (QueueFullError, EngineRestartingError) as e:
@@ -119,7 +123,7 @@ async def _pool_inputs(raw: Request, body: EmbeddingRequest | ClassificationRequ
     pooling = _pooling(state, route)
     prompts = _prompts(body.input)
     inputs = _checked(pooling.inputs, prompts, [params] * len(prompts), task)
-    return model, pooling, inputs, await _encode(state, inputs)
+    return model, pooling, inputs, await _encode(state, inputs, "input")
 
 
 def _usage(outputs: list) -> dict:
@@ -166,9 +170,10 @@ async def create_classification(body: ClassificationRequest, raw: Request) -> di
 
 
 async def _score(raw: Request, model: str | None, route: str, first: str | list[str],
-                 second: str | list[str], truncate: int | None) -> tuple[str, list]:
+                 second: str | list[str], truncate: int | None,
+                 second_param: str) -> tuple[str, list]:
     """The reported model name and the scores of the pairs (first[i], second[i]); one `first`
-    goes with every `second`."""
+    goes with every `second` (the request field `second_param`)."""
     state = state_of(raw)
     model = check_model(state, model)
     pooling = _pooling(state, route)
@@ -176,19 +181,19 @@ async def _score(raw: Request, model: str | None, route: str, first: str | list[
     second = [second] if isinstance(second, str) else second
     if len(first) == 1:
         first = first * len(second)
-    if not second or len(first) != len(second):
+    if len(first) != len(second):
         raise bad_request(f"scoring takes one text and a list, or two lists of one length; "
                           f"got {len(first)} and {len(second)}")
     inputs = _checked(pooling.score_inputs, first, second,
                       _params(truncate_prompt_tokens=truncate))
-    return model, pooling.scoring_outputs(inputs, await _encode(state, inputs))
+    return model, pooling.scoring_outputs(inputs, await _encode(state, inputs, second_param))
 
 
 @router.post("/score")
 @router.post("/v1/score")
 async def create_score(body: ScoreRequest, raw: Request) -> dict:
     model, outputs = await _score(raw, body.model, "/score", body.text_1, body.text_2,
-                                  body.truncate_prompt_tokens)
+                                  body.truncate_prompt_tokens, "text_2")
     data = [{"index": i, "object": "score", "score": o.outputs.score}
             for i, o in enumerate(outputs)]
     return {"id": new_id("score"), "object": "list", "created": int(time.time()),
@@ -199,10 +204,8 @@ async def create_score(body: ScoreRequest, raw: Request) -> dict:
 @router.post("/v1/rerank")
 @router.post("/v2/rerank")
 async def create_rerank(body: RerankRequest, raw: Request) -> dict:
-    if not body.documents:
-        raise bad_request("documents must not be empty", param="documents")
     model, outputs = await _score(raw, body.model, "/rerank", body.query, body.documents,
-                                  body.truncate_prompt_tokens)
+                                  body.truncate_prompt_tokens, "documents")
     ranked = sorted(range(len(outputs)), key=lambda i: -outputs[i].outputs.score)
     if body.top_n:
         ranked = ranked[:body.top_n]

@@ -1,12 +1,15 @@
 """Request bodies of the OpenAI and Anthropic APIs, and how they map onto `SamplingParams`.
 
 Every official field is declared: one the server does not honour is declared with `only`, which
-refuses it with a 400 naming it. Fields neither API defines are ignored. Besides the official
-fields, the OpenAI routes take vLLM's extras (`top_k`, `min_p`, `repetition_penalty`,
-`min_tokens`, `ignore_eos`, `stop_token_ids`, ...), which clients pass in `extra_body`.
+refuses it with a 400 naming it. Besides the official fields, the OpenAI routes take vLLM's
+extras (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
+...), which clients pass in `extra_body`; vLLM's extras not honoured here are refused the same
+way. A request body's unknown fields are a 400 naming them (`RequestBody`); objects inside it
+(a message, a tool) ignore theirs, as the clients send back what a response held.
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -25,6 +28,10 @@ TokenId = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
 Logprobs = Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)]
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Text = Annotated[str, Field(min_length=1)]
+Bool = Annotated[bool, Field(strict=True)]  # true or false, never 0 or "yes"
+TOKEN_ID_TEXT = re.compile(r"[0-9]{1,19}")  # a logit_bias key: int64 at most, no "²" or "٣"
+# Each banned word is tokenized per request and its tokens checked at every step of the batch.
+MAX_BAD_WORDS = 1024
 
 
 def only(*accepted: Any) -> Any:
@@ -42,15 +49,21 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class RequestBody(Body):
+    """A route's whole body: a field it does not define is refused, never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class StreamOptions(Body):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class JsonSchemaFormat(Body):
     name: str | None = None
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None  # the schema is always enforced, strict or not
+    strict: Bool | None = None  # the schema is always enforced, strict or not
 
 
 class ResponseFormat(Body):
@@ -58,7 +71,7 @@ class ResponseFormat(Body):
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(Body):
+class SamplingFields(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -69,7 +82,7 @@ class SamplingFields(Body):
     seed: Int64 | None = None
     presence_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
-    stream: bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, Annotated[Float, Field(ge=-100, le=100)]] | None = None
@@ -79,35 +92,43 @@ class SamplingFields(Body):
     min_p: Annotated[Float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[Float, Field(gt=0)] | None = None
     min_tokens: Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)] | None = None
-    ignore_eos: bool | None = None
+    ignore_eos: Bool | None = None
     stop_token_ids: list[TokenId] | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: Bool | None = None
+    skip_special_tokens: Bool | None = None
     priority: Int64 = 0
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
-    bad_words: list[Text] | None = None
+    bad_words: Annotated[list[Text], Field(max_length=MAX_BAD_WORDS)] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Union[str, dict[str, Any], None] = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's extras this server does not honour: a 400 names them
+    guided_decoding_backend: only() = None  # the server's --structured-outputs-config decides
+    guided_whitespace_pattern: only() = None
+    logits_processors: only() = None
+    prompt_logprobs: only() = None  # completions: echo with logprobs gives them
+    return_token_ids: only(False) = None
+    return_tokens_as_token_ids: only(False) = None
+    spaces_between_special_tokens: only(True) = None
+    truncate_prompt_tokens: only() = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None,
-                        defaults: dict[str, Any] | None = None,
-                        backend: str = "xgrammar") -> SamplingParams:
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The engine's parameters; a bad value is a 400 naming the parameter. `defaults`
-        (the --generation-config ones) fill the fields the request leaves out; `backend` is the
-        grammar backend that checks a structured-output constraint."""
+        (the --generation-config ones) fill the fields the request leaves out."""
         from runtime.entrypoints.structured import structured_outputs_of
         fields: dict[str, Any] = dict(defaults or {})
         if self.logit_bias:
-            if not all(k.strip().isdigit() for k in self.logit_bias):
-                raise bad_request("logit_bias keys must be token ids (strings of digits), got "
-                                  f"{[k for k in self.logit_bias if not k.strip().isdigit()][:3]}",
+            bad = [k for k in self.logit_bias if not TOKEN_ID_TEXT.fullmatch(k.strip())]
+            if bad:
+                raise bad_request("logit_bias keys must be token ids (strings of at most 19 "
+                                  f"ASCII digits), got {[k[:30] for k in bad[:3]]}",
                                   param="logit_bias")
             fields["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
-        fields["structured_outputs"] = structured_outputs_of(self, backend)
+        fields["structured_outputs"] = structured_outputs_of(self)
         if max_tokens is not None or "max_tokens" not in fields:
             fields["max_tokens"] = max_tokens
         fields.update(n=self.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
@@ -132,20 +153,23 @@ class CompletionRequest(SamplingFields):
                             Field(min_length=1)]]
     max_tokens: Count | None = 16
     logprobs: Logprobs | None = None
-    echo: bool = False
+    echo: Bool = False
     suffix: str | None = None  # not supported: refused when given
+    add_special_tokens: only(True) = None  # the prompt's text is tokenized with them
     best_of: Count | None = None  # sample best_of, return the best n; with beam search: width
     # vLLM's beam search extras
-    use_beam_search: bool = False
+    use_beam_search: Bool = False
     length_penalty: Float = 1.0
     early_stopping: Union[bool, Literal["never"]] = False
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None,
-                        defaults: dict[str, Any] | None = None,
-                        backend: str = "xgrammar") -> SamplingParams:
-        params = super().sampling_params(max_tokens, logprobs, prompt_logprobs, defaults,
-                                         backend)
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        for name, neutral in (("length_penalty", 1.0), ("early_stopping", False)):
+            if getattr(self, name) != neutral:
+                raise bad_request(f"{name} applies to use_beam_search only (it would be "
+                                  "ignored)", param=name)
+        params = super().sampling_params(max_tokens, logprobs, prompt_logprobs, defaults)
         if self.best_of is None:
             return params
         if self.stream and self.best_of > self.n:
@@ -198,7 +222,7 @@ class FunctionDefinition(Body):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # calls forced by tool_choice always follow the parameters
+    strict: Bool | None = None  # calls forced by tool_choice always follow the parameters
 
 
 class Tool(Body):
@@ -215,16 +239,24 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
-    logprobs: bool = False
+    logprobs: Bool = False
     top_logprobs: Logprobs | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: Bool = True
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Bool = True
     # labels with no effect on the output
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # vLLM's chat extras
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    continue_final_message: Bool = False  # continue the last (assistant) message
+    # vLLM's chat extras this server does not honour: a 400 names them
+    add_special_tokens: only(False) = None  # the template writes the special tokens
+    chat_template: only() = None  # the server's --chat-template decides
+    documents: only() = None
+    echo: only(False) = None
     # official fields this server does not honour: a 400 names them
     audio: only() = None
     function_call: only("none") = None
@@ -255,10 +287,10 @@ class AnthropicTool(Body):
 class AnthropicToolChoice(Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
-    disable_parallel_tool_use: bool = False
+    disable_parallel_tool_use: Bool = False
 
 
-class MessagesRequest(Body):
+class MessagesRequest(RequestBody):
     """The Anthropic Messages API."""
 
     model: str
@@ -269,7 +301,7 @@ class MessagesRequest(Body):
     temperature: Annotated[Float, Field(ge=0)] | None = None
     top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(strict=True, ge=-1, le=INT64_MAX)] | None = None
-    stream: bool = False
+    stream: Bool = False
     metadata: dict[str, Any] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
@@ -295,15 +327,15 @@ class MessagesRequest(Body):
         return make_sampling_params(**fields)
 
 
-class TokenizeRequest(Body):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: Bool = True
+    add_generation_prompt: Bool = True
 
 
-class DetokenizeRequest(Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[TokenId]
 

@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 from runtime.engine.async_llm import RequestStream
 from runtime.entrypoints.chat import render_chat, text_of
 from runtime.entrypoints.responses_protocol import ResponsesRequest
-from runtime.entrypoints.serving import (check_model, final_outputs, grammar_backend, new_id,
+from runtime.entrypoints.serving import (check_model, final_outputs, new_id,
                                          open_streams, sse, state_of, stream_error,
                                          unless_disconnected)
 from runtime.entrypoints.tool_parsers import Delta, ToolChoice, template_messages
@@ -27,12 +27,13 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Any:
     messages = template_messages(body.chat_messages(), text_of, "input")
     prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
                                   state.chat_template, True, tools.tools)
-    params = body.sampling_params(state.engine.processor.sampling_defaults,
-                                  grammar_backend(state))
-    params = tools.constrain(params, "text.format", grammar_backend(state))
+    params = tools.constrain(body.sampling_params(state.engine.processor.sampling_defaults),
+                             "text.format")
     response_id = new_id("resp")
     streams = await open_streams(state, response_id, [{"prompt_token_ids": prompt}], params,
-                                 body.stream, max_tokens_param="max_output_tokens", model=model)
+                                 body.stream, max_tokens_param="max_output_tokens", model=model,
+                                 raw=raw, constraint_param="tools" if tools.forces_call
+                                 else "text")
     reply = ResponseReply(response_id, model, body, tools, streams[0])
     if body.stream:
         return StreamingResponse(reply.events(), media_type="text/event-stream",

@@ -10,7 +10,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag
 
-from runtime.entrypoints.protocol import (Body, ChatMessage, Count, Float, FunctionDefinition,
+from runtime.entrypoints.protocol import (Body, Bool, ChatMessage, Count, Float,
+                                          FunctionDefinition, RequestBody,
                                           make_sampling_params, only)
 from runtime.entrypoints.structured import checked
 from runtime.entrypoints.tool_parsers import ToolChoice
@@ -71,7 +72,7 @@ class FunctionTool(Body):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # calls forced by tool_choice always follow the parameters
+    strict: Bool | None = None  # calls forced by tool_choice always follow the parameters
     allowed_callers: only(["direct"]) = None
     defer_loading: only(False) = None
     output_schema: only() = None
@@ -95,7 +96,7 @@ class TextJsonSchema(Body):
     name: str | None = None
     description: str | None = None
     json_schema: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None  # the schema is always enforced, strict or not
+    strict: Bool | None = None  # the schema is always enforced, strict or not
 
 
 class TextConfig(Body):
@@ -104,18 +105,18 @@ class TextConfig(Body):
     verbosity: only() = None
 
 
-class ResponsesRequest(Body):
+class ResponsesRequest(RequestBody):
     model: str | None = None
     input: Union[str, Annotated[list[InputItem], Field(min_length=1)]]
     instructions: str | None = None
     max_output_tokens: Count | None = None
     temperature: Annotated[Float, Field(ge=0)] | None = None
     top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
-    stream: bool = False
+    stream: Bool = False
     text: TextConfig | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, None] = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Bool = True
     # no built-in tool ever runs here, so a limit on their calls always holds
     max_tool_calls: Annotated[int, Field(strict=True, ge=0)] | None = None
     # labels with no effect on the output
@@ -178,11 +179,9 @@ class ResponsesRequest(Body):
                               named=choice.name)
         return ToolChoice(tools, choice, parser, auto_enabled, self.parallel_tool_calls)
 
-    def sampling_params(self, defaults: dict[str, Any] | None = None,
-                        backend: str = "xgrammar") -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """`defaults` (the --generation-config ones) fill the fields the request leaves out;
-        `text.format` constrains the output as chat's `response_format` does, checked by the
-        grammar `backend`."""
+        `text.format` constrains the output as chat's `response_format` does."""
         fields: dict[str, Any] = {**(defaults or {})}
         if self.max_output_tokens is not None or "max_tokens" not in fields:
             fields["max_tokens"] = self.max_output_tokens
@@ -191,10 +190,9 @@ class ResponsesRequest(Body):
                 fields[name] = getattr(self, name)
         text_format = self.text.format if self.text is not None else None
         if isinstance(text_format, TextJsonObject):
-            fields["structured_outputs"] = checked("text", {"json_object": True}, backend)
+            fields["structured_outputs"] = checked("text", {"json_object": True})
         elif isinstance(text_format, TextJsonSchema):
-            fields["structured_outputs"] = checked("text", {"json": text_format.json_schema},
-                                                   backend)
+            fields["structured_outputs"] = checked("text", {"json": text_format.json_schema})
         return make_sampling_params(**fields)
 
     def echo(self) -> dict:

@@ -23,20 +23,37 @@ from runtime.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedErr
 from runtime.entrypoints import (anthropic_api, lora_api, openai_api, pooling_api,
                                  responses_api)
 from runtime.entrypoints.chat import render_chat, text_of
-from runtime.entrypoints.template_tools import tool_call_parser_of
+from runtime.entrypoints.connection import HEADER_TIMEOUT_S, GuardedH11Protocol
 from runtime.entrypoints.errors import (APIError, bad_request, is_anthropic_path,
                                         route_path)
-from runtime.entrypoints.middleware import ALL_SCOPE_PREFIXES, RequestContext
+from runtime.entrypoints.middleware import RequestContext, needs_key
 from runtime.entrypoints.openapi import build_openapi
 from runtime.entrypoints.protocol import DetokenizeRequest, TokenizeRequest
-from runtime.entrypoints.serving import ServerState, check_model, state_of
+from runtime.entrypoints.serving import (ClientDisconnected, ServerState, check_model,
+                                         grammar_backend, state_of)
+from runtime.entrypoints.template_tools import tool_call_parser_of
 from runtime.lora.request import LoRARequest
 from runtime.metrics import Metrics
+from runtime.structured_output.checker import GrammarChecker
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
 
 SHUTDOWN_GRACE_S = 2.0  # after --shutdown-timeout: time for the streams' error events to go out
+
+
+@dataclass
+class Limits:
+    """What one request may cost the API process: its grammar's check (worker processes, each
+    check at most `grammar_check_timeout` seconds and `max_grammar_bytes` of text; the results
+    cached up to `grammar_cache_bytes`), and how long reading its headers or body may take."""
+
+    grammar_check_workers: int = 2
+    grammar_check_timeout: float = 10.0
+    max_grammar_bytes: int = 2**20
+    grammar_cache_bytes: int = 64 * 2**20
+    header_timeout: float = HEADER_TIMEOUT_S
+    body_timeout: float = 60.0
 
 
 @dataclass
@@ -55,7 +72,8 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
                tool_call_parser: str | None = None,
                enable_auto_tool_choice: bool = False,
                lora_modules: dict[str, LoRARequest] | None = None,
-               enable_runtime_lora_updating: bool = False, url: str = "") -> FastAPI:
+               enable_runtime_lora_updating: bool = False,
+               limits: Limits | None = None, url: str = "") -> FastAPI:
     """The server's app; starting it (its lifespan) starts the engine, stopping it stops it,
     and once it is up logs that `model_names[0]` is served at `url`.
     If the engine dies for good, the app asks the server to stop (`app.state.stop_server`) and
@@ -71,12 +89,21 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
         logger.info("Serving %s on %s (OpenAI, Anthropic, Responses; docs at /docs): "
                     "max_model_len %d, %d KV blocks", model_names[0], url or "its socket",
                     engine.max_model_len, engine.num_blocks)
+        if engine.pooling is None:
+            state.grammars = GrammarChecker(
+                grammar_backend(state), limits.grammar_check_workers,
+                limits.grammar_check_timeout, limits.max_grammar_bytes,
+                limits.grammar_cache_bytes)
+            metrics.watch_grammar_checks(state.grammars.cache)
         watch = asyncio.create_task(_exit_when_dead(app, engine))
         yield
         watch.cancel()
         await engine.shutdown()
-        app.state.server.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        if state.grammars is not None:
+            state.grammars.shutdown()
 
+    limits = limits or Limits()
     app = FastAPI(title="runtime", lifespan=lifespan)
     app.state.server = ServerState(engine, metrics, model_names, chat_template, api_key,
                                    log_requests, tool_call_parser=tool_call_parser,
@@ -93,14 +120,14 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
     app.include_router(pooling_api.router)
     app.include_router(router)
     app.add_middleware(RequestContext, api_key=api_key, api_key_scope=api_key_scope,
-                       max_body_bytes=max_body_bytes)
+                       max_body_bytes=max_body_bytes, body_timeout_s=limits.body_timeout)
+    app.state.limits = limits
     # Outermost: a browser's preflight is answered before the API key is checked.
     app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,
                        allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,
                        allow_credentials=cors.allow_credentials)
-    auth_prefixes = None if api_key is None else \
-        ("/v1",) if api_key_scope == "v1" else ALL_SCOPE_PREFIXES
-    app.openapi = lambda: app.openapi_schema or _cache(app, build_openapi(app, auth_prefixes))
+    guarded = None if api_key is None else lambda path: needs_key(path, api_key_scope)
+    app.openapi = lambda: app.openapi_schema or _cache(app, build_openapi(app, guarded))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -121,6 +148,11 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         return await api_error(request, APIError(e.status_code, str(e.detail),
                                                  headers=e.headers))
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_left(request: Request, e: ClientDisconnected) -> Response:
+        logger.info("request %s: the client disconnected; aborted", request.state.request_id)
+        return Response(status_code=499)
 
     @app.exception_handler(EngineDeadError)
     @app.exception_handler(RequestFailedError)
@@ -248,8 +280,11 @@ def run_server(app: FastAPI, sock: socket.socket, shutdown_timeout: float,
     runtime_level = logging.getLogger("runtime").getEffectiveLevel()
     level = uvicorn_log_level or runtime_level
     engine = app.state.server.engine
+    protocol = type("H11Protocol", (GuardedH11Protocol,),
+                    {"header_timeout_s": app.state.limits.header_timeout})
     server = _Server(uvicorn.Config(
-        app, log_level=level, lifespan="on", access_log=runtime_level <= logging.INFO,
+        app, http=protocol, log_level=level, lifespan="on",
+        access_log=runtime_level <= logging.INFO,
         timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE_S, root_path=root_path,
         ssl_keyfile=tls.keyfile if tls else None, ssl_certfile=tls.certfile if tls else None),
         engine, shutdown_timeout)

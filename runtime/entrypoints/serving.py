@@ -13,16 +13,17 @@ from functools import partial
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
-from fastapi.responses import Response
 
 from runtime.engine.async_llm import (AsyncLLM, EngineDeadError, EngineRestartingError,
                                       QueueFullError, RequestFailedError, RequestStream)
 from runtime.engine.input_processor import PromptType
 from runtime.entrypoints.errors import APIError, bad_request
+from runtime.entrypoints.structured import check_constraint
 from runtime.lora.request import LoRARequest
 from runtime.metrics import Metrics
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
+from runtime.structured_output.checker import GrammarChecker
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +45,14 @@ class ServerState:
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
     next_lora_id: int = 1  # for the next adapter loaded at run time
     started: int = field(default_factory=lambda: int(time.time()))  # /v1/models' `created`
+    lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while one loads
     # Tokenization and chat templating run here, off the event loop, so that a large request
     # never stalls the streams or /health. One thread: a fast tokenizer is not safe to share
     # between threads.
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
+    # checks requests' grammars in worker processes (made when the app starts)
+    grammars: GrammarChecker | None = None
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool,
@@ -103,6 +107,48 @@ def check_fits(state: ServerState, num_prompts: int, params: SamplingParams) -> 
                           f"{state.engine.max_queue_len} may wait (--max-queue-len)", param)
 
 
+class ClientDisconnected(Exception):
+    """The client went away before its reply was ready (the app answers 499, which no one
+    reads)."""
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(raw: Request | None, work: Awaitable[T]) -> T:
+    """Await `work`; if the client `raw` disconnects first, cancel it and raise
+    ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    if raw is None:
+        return await task
+    watch = asyncio.ensure_future(_until_disconnected(raw))
+    try:
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def prepared(state: ServerState, params: SamplingParams, constraint_param: str
+                   ) -> SamplingParams:
+    """`params` with the per-request heavy work done off the event loop: the constraint checked
+    by the grammar backend in a worker process, `bad_words` tokenized in the tokenizer
+    thread. A 400 naming `constraint_param` when the grammar is refused."""
+    if params.structured_outputs is not None:
+        await check_constraint(state.grammars, params.structured_outputs, constraint_param)
+    if params.bad_words:
+        ids = await state.off_loop(state.engine.processor.inputs.bad_words_token_ids,
+                                   params.bad_words)
+        params = params.clone(_bad_words_token_ids=ids)
+    return params
+
+
 def check_budget(state: ServerState, prompt_token_ids: list[int], max_tokens: int | None,
                  param: str) -> None:
     """As vLLM: the prompt and the requested completion must fit the context together."""
@@ -118,15 +164,22 @@ def check_budget(state: ServerState, prompt_token_ids: list[int], max_tokens: in
 async def open_streams(state: ServerState, request_id: str, prompts: list[PromptType],
                        params: SamplingParams, stream: bool, priority: int = 0,
                        max_tokens_param: str = "max_tokens",
-                       model: str | None = None) -> list[RequestStream]:
-    """Tokenize (off the event loop) and queue one engine request per prompt, all or none: a
-    400 for bad input or a request that can never fit, a 503 (with Retry-After) when the
-    waiting queue is full or the engine is restarting, a 500 when the engine is dead.
-    `model` names a LoRA adapter to run under, or the base model."""
+                       model: str | None = None, raw: Request | None = None,
+                       constraint_param: str = "structured_outputs") -> list[RequestStream]:
+    """Prepare the params (`prepared`) and tokenize, off the event loop, then queue one engine
+    request per prompt, all or none: a 400 for bad input or a request that can never fit, a 503
+    (with Retry-After) when the waiting queue is full or the engine is restarting, a 500 when
+    the engine is dead. The work before queueing stops if the client `raw` disconnects.
+    `model` names a LoRA adapter to run under, or the base model; `constraint_param` the
+    request field the constraint came from."""
     lora_request = state.lora_modules.get(model) if model is not None else None
+    if priority and state.engine.config.scheduling_policy != "priority":
+        raise bad_request("priority needs the server started with --scheduling-policy "
+                          "priority (it would be ignored)", param="priority")
     check_fits(state, len(prompts), params)
+    params = await until_disconnected(raw, prepared(state, params, constraint_param))
     try:
-        tokenized = await state.off_loop(_tokenize, state, prompts)
+        tokenized = await until_disconnected(raw, state.off_loop(_tokenize, state, prompts))
     except ValueError as e:
         raise bad_request(str(e), param="prompt") from None
     for prompt in tokenized:
@@ -211,28 +264,15 @@ async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
             s.close()
 
 
-async def _until_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def unless_disconnected(request: Request, work: Awaitable[Any],
                               streams: list[RequestStream]) -> Any:
     """Await `work`; if the client disconnects first, cancel it and abort its `streams`."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_until_disconnected(request))
     try:
-        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            for s in streams:
-                s.close()
-    if task.cancelled():
-        logger.info("request %s: the client disconnected; aborted", request.state.request_id)
-        return Response(status_code=499)
-    return task.result()
+        return await until_disconnected(request, work)
+    except ClientDisconnected:
+        for s in streams:
+            s.close()
+        raise
 
 
 def sse(data: Any, event: str | None = None) -> str:

@@ -10,13 +10,19 @@ from runtime.structured_output.params import StructuredOutputsParams
 
 
 def check(params: StructuredOutputsParams, backend: str = "auto") -> None:
-    """Raise ValueError naming the field when `backend` cannot take the constraint."""
+    """Raise ValueError naming the field when `backend` cannot take the constraint (at once
+    when the server's grammar checker has checked it with this backend)."""
+    if params._checked_by == backend:
+        return
     if backend == "guidance":
-        from runtime.structured_output.guidance import build_guidance_grammar
-        build_guidance_grammar(params)
+        from runtime.structured_output.guidance import allows_output, build_guidance_grammar
+        grammar = build_guidance_grammar(params)
     else:
-        from runtime.structured_output.grammar import build_grammar
-        build_grammar(params)
+        from runtime.structured_output.grammar import allows_output, build_grammar
+        grammar = build_grammar(params)
+    if not allows_output(grammar):
+        raise ValueError(f"structured_outputs.{params.kind} allows no output at all (a rule "
+                         "that only derives itself, or an empty character class)")
 
 
 def make_compiler(backend: str, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):

@@ -4,12 +4,53 @@ from __future__ import annotations
 
 import json
 import re
+from functools import lru_cache
 from typing import Any
 
 import xgrammar as xgr
 
 from runtime.structured_output.bitmask import pack_token_ids
 from runtime.structured_output.params import MAX_WHITESPACE_CNT, StructuredOutputsParams
+
+
+# JSON-schema keywords xgrammar 0.2.x drops without a word (its output then breaks the schema):
+# refused, as llguidance refuses them. Refs must be local ("#/..."): remote and file:// refs are
+# never fetched.
+UNENFORCED_KEYWORDS = ("uniqueItems", "not", "if", "then", "else", "contains", "minContains",
+                       "maxContains", "dependentRequired", "dependentSchemas",
+                       "unevaluatedProperties", "unevaluatedItems")
+# where a schema holds subschemas: one, a list of them, or a mapping of names to them
+_ONE = ("items", "additionalProperties", "propertyNames", "additionalItems", *UNENFORCED_KEYWORDS)
+_LIST = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_LOOKAROUND = re.compile(r"\(\?<?[=!]|\\[1-9]")  # lookahead, lookbehind, backreference
+
+
+def unenforced(schema: Any) -> list[str]:
+    """What of the JSON schema xgrammar would not enforce: its keywords among
+    UNENFORCED_KEYWORDS, non-local `$ref`s, and `pattern`s with lookaround or backreferences
+    (a schema's keywords only: a property may be called "not")."""
+    found, stack = [], [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        found += [k for k in UNENFORCED_KEYWORDS if k in node]
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            found.append(f"$ref {ref!r} (only local refs, #/..., are resolved)")
+        pattern = node.get("pattern")
+        if isinstance(pattern, str) and _LOOKAROUND.search(pattern):
+            found.append(f"pattern {pattern!r} (lookaround and backreferences)")
+        for key in _ONE:
+            stack.append(node.get(key))
+        for key in _LIST:
+            if isinstance(node.get(key), list):
+                stack.extend(node[key])
+        for key in _MAP:
+            if isinstance(node.get(key), dict):
+                stack.extend(node[key].values())
+    return found
 
 
 def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
@@ -21,6 +62,10 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     try:
         if kind in ("json", "json_object"):
             schema = params.json if kind == "json" else {"type": "object"}
+            refused = unenforced(json.loads(schema) if isinstance(schema, str) else schema)
+            if refused:
+                raise ValueError(f"the xgrammar backend cannot enforce "
+                                 f"{', '.join(sorted(set(refused)))}")
             return json_schema_grammar(schema if isinstance(schema, str) else json.dumps(schema),
                                        any_whitespace=not params.disable_any_whitespace)
         if kind == "regex":
@@ -54,6 +99,23 @@ def json_schema_grammar(schema: str, any_whitespace: bool) -> xgr.Grammar:
     return xgr.Grammar.from_ebnf(ebnf) if fixed else grammar
 
 
+@lru_cache(maxsize=1)
+def _byte_compiler() -> xgr.GrammarCompiler:
+    """A compiler for a vocabulary of the 256 bytes and a stop token (id 256)."""
+    vocab = [bytes([b]) for b in range(256)] + [b"</s>"]
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[256])
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def allows_output(grammar: xgr.Grammar) -> bool:
+    """Whether `grammar` derives anything at all (`root ::= root` and an empty character class
+    do not): some byte, or the end, is allowed at its start."""
+    matcher = xgr.GrammarMatcher(_byte_compiler().compile_grammar(grammar))
+    bitmask = xgr.allocate_token_bitmask(1, 257)
+    matcher.fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
+
+
 def choice_ebnf(choices: list[str]) -> str:
     """root ::= "a" | "b" ...: EBNF string literals escape as JSON strings do."""
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
@@ -78,3 +140,6 @@ class GrammarCompiler:
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(compiled)
+
+    def size_of(self, compiled: xgr.CompiledGrammar) -> int:
+        return compiled.memory_size_bytes

@@ -3,10 +3,12 @@ and grammars in Lark syntax (a GBNF grammar is converted); only this module impo
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
-from llguidance import LLMatcher
+from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from llguidance.gbnf_to_lark import any_to_lark
 from llguidance.hf import from_tokenizer
 
@@ -15,6 +17,7 @@ from runtime.structured_output.params import MAX_WHITESPACE_CNT, StructuredOutpu
 
 # JSON's whitespace between tokens, bounded as the xgrammar backend bounds it
 _WHITESPACE = r"[\x20\x0A\x0D\x09]{0,%d}" % MAX_WHITESPACE_CNT
+LEXER_STATE_BYTES = 256 * 2**10  # a compiled grammar's size past its text, as estimated
 
 
 def build_guidance_grammar(params: StructuredOutputsParams) -> str:
@@ -35,8 +38,11 @@ def build_guidance_grammar(params: StructuredOutputsParams) -> str:
         elif kind == "regex":
             grammar = LLMatcher.grammar_from_regex(params.regex)
         elif kind == "choice":
+            # one terminal (a regex to llguidance's lexer): as rule alternatives, 2,000 or more
+            # choices pass llguidance's limit of items in a parser row once the first token
+            # is in, and the request fails there
             grammar = LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in params.choice))
+                "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in params.choice))
         else:
             grammar = LLMatcher.grammar_from_lark(any_to_lark(params.grammar))
     except Exception as e:  # the GBNF converter raises its own error types
@@ -46,6 +52,32 @@ def build_guidance_grammar(params: StructuredOutputsParams) -> str:
         raise ValueError(f"structured_outputs.{kind} is not a valid {kind}: "
                          f"{error.strip().splitlines()[0]}")
     return grammar
+
+
+class _ByteTokenizer:
+    """The 256 bytes and a stop token (id 256), as llguidance's TokenizerWrapper reads one."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([b]) for b in range(256)] + [b"</s>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+_BYTES: list[LLTokenizer] = []  # made on first use
+
+
+def allows_output(grammar: str) -> bool:
+    """Whether `grammar` derives anything at all (`start: start` does not): llguidance finds
+    no error computing the mask of its start over a byte vocabulary."""
+    if not _BYTES:
+        _BYTES.append(LLTokenizer(TokenizerWrapper(_ByteTokenizer())))
+    matcher = LLMatcher(_BYTES[0], grammar, log_level=0)
+    words = np.zeros(-(-257 // 32), dtype=np.int32)
+    matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+    return not matcher.is_error() and bool(words.any())
 
 
 class GuidanceMatcher:
@@ -71,6 +103,12 @@ class GuidanceMatcher:
         return self._matcher.is_stopped()
 
 
+@dataclass
+class CompiledGuidance:
+    matcher: LLMatcher  # in its start state
+    grammar_bytes: int  # of the grammar's serialized text
+
+
 class GuidanceCompiler:
     """The llguidance tokenizer of one vocabulary, and grammars compiled against it (the same
     attributes as `grammar.GrammarCompiler`)."""
@@ -82,12 +120,18 @@ class GuidanceCompiler:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.stop_bitmask = pack_token_ids(stop_token_ids, vocab_size)
 
-    def compile(self, params: StructuredOutputsParams) -> LLMatcher:
+    def compile(self, params: StructuredOutputsParams) -> CompiledGuidance:
         """A matcher in its start state, which each sequence's matcher copies."""
-        matcher = LLMatcher(self._tokenizer, build_guidance_grammar(params), log_level=0)
+        grammar = build_guidance_grammar(params)
+        matcher = LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error()}")
-        return matcher
+        return CompiledGuidance(matcher, len(grammar))
 
-    def matcher(self, compiled: LLMatcher) -> GuidanceMatcher:
-        return GuidanceMatcher(compiled.deep_copy())
+    def matcher(self, compiled: CompiledGuidance) -> GuidanceMatcher:
+        return GuidanceMatcher(compiled.matcher.deep_copy())
+
+    def size_of(self, compiled: CompiledGuidance) -> int:
+        """An estimate (llguidance does not report it): the grammar's text and room for the
+        lexer states it builds as masks are computed."""
+        return compiled.grammar_bytes + LEXER_STATE_BYTES

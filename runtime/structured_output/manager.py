@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -27,17 +28,29 @@ from runtime.structured_output.stats import add_compile_time, empty_counts
 if TYPE_CHECKING:
     from runtime.request import Request
 
+# Compiled grammars kept for later requests with the same constraint, least recently used
+# dropped past this (xgrammar's compiled JSON schema for a 49152-token vocabulary is ~1.25 MB).
+MAX_CACHE_BYTES = 256 * 2**20
+
+
 class StructuredOutputManager:
     """`make_compiler` builds the vocabulary's compiler (`backends.make_compiler`: xgrammar's
-    or llguidance's); it is called once, on the first constrained request, in a pool thread."""
+    or llguidance's); it is called once, on the first constrained request, in a pool thread.
+    Compiled grammars are cached by their constraint up to `max_cache_bytes` (LRU; a running
+    request's matcher keeps its grammar alive without the cache)."""
 
-    def __init__(self, make_compiler: Callable[[], Any], max_workers: int = 2) -> None:
+    def __init__(self, make_compiler: Callable[[], Any], max_workers: int = 2,
+                 max_cache_bytes: int = MAX_CACHE_BYTES) -> None:
         self._make_compiler = make_compiler
         self._compiler: Any = None
         self._compiler_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._max_workers = max_workers
-        self._grammars: dict[tuple, Future] = {}  # compiled grammars, by kind and text
+        # compiled grammars (pending or done), by kind and text, least recently used first
+        self._grammars: OrderedDict[tuple, Future] = OrderedDict()
+        self._sizes: dict[tuple, int] = {}  # of the compiled ones the cache counts
+        self.max_cache_bytes = max_cache_bytes
+        self.cache_bytes = 0
         self.waiting: dict[str, tuple[Request, Future]] = {}  # in arrival order
         self.matchers: dict[str, Any] = {}  # the backend's matchers, as xgrammar's are called
         # cumulative, for /metrics
@@ -58,6 +71,7 @@ class StructuredOutputManager:
             self._grammars[key] = future
             self.num_cache_misses += 1
         else:
+            self._grammars.move_to_end(key)
             self.num_cache_hits += 1
         self.waiting[request.request_id] = (request, future)
 
@@ -82,13 +96,30 @@ class StructuredOutputManager:
             if not future.done():
                 continue
             del self.waiting[request_id]
+            key = request.params.structured_outputs.key
             if future.exception() is not None:
-                self._grammars.pop(request.params.structured_outputs.key, None)
+                if self._grammars.get(key) is future:
+                    del self._grammars[key]
                 failed.append((request, future.exception()))
                 continue
             self.matchers[request_id] = self._compiler.matcher(future.result())
+            self._count(key, future)
             ready.append(request)
         return ready, failed
+
+    def _count(self, key: tuple, future: Future) -> None:
+        """Count a compiled grammar in the cache once, then drop the least recently used
+        compiled ones (never one still compiling) until the cache fits."""
+        if key in self._sizes or self._grammars.get(key) is not future:
+            return
+        self._sizes[key] = self._compiler.size_of(future.result())
+        self.cache_bytes += self._sizes[key]
+        for old in list(self._grammars):
+            if self.cache_bytes <= self.max_cache_bytes:
+                break
+            if old in self._sizes and old != key:
+                del self._grammars[old]
+                self.cache_bytes -= self._sizes.pop(old)
 
     def wait(self, timeout: float) -> None:
         """Block until a waiting grammar is compiled, or `timeout` seconds."""

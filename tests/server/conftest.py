@@ -16,6 +16,8 @@ API_KEY = "test-key"
 STARTUP_TIMEOUT_S = 240  # the 2-core CI machine is shared; loading is usually ~20 s
 SHUTDOWN_TIMEOUT_S = 60
 TINY_ARGS = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--num-threads", "1"]
+# for the tests of slow clients (a slow head or body is cut off after these)
+SHORT_TIMEOUTS = ["--header-timeout", "5", "--body-timeout", "5"]
 
 
 def free_port() -> int:
@@ -118,7 +120,7 @@ def tiny_server(tiny_llama, tmp_path_factory):
     """The tiny random Llama behind an API key; shut down gracefully at the end."""
     log = str(tmp_path_factory.mktemp("server") / "tiny.log")
     server = Server([tiny_llama, *TINY_ARGS, "--served-model-name", "tiny", "--api-key",
-                     API_KEY], log)
+                     API_KEY, *SHORT_TIMEOUTS], log)
     yield server
     # A graceful shutdown lets the request in flight when SIGTERM arrives finish.
     core = server.core_pid()

@@ -30,21 +30,53 @@ def server(tiny_llama, tmp_path_factory):
 
 
 def test_fuzz_the_openapi_schema(server):
+    _fuzz_server(server, EXAMPLES_PER_MODE)
+
+
+# The other flavours of server, each fuzzed on the routes it adds, with fewer examples (CI time):
+# (extra serve arguments, the model, the paths fuzzed)
+FLAVOURS = {
+    "guidance": (["--structured-outputs-config", '{"backend": "guidance"}'], "LlamaForCausalLM",
+                 ("/v1/completions", "/v1/chat/completions", "/v1/responses")),
+    "lora": (["--enable-lora", "--enable-runtime-lora-updating"], "LlamaForCausalLM",
+             ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/completions")),
+    "pooling": ([], "BertModel", ("/v1/embeddings", "/score", "/rerank", "/v2/rerank",
+                                  "/classify")),
+}
+FLAVOUR_EXAMPLES_PER_MODE = 15
+
+
+@pytest.mark.parametrize("flavour", sorted(FLAVOURS))
+def test_fuzz_each_server_flavour(flavour, tiny_model_factory, tmp_path):
+    args, arch, paths = FLAVOURS[flavour]
+    server = Server([tiny_model_factory(arch), *TINY_ARGS, *FUZZ_ARGS, *args,
+                     "--served-model-name", "tiny"], str(tmp_path / "server.log"))
+    try:
+        _fuzz_server(server, FLAVOUR_EXAMPLES_PER_MODE, paths)
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def _fuzz_server(server, examples: int, paths: tuple[str, ...] | None = None) -> None:
+    """Every operation of the server's schema (on `paths`, if given), schema-valid and
+    schema-invalid, `examples` of each; /health still 200 at the end."""
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     schema.config.update(base_url=server.url)
     sent = {}
     for result in schema.get_all_operations():
         operation = result.ok()
+        if paths is not None and operation.path not in paths:
+            continue
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            sent[f"{operation.label} {mode.value}"] = _fuzz(operation, mode)
-    assert httpx.get(server.url + "/health").status_code == 200
+            sent[f"{operation.label} {mode.value}"] = _fuzz(operation, mode, examples)
+    assert sent and httpx.get(server.url + "/health").status_code == 200
     print(f"fuzzer: {sum(sent.values())} requests, 0 failures: {sent}")
 
 
-def _fuzz(operation, mode: GenerationMode) -> int:
+def _fuzz(operation, mode: GenerationMode, examples: int) -> int:
     count = 0
 
-    @settings(max_examples=EXAMPLES_PER_MODE, deadline=None, database=None,
+    @settings(max_examples=examples, deadline=None, database=None,
               phases=[Phase.generate], suppress_health_check=list(HealthCheck),
               derandomize=True)
     @given(case=operation.as_strategy(generation_mode=mode))

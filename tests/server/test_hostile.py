@@ -3,19 +3,30 @@ the route's shape, and a normal request right after it still works."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.server.conftest import API_KEY
+from tests.server.conftest import API_KEY, wait_for
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ANTHROPIC = {"x-api-key": API_KEY}
 BIG = 2**64 + 1
 INT64_MAX = 2**63 - 1
 LONE_SURROGATE = '"hi \\ud800"'  # JSON text: the escape decodes to an unpaired surrogate
+
+
+def _deep_schema(depth: int) -> str:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return json.dumps(schema)
+
+
+DEEP_SCHEMA = _deep_schema(450)  # JSON text: the body's own depth check cannot see inside it
 
 
 def raw(text: str) -> bytes:
@@ -86,6 +97,44 @@ CORPUS = [
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("/v1/chat/completions", json.loads(_chat('[{"type": "image_url"}]')), 400, "messages"),
     ("/v1/completions", [1, 2, 3], 400, None),
+    # 10. issue 36: JSON nested deep inside strings, keys that are not int64 token ids, content
+    # of the wrong shape, grammars that allow no output or pass the server's limits
+    ("/v1/completions", {"prompt": "hi", "guided_json": DEEP_SCHEMA}, 400, "guided_json"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": DEEP_SCHEMA}}, 400,
+     "structured_outputs"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "f", "arguments": '{"a": ' + "[" * 500 + "]" * 500 + "}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None,
+                                            "tool_calls": [{"function": "f"}]}]}, 400,
+     "messages"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),
+    *[("/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                      "content": content}]}]}, 400, None)
+      for content in (5, ["a", "b"], {"text": "a"})],
+    ("/v1/completions", {"prompt": "hi", "guided_grammar": "root ::= root"}, 400,
+     "guided_grammar"),
+    ("/v1/completions", {"prompt": "hi", "guided_grammar": "root ::= []"}, 400,
+     "guided_grammar"),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": [f"{i:07d}" for i in range(200_000)]},
+     400, "guided_choice"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": ["w"] * 2000}, 400, "bad_words"),
+    # fields that would be silently ignored: refused
+    ("/v1/completions", {"prompt": "hi", "priority": 5}, 400, "priority"),  # fcfs server
+    ("/v1/completions", {"prompt": "hi", "length_penalty": 2.0}, 400, "length_penalty"),
+    ("/v1/completions", {"prompt": "hi", "spaces_between_special_tokens": False}, 400,
+     "spaces_between_special_tokens"),
+    ("/v1/chat/completions", json.loads(_chat('"hi"')) | {"parallel_tool_calls": 0}, 400,
+     "parallel_tool_calls"),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 4, "no_such_field": 1,
+                      "messages": [{"role": "user", "content": "hi"}]}, 400, None),
 ]
 
 
@@ -190,7 +239,8 @@ def test_cors_preflight_is_answered_without_the_key(tiny_server):
 def test_openapi_describes_what_the_server_sends(tiny_server):
     schema = httpx.get(tiny_server.url + "/openapi.json").json()
     completions = schema["paths"]["/v1/completions"]["post"]["responses"]
-    assert "422" not in completions and {"400", "401", "413", "500", "503"} <= set(completions)
+    assert "422" not in completions
+    assert {"400", "401", "408", "413", "500", "503"} <= set(completions)
     assert "text/event-stream" in completions["200"]["content"]
     assert "content" not in schema["paths"]["/health"]["get"]["responses"]["200"]
     seed = schema["components"]["schemas"]["CompletionRequest"]["properties"]["seed"]
@@ -227,3 +277,66 @@ def test_large_tokenize_does_not_stall_streams(tiny_server):
         t.join()
     assert reply.status_code == 200 and reply.json()["count"] > 10**6
     assert len(gaps) > 8 * 300 and max(gaps) < 1.0, max(gaps)
+
+
+def _raw_exchange(server, data: bytes, trickle: bytes = b"", timeout: float = 60) -> bytes:
+    """Send `data` on a fresh connection, then `trickle` one byte a second (a slowloris
+    client) until an answer comes; everything the server sent until it closed the
+    connection."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(data)
+        sock.settimeout(1.0)
+        received, deadline, sent = b"", time.monotonic() + timeout, 0
+        while time.monotonic() < deadline:
+            try:
+                chunk = sock.recv(65536)
+            except socket.timeout:
+                chunk = None
+            except ConnectionResetError:  # closed while bytes were on their way
+                return received
+            if chunk == b"":
+                return received  # the server closed the connection
+            received += chunk or b""
+            if sent < len(trickle) and not received:
+                sock.sendall(trickle[sent:sent + 1])
+                sent += 1
+    raise AssertionError(f"the connection stayed open past {timeout} s: {received[:200]!r}")
+
+
+def _json_reply(raw: bytes) -> tuple[int, dict]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    assert b"application/json" in head.lower(), head
+    return status, json.loads(body)
+
+
+def test_a_body_shorter_than_its_content_length_times_out_with_408(tiny_server):
+    body = b'{"prompt": "hi"}'
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body) + 100}\r\n\r\n")
+    status, error = _json_reply(_raw_exchange(tiny_server, head.encode() + body))
+    assert status == 408 and "--body-timeout" in error["error"]["message"], error
+    assert_still_serving(tiny_server)
+
+
+def test_a_slowloris_head_is_cut_off_with_408(tiny_server):
+    trickle = b"X-Slow: " + b"a" * 200  # one byte a second, far past --header-timeout
+    status, error = _json_reply(_raw_exchange(
+        tiny_server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", trickle))
+    assert status == 408 and "--header-timeout" in error["error"]["message"], error
+    assert_still_serving(tiny_server)
+
+
+def test_protocol_errors_have_a_json_body(tiny_server):
+    status, error = _json_reply(_raw_exchange(tiny_server, b"NOT HTTP AT ALL\r\n\r\n"))
+    assert status == 400 and error["error"]["type"] == "invalid_request_error", error
+
+
+def test_a_client_leaving_a_non_streamed_request_aborts_it_cleanly(tiny_server):
+    body = {"prompt": "Leave early", "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(tiny_server.url + "/v1/completions", json=body, headers=AUTH, timeout=1.0)
+    assert wait_for(lambda: "the client disconnected; aborted" in tiny_server.log(), 30)
+    assert "InvalidStateError" not in tiny_server.log()
+    assert_still_serving(tiny_server)

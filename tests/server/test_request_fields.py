@@ -81,3 +81,55 @@ def test_the_server_refuses_each_field_it_does_not_honour(api, tiny_server):
             assert reply.status_code == 400, (name, reply.text)
             error = reply.json()["error"]
             assert error.get("param", name) == name and name in error["message"], error
+
+
+VLLM_REFUSED = ["guided_decoding_backend", "guided_whitespace_pattern", "logits_processors",
+                "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids",
+                "spaces_between_special_tokens", "truncate_prompt_tokens", "add_special_tokens"]
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_vllms_extras_this_server_does_not_honour_are_refused(api):
+    _, model, minimal = APIS[api]
+    names = VLLM_REFUSED + (["chat_template", "documents", "echo"] if api == "chat" else [])
+    for name in names:
+        assert refused(model, name), name
+        with pytest.raises(pydantic.ValidationError) as info:
+            model.model_validate({**minimal, name: "unsupported-value"})
+        assert info.value.errors()[0]["loc"][0] == name
+
+
+BODIES = {"/v1/chat/completions": APIS["chat"][2], "/v1/completions": APIS["completions"][2],
+          "/v1/messages": APIS["messages"][2], "/v1/responses": APIS["responses"][2],
+          "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1]}}
+
+
+@pytest.mark.parametrize("path", sorted(BODIES))
+def test_unknown_fields_are_a_400_naming_them(path, tiny_server):
+    reply = httpx.post(tiny_server.url + path, json={**BODIES[path], "no_such_field": 1},
+                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert "no_such_field" in error["message"] and error.get("param", "no_such_field") == \
+        "no_such_field", error
+
+
+def test_honoured_vllm_chat_extras(client, tiny_tokenizer):
+    """continue_final_message leaves the assistant's message open, as transformers renders it;
+    chat_template_kwargs may not override the rendering's own arguments."""
+    messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi t"}]
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=2, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    text = tiny_tokenizer.apply_chat_template(messages, continue_final_message=True,
+                                              tokenize=False)
+    assert text.endswith("Hi t")  # the message is left open
+    assert reply.usage.prompt_tokens == len(tiny_tokenizer.encode(text, add_special_tokens=False))
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+    assert info.value.body["param"] == "continue_final_message"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"tokenize": True}})
+    assert info.value.body["param"] == "chat_template_kwargs"

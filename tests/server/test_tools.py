@@ -204,3 +204,32 @@ def test_anthropic_tools(smollm2_server):
                                     tool_choice={"type": "none"},
                                     extra_body={"temperature": 0})
     assert answer.content[0].type == "text" and answer.stop_reason != "tool_use"
+
+
+def test_pydantic_tool_schemas_keep_their_defs_under_forced_calls(client):
+    """A pydantic model's schema refers to its `$defs` (`#/$defs/Unit`): forced calls of such
+    tools ("required" puts every tool's parameters inside one schema) follow it."""
+    import enum
+
+    import pydantic
+
+    class Unit(enum.Enum):
+        celsius = "celsius"
+        fahrenheit = "fahrenheit"
+
+    class Weather(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=30)
+        unit: Unit
+
+    parameters = Weather.model_json_schema()
+    assert "$defs" in parameters
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}},
+             TIME]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools,
+                                               tool_choice=tool_choice, max_tokens=100,
+                                               temperature=0)
+        for call in reply.choices[0].message.tool_calls:
+            schema = parameters if call.function.name == "get_weather" else \
+                TIME["function"]["parameters"]
+            jsonschema.validate(json.loads(call.function.arguments), schema)

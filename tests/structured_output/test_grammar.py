@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -111,3 +112,47 @@ def test_the_guidance_backend_bounds_whitespace_too(tokenizer_dir):
                    for t in tokenizer.encode(text, add_special_tokens=False))
     assert takes('{\n' + " " * (MAX_WHITESPACE_CNT - 1) + '"a": "b"}')
     assert not takes('{\n' + " " * MAX_WHITESPACE_CNT + '"a": "b"}')
+
+
+@pytest.mark.parametrize("schema, named", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"anyOf": [{"not": {"type": "string"}}, {"type": "null"}]}, "not"),
+    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if, then"),
+    ({"type": "string", "pattern": "(?=a)a+"}, "lookaround"),
+    ({"type": "object", "properties": {"a": {"$ref": "file:///etc/passwd"}}}, "local refs"),
+    ({"$ref": "https://example.com/schema.json"}, "local refs"),
+])
+def test_schema_keywords_xgrammar_would_drop_are_refused(schema, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        check(StructuredOutputsParams(json=schema), "xgrammar")
+
+
+def test_keywords_are_told_from_property_names_and_local_refs_resolve():
+    check(StructuredOutputsParams(json={"type": "object", "properties": {
+        "not": {"type": "integer"}, "if": {"$ref": "#/$defs/s"}}, "$defs": {
+        "s": {"type": "string"}}}), "xgrammar")
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+@pytest.mark.parametrize("grammar", ["root ::= root", "root ::= [^\\x00-\\U0010FFFF]"])
+def test_a_grammar_that_allows_no_output_is_refused(backend, grammar):
+    if backend == "guidance":
+        pytest.importorskip("llguidance")
+    with pytest.raises(ValueError, match="allows no output|not a valid"):
+        check(StructuredOutputsParams(grammar=grammar), backend)
+
+
+def test_the_guidance_backend_takes_thousands_of_choices(tokenizer_dir):
+    """3,000 choices as rule alternatives put 3,001 items in a parser row after the first
+    token, over llguidance's limit of 2,000: the choice is one terminal instead."""
+    pytest.importorskip("llguidance")
+    from runtime.structured_output.guidance import GuidanceCompiler
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    compiler = GuidanceCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    choices = [f"option {i}" for i in range(3000)]
+    compiled = compiler.compile(StructuredOutputsParams(choice=choices))
+    for text, taken in (("option 2999", True), ("option 3000", False)):
+        matcher = compiler.matcher(compiled)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert all(matcher.accept_token(t) for t in ids) == taken, text
+    assert matcher.is_terminated()  # "option 300" is complete: no choice goes on from it

@@ -6,6 +6,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.structured_output.params import loads_json_text
+
 
 @dataclass
 class ToolCall:
@@ -27,7 +29,7 @@ def call_of(obj: Any, arguments_key: str) -> ToolCall | None:
     arguments = obj.get(arguments_key, obj.get("arguments", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = loads_json_text(arguments, "a tool call's arguments")
         except ValueError:
             return None
     if not isinstance(arguments, dict):

@@ -7,6 +7,7 @@ from typing import Any
 
 from runtime.entrypoints.tool_parsers.calls import ToolCall, call_of
 from runtime.entrypoints.tool_parsers.streaming import CallReader, HermesReader, WholeReader
+from runtime.structured_output.params import MAX_JSON_DEPTH, json_depth
 
 
 class ToolParser:
@@ -24,7 +25,9 @@ class ToolParser:
 
 def _json_values(text: str) -> list[Any]:
     """Consecutive JSON values in `text` (separated by whitespace, ';' or ','); [] if any
-    part is not JSON."""
+    part is not JSON or they nest deeper than MAX_JSON_DEPTH."""
+    if json_depth(text) > MAX_JSON_DEPTH:
+        return []
     decoder, values, pos = json.JSONDecoder(), [], 0
     while True:
         while pos < len(text) and text[pos] in " \t\r\n;,":
@@ -93,9 +96,11 @@ class PythonicParser(ToolParser):
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>")
+        if json_depth(body) > MAX_JSON_DEPTH:  # Python's parser recurses too
+            return text, []
         try:
             tree = ast.parse(body.strip(), mode="eval").body
-        except SyntaxError:
+        except (SyntaxError, RecursionError, MemoryError):
             return text, []
         if not isinstance(tree, ast.List) or not tree.elts:
             return text, []

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from runtime.entrypoints.tool_parsers.calls import ToolCall, call_of
+from runtime.structured_output.params import loads_json_text
 
 
 @dataclass
@@ -140,7 +141,7 @@ class _Arguments:
 
     def valid(self) -> bool:
         try:
-            return isinstance(json.loads(self.call.arguments), dict)
+            return isinstance(loads_json_text(self.call.arguments, "a tool call"), dict)
         except ValueError:
             return False
 
@@ -182,7 +183,7 @@ class _CallObject:
 
     def _parsed(self) -> ToolCall | None:
         try:
-            return call_of(json.loads(self.text), self.key)
+            return call_of(loads_json_text(self.text, "a tool call"), self.key)
         except ValueError:
             return None
 

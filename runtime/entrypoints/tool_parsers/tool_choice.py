@@ -1,7 +1,6 @@
 """What a chat request's `tools` and `tool_choice` mean for the engine and the reply."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from runtime.entrypoints.errors import bad_request
@@ -11,6 +10,7 @@ from runtime.entrypoints.tool_parsers.streaming import (CallReader, Delta, Named
                                                         RequiredCallsReader, TextReader)
 from runtime.sampling_params import SamplingParams
 from runtime.structured_output import StructuredOutputsParams
+from runtime.structured_output.params import loads_json_text
 
 
 class ToolChoice:
@@ -60,25 +60,27 @@ class ToolChoice:
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
         """The grammar that forces the call, for "required" and a named function."""
-        if not (self.required or self.forced):
+        if not self.forces_call:
             return None
         schema = forced_call_schema(self.tools, self.forced)
         if self.required and not self.parallel:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema)
 
-    def constrain(self, params: SamplingParams, format_param: str,
-                  backend: str) -> SamplingParams:
-        """`params` with the grammar that forces the call (checked by the grammar `backend`),
-        if there is one; a 400 when the request constrains the output otherwise too
-        (`format_param` names how)."""
+    @property
+    def forces_call(self) -> bool:
+        return self.required or self.forced is not None
+
+    def constrain(self, params: SamplingParams, format_param: str) -> SamplingParams:
+        """`params` with the grammar that forces the call, if there is one; a 400 when the
+        request constrains the output otherwise too (`format_param` names how)."""
         forced = self.structured_outputs()
         if forced is None:
             return params
         if params.structured_outputs is not None:
             raise bad_request(f"a forced tool_choice and {format_param} both constrain the "
                               "output: give only one", param="tool_choice")
-        return params.clone(structured_outputs=checked("tools", {"json": forced.json}, backend))
+        return params.clone(structured_outputs=checked("tools", {"json": forced.json}))
 
     def reader(self) -> CallReader:
         """A reader for one output (one per sample): its content and call deltas."""
@@ -107,15 +109,43 @@ class ToolChoice:
 
 def forced_call_schema(tools: list[dict], choice: str | None) -> dict:
     """The JSON schema a forced output follows: the named function's parameters, or (choice
-    None: "required") a non-empty list of {"name", "parameters"} calls of any tool."""
+    None: "required") a non-empty list of {"name", "parameters"} calls of any tool, each tool's
+    `$defs` (pydantic's `#/$defs/...` refs) moved to the root under its name."""
     functions = {t["function"]["name"]: t["function"] for t in tools}
     if choice is not None:
         return functions[choice].get("parameters") or {"type": "object"}
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"const": name},
-                                          "parameters": f.get("parameters") or {"type": "object"}},
-         "required": ["name", "parameters"], "additionalProperties": False}
-        for name, f in functions.items()]}}
+    defs: dict[str, Any] = {}
+    calls = [{"type": "object", "properties": {
+        "name": {"const": name},
+        "parameters": _hoist_defs(name, f.get("parameters") or {"type": "object"}, defs)},
+        "required": ["name", "parameters"], "additionalProperties": False}
+        for name, f in functions.items()]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def _hoist_defs(name: str, parameters: dict, defs: dict[str, Any]) -> dict:
+    """`parameters` without its `$defs` / `definitions`, which go into `defs` as "name.key",
+    its local refs to them rewritten to match."""
+    own = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+    if not own:
+        return parameters
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: rewrite(v) for k, v in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            for prefix in ("#/$defs/", "#/definitions/"):
+                if ref.startswith(prefix):
+                    out["$ref"] = f"#/$defs/{name}.{ref[len(prefix):]}"
+        return out
+
+    defs.update({f"{name}.{key}": rewrite(value) for key, value in own.items()})
+    return {k: v for k, v in rewrite(parameters).items() if k not in ("$defs", "definitions")}
 
 
 def template_messages(messages: list[Any], text_of, param: str = "messages") -> list[dict]:
@@ -136,12 +166,16 @@ def template_messages(messages: list[Any], text_of, param: str = "messages") -> 
 
 
 def _template_call(call: dict, param: str) -> dict:
-    function = dict(call.get("function") or {})
+    function = call.get("function") or {}
+    if not isinstance(function, dict):
+        raise bad_request("a tool call's function must be an object with a name and "
+                          "arguments", param=param)
+    function = dict(function)
     if isinstance(function.get("arguments"), str):
         try:
-            function["arguments"] = json.loads(function["arguments"])
-        except ValueError:
-            raise bad_request("a tool call's arguments must be JSON text",
-                              param=param) from None
+            function["arguments"] = loads_json_text(function["arguments"],
+                                                    "a tool call's arguments")
+        except ValueError as e:
+            raise bad_request(f"{e} (they must be JSON text)", param=param) from None
     return {**call, "function": function}
 
