@@ -38,6 +38,10 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+    num_prompt_tokens: int = 0
+    last_token_time: float | None = None
+    # the gaps between a request's steps that produced tokens (vLLM's inter-token latency)
+    inter_token_latencies: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from runtime.cli.engine_args import add_engine_args, engine_kwargs
 
 API_KEY_SCOPES = ("v1", "all")
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+METRICS_PREFIXES = ("both", "vllm", "runtime")  # runtime.metrics.METRICS_PREFIXES
 
 
 class _Default:
@@ -86,6 +87,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         'JSON {"name": ..., "path": ...}; a request picks one by its "model"')
     g.add_argument("--enable-runtime-lora-updating", action="store_true",
                    help="mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    g.add_argument("--metrics-prefix", choices=METRICS_PREFIXES, default="both",
+                   help="the names /metrics serves: vLLM's (vllm:*, for vLLM's dashboards, "
+                        "llm-d and the gateway API inference extension), ours (runtime:*), "
+                        "or both")
     g.add_argument("--config", default=None,
                    help="a YAML file of these options (e.g. max_num_seqs: 64); flags win")
     for action in p._actions:
@@ -159,7 +164,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if (lora_modules or args.enable_runtime_lora_updating) and not args.enable_lora:
         raise SystemExit("error: --lora-modules and --enable-runtime-lora-updating need "
                          "--enable-lora")
-    metrics = Metrics(names[0])
+    metrics = Metrics(names[0], args.metrics_prefix)
     config = EngineConfig.from_kwargs(**kwargs)
     engine = AsyncLLM(
         config, args.max_queue_len, metrics if config.disable_log_stats else StatLogger(metrics),

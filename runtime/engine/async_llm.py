@@ -383,7 +383,12 @@ class AsyncLLM:
                          sum(s.num_grammar_cache_hits for s in live),
                          sum(s.num_grammar_cache_misses for s in live),
                          [sum(c) for c in zip(*(s.grammar_compile_counts for s in live
-                                                if s.grammar_compile_counts))])
+                                                if s.grammar_compile_counts))],
+                         sum(s.num_prefix_cache_queries for s in live),
+                         sum(s.num_prefix_cache_hits for s in live),
+                         [sum(c) for c in zip(*(s.step_token_counts for s in live
+                                                if s.step_token_counts))],
+                         sum(s.num_step_tokens for s in live))
 
     def _on_core_exit(self, replica: int) -> None:
         client = self.replicas[replica]

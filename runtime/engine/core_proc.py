@@ -100,6 +100,12 @@ class CoreStats(msgspec.Struct, array_like=True):
     num_grammar_cache_hits: int = 0
     num_grammar_cache_misses: int = 0
     grammar_compile_counts: list[int] = []
+    # prefix cache, cumulative: prompt tokens looked up, and those found cached
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
+    # steps per bucket of runtime.engine.step_stats (empty: none yet), and their tokens
+    step_token_counts: list[int] = []
+    num_step_tokens: int = 0
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
@@ -258,4 +264,6 @@ class CoreLoop:
                          spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
                          *((grammars.num_compiles, grammars.compile_seconds,
                             grammars.num_cache_hits, grammars.num_cache_misses,
-                            list(grammars.compile_counts)) if grammars else ()))
+                            list(grammars.compile_counts)) if grammars else (0, 0.0, 0, 0, [])),
+                         kv.num_cache_queries, kv.num_cache_hits,
+                         list(self.core.step_tokens.counts), self.core.step_tokens.total)

@@ -64,6 +64,7 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        metrics.engine_started(engine.config, engine.max_model_len, engine.num_blocks)
         state = app.state.server
         state.tool_call_parser = tool_call_parser_of(
             state.chat_template or engine.tokenizer.chat_template, model_names[0],
