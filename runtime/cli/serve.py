@@ -87,6 +87,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         'JSON {"name": ..., "path": ...}; a request picks one by its "model"')
     g.add_argument("--enable-runtime-lora-updating", action="store_true",
                    help="mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    g.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve vLLM's VllmEngine gRPC service (token in, token out, as "
+                        "smg routers drive it), grpc.health.v1 and reflection on this port")
     g.add_argument("--metrics-prefix", choices=METRICS_PREFIXES, default="both",
                    help="the names /metrics serves: vLLM's (vllm:*, for vLLM's dashboards, "
                         "llm-d and the gateway API inference extension), ours (runtime:*), "
@@ -153,6 +156,9 @@ def serve_command(args: argparse.Namespace) -> int:
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise SystemExit("error: HTTPS needs both --ssl-keyfile and --ssl-certfile")
     sock = bind_socket(args.host, args.port)  # a busy port fails now, not after loading
+    grpc_server = None
+    if args.grpc_port is not None:
+        grpc_server = make_grpc_server(args.host, args.grpc_port, args.shutdown_timeout)
     kwargs = engine_kwargs(args)
     kwargs["model"] = args.model_tag or kwargs["model"]
     names = args.served_model_name or [
@@ -183,6 +189,21 @@ def serve_command(args: argparse.Namespace) -> int:
                      args.enable_log_requests and not args.disable_log_requests,
                      args.tool_call_parser, args.enable_auto_tool_choice, lora_modules,
                      args.enable_runtime_lora_updating,
-                     url=server_url(sock, tls is not None, args.root_path))
+                     url=server_url(sock, tls is not None, args.root_path),
+                     grpc_server=grpc_server)
     return run_server(app, sock, args.shutdown_timeout, tls, args.root_path,
                       args.uvicorn_log_level)
+
+
+def make_grpc_server(host: str, port: int, grace_s: float) -> Any:
+    """The gRPC server beside the HTTP one, its port checked now."""
+    try:
+        import grpc  # noqa: F401
+        import grpc_health.v1  # noqa: F401
+        import grpc_reflection.v1alpha  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"error: {e}: --grpc-port needs the serve extra: "
+                         "pip install 'runtime[serve]'") from None
+    from runtime.entrypoints.grpc.server import GrpcServer, check_port
+    check_port(host, port)
+    return GrpcServer(host, port, grace_s)
