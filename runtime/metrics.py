@@ -172,8 +172,11 @@ class Metrics:
             self.registry.register(self.grammar_compile_seconds)
         if self.vllm:
             self.registry.register(self.iteration_tokens)
+        self.params_n = self._series(Histogram, "request_params_n", None,
+                                     "The n of finished requests.", buckets=(1, 2, 5, 10, 20))
         self.request_prompt_tokens: Series | None = None
         self.request_generation_tokens: Series | None = None
+        self.params_max_tokens: Series | None = None
         self._last = CoreStats(0, 0, 0, 0.0, 0.0, 0)
 
     def _series(self, kind: type, vllm_name: str | None, runtime_name: str | None, doc: str,
@@ -206,6 +209,9 @@ class Metrics:
         self.request_generation_tokens = self._series(
             Histogram, "request_generation_tokens", None,
             "Generated tokens per finished request (per sample).", buckets=buckets)
+        self.params_max_tokens = self._series(Histogram, "request_params_max_tokens", None,
+                                              "The max_tokens of finished requests that set "
+                                              "it.", buckets=buckets)
         if self.vllm:
             info = {"engine": ENGINE, "block_size": str(config.block_size),
                     "cache_dtype": config.kv_cache_dtype,
@@ -266,8 +272,11 @@ class Metrics:
             self.requests[finish_reason].inc()
         self.e2e.observe(end - metrics.arrival_time)
         if self.request_prompt_tokens is not None and metrics.num_prompt_tokens:
+            self.params_n.observe(metrics.n)
             self.request_prompt_tokens.observe(metrics.num_prompt_tokens)
             self.request_generation_tokens.observe(tokens_per_sample)
+            if metrics.max_tokens is not None:
+                self.params_max_tokens.observe(metrics.max_tokens)
         for gap in metrics.inter_token_latencies:
             self.itl.observe(gap)
         scheduled = metrics.first_scheduled_time

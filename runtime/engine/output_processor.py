@@ -73,7 +73,8 @@ class OutputProcessor:
         if params.prompt_logprobs is not None:
             prompt_logprobs = [None] * len(prompt_token_ids)
         metrics = RequestMetrics(arrival_time=arrival_time,
-                                 num_prompt_tokens=len(prompt_token_ids))
+                                 num_prompt_tokens=len(prompt_token_ids), n=params.n,
+                                 max_tokens=params.max_tokens)
         self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
                                                  samples, prompt_logprobs, metrics, output_kind)
 

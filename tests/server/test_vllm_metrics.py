@@ -23,7 +23,8 @@ SERVED = {
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
     "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
-    "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+    "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_n",
+    "vllm:request_params_max_tokens",
     "vllm:iteration_tokens_total", "vllm:time_to_first_token_seconds",
     "vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds",
     "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
@@ -90,7 +91,8 @@ def test_vllm_values_follow_the_requests(scraped):
     assert 0 < hits < queries
     for name in ("vllm:inter_token_latency_seconds", "vllm:request_queue_time_seconds",
                  "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
-                 "vllm:iteration_tokens_total", "vllm:request_prompt_tokens"):
+                 "vllm:iteration_tokens_total", "vllm:request_prompt_tokens",
+                 "vllm:request_params_n", "vllm:request_params_max_tokens"):
         assert value(families, name, name + "_count") > 0, name
     # each step computes at least one token; the steps' tokens are at least the generated ones
     assert value(families, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_sum") \
