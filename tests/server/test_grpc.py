@@ -40,10 +40,29 @@ def serve_grpc(model: str, log: str, *args: str) -> Server:
     return server
 
 
+def random_adapter(base: str, path: str) -> str:
+    """A PEFT LoRA adapter on q_proj and v_proj with random A and B (B = 0 would change
+    nothing)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(3)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    server = serve_grpc(tiny_llama, str(tmp_path_factory.mktemp("grpc") / "server.log"),
-                        "--served-model-name", "tiny")
+    root = tmp_path_factory.mktemp("grpc")
+    adapter = random_adapter(tiny_llama, str(root / "qv"))
+    server = serve_grpc(tiny_llama, str(root / "server.log"), "--served-model-name", "tiny",
+                        "--enable-lora", "--lora-modules", f"qv={adapter}")
     yield server
     assert server.stop() == 0, server.log()
 
@@ -55,9 +74,9 @@ def stub(server, pb):
     channel.close()
 
 
-def generate(stub, pb, stream: bool = False, request_id: str = "", **params):
+def generate(stub, pb, stream: bool = False, lora_name: str | None = None, **params):
     request = pb[0].GenerateRequest(
-        request_id=request_id, tokenized=pb[0].TokenizedInput(input_ids=PROMPT),
+        tokenized=pb[0].TokenizedInput(input_ids=PROMPT), lora_name=lora_name,
         sampling_params=pb[0].SamplingParams(**{"temperature": 0.0, "max_tokens": MAX_TOKENS,
                                                 "ignore_eos": True, **params}),
         stream=stream)
@@ -70,18 +89,24 @@ def refused(call) -> grpc.RpcError:
     return info.value
 
 
-def test_greedy_tokens_equal_the_completions_route(server, stub, pb, tiny_tokenizer):
-    [reply] = generate(stub, pb, logprobs=0)
+@pytest.mark.parametrize("model", ["tiny", "qv"])
+def test_greedy_tokens_equal_the_completions_route(server, stub, pb, tiny_tokenizer, model):
+    lora = {} if model == "tiny" else {"lora_name": model}
+    [reply] = generate(stub, pb, logprobs=0, **lora)
     done = reply.complete
     assert done.finish_reason == "length" and done.completion_tokens == MAX_TOKENS
     assert done.prompt_tokens == len(PROMPT) and len(done.output_ids) == MAX_TOKENS
     http = httpx.post(server.url + "/v1/completions", timeout=120, json={
-        "model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
         "logprobs": 0, "ignore_eos": True}).json()["choices"][0]
     assert http["text"] == tiny_tokenizer.decode(done.output_ids)
     assert http["logprobs"]["tokens"] == [tiny_tokenizer.decode([t]) for t in done.output_ids]
     assert list(done.output_logprobs.token_logprobs) == \
         pytest.approx(http["logprobs"]["token_logprobs"], abs=1e-4)
+    if lora:  # the adapter changes what the model says
+        [base] = generate(stub, pb, logprobs=0)
+        assert list(base.complete.output_logprobs.token_logprobs) != \
+            pytest.approx(list(done.output_logprobs.token_logprobs), abs=1e-4)
 
 
 def test_streaming_sends_the_same_tokens_in_chunks(stub, pb):
