@@ -9,6 +9,7 @@ import sys
 import httpx
 import pytest
 
+from tests.lora.lora_reference import ADAPTERS, save_adapter
 from tests.server.conftest import REPO, TINY_ARGS, Server, free_port, wait_for
 
 grpc = pytest.importorskip("grpc")
@@ -40,27 +41,10 @@ def serve_grpc(model: str, log: str, *args: str) -> Server:
     return server
 
 
-def random_adapter(base: str, path: str) -> str:
-    """A PEFT LoRA adapter on q_proj and v_proj with random A and B (B = 0 would change
-    nothing)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(3)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
-        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.2)
-    model.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("grpc")
-    adapter = random_adapter(tiny_llama, str(root / "qv"))
+    adapter = save_adapter(tiny_llama, str(root / "qv"), seed=3, **ADAPTERS["qv"])
     server = serve_grpc(tiny_llama, str(root / "server.log"), "--served-model-name", "tiny",
                         "--enable-lora", "--lora-modules", f"qv={adapter}")
     yield server
