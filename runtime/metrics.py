@@ -177,6 +177,8 @@ class Metrics:
         self.request_prompt_tokens: Series | None = None
         self.request_generation_tokens: Series | None = None
         self.params_max_tokens: Series | None = None
+        self.lora_info: Gauge | None = None
+        self.max_loras = 0
         self._last = CoreStats(0, 0, 0, 0.0, 0.0, 0)
 
     def _series(self, kind: type, vllm_name: str | None, runtime_name: str | None, doc: str,
@@ -220,12 +222,24 @@ class Metrics:
                     "num_gpu_blocks": str(num_blocks)}
             Gauge("vllm:cache_config_info", "The KV cache's configuration.", list(info),
                   registry=self.registry).labels(**info).set(1)
+            if config.enable_lora:
+                self.max_loras = config.max_loras
+                self.lora_info = Gauge(
+                    "vllm:lora_requests_info", "The LoRA adapters of the running and the "
+                    "waiting requests (comma-separated); the value is when they were seen.",
+                    ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                    registry=self.registry)
 
     def on_core_stats(self, stats: CoreStats) -> None:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.hit_rate.set(stats.prefix_cache_hit_rate)
+        if self.lora_info is not None:
+            self.lora_info.labels(max_lora=str(self.max_loras),
+                                  waiting_lora_adapters=",".join(stats.waiting_lora_adapters),
+                                  running_lora_adapters=",".join(stats.running_lora_adapters)
+                                  ).set_to_current_time()
         last, self._last = self._last, stats
 
         def grown(field: str) -> float:  # a restarted core starts its counts again

@@ -388,7 +388,9 @@ class AsyncLLM:
                          sum(s.num_prefix_cache_hits for s in live),
                          [sum(c) for c in zip(*(s.step_token_counts for s in live
                                                 if s.step_token_counts))],
-                         sum(s.num_step_tokens for s in live))
+                         sum(s.num_step_tokens for s in live),
+                         sorted({a for s in live for a in s.running_lora_adapters}),
+                         sorted({a for s in live for a in s.waiting_lora_adapters}))
 
     def _on_core_exit(self, replica: int) -> None:
         client = self.replicas[replica]

@@ -106,6 +106,9 @@ class CoreStats(msgspec.Struct, array_like=True):
     # steps per bucket of runtime.engine.step_stats (empty: none yet), and their tokens
     step_token_counts: list[int] = []
     num_step_tokens: int = 0
+    # with LoRA: the adapters (by name) of the running and of the waiting requests
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
@@ -266,4 +269,10 @@ class CoreLoop:
                             grammars.num_cache_hits, grammars.num_cache_misses,
                             list(grammars.compile_counts)) if grammars else (0, 0.0, 0, 0, [])),
                          kv.num_cache_queries, kv.num_cache_hits,
-                         list(self.core.step_tokens.counts), self.core.step_tokens.total)
+                         list(self.core.step_tokens.counts), self.core.step_tokens.total,
+                         *((_adapters(scheduler.running), _adapters(scheduler.waiting))
+                           if self.core.config.enable_lora else ([], [])))
+
+
+def _adapters(requests) -> list[str]:
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})

@@ -91,6 +91,9 @@ def test_greedy_tokens_equal_the_completions_route(server, stub, pb, tiny_tokeni
         [base] = generate(stub, pb, logprobs=0)
         assert list(base.complete.output_logprobs.token_logprobs) != \
             pytest.approx(list(done.output_logprobs.token_logprobs), abs=1e-4)
+        # vLLM's LoRA gauge saw it run (its value: when)
+        assert server.metric("vllm:lora_requests_info", max_lora="1",
+                             running_lora_adapters=model) > 0
 
 
 def test_streaming_sends_the_same_tokens_in_chunks(stub, pb):
