@@ -282,3 +282,32 @@ def test_unset_fields_take_the_generation_config(tiny_llama, pb, tmp_path):
         channel.close()
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_a_full_queue_is_resource_exhausted(tiny_llama, pb, tmp_path):
+    server = serve_grpc(tiny_llama, str(tmp_path / "queue.log"), "--max-num-seqs", "1",
+                        "--max-queue-len", "1")
+    channel = grpc.insecure_channel(server.grpc_address)
+    stub = pb[1].VllmEngineStub(channel)
+    m = pb[0]
+
+    def long(request_id: str):
+        return stub.Generate(m.GenerateRequest(
+            request_id=request_id, tokenized=m.TokenizedInput(input_ids=PROMPT), stream=True,
+            sampling_params=m.SamplingParams(max_tokens=400, ignore_eos=True)), timeout=120)
+
+    try:
+        running = long("running")
+        next(running)  # the only slot is taken
+        waiting = long("waiting")
+        assert wait_for(lambda: server.metric("vllm:num_requests_waiting") == 1)
+        error = refused(lambda: list(long("refused")))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+        assert "the waiting queue is full" in error.details()
+        running.cancel()
+        waiting.cancel()
+        assert wait_for(lambda: server.metric("vllm:num_requests_running") == 0)
+        assert server.metric("runtime:request_rejected_total") == 1
+        channel.close()
+    finally:
+        assert server.stop() == 0, server.log()

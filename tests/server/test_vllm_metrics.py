@@ -121,3 +121,13 @@ def test_the_grafana_dashboard_reads_only_what_we_serve(scraped):
                 assert label.strip() in labels, f"{expr}: no series has the label {label}"
         for label in re.findall(r"\{(\w+)=~?\"", expr):
             assert label in labels, f"{expr}: no series has the label {label}"
+
+
+def test_metrics_prefix_chooses_the_names():
+    from runtime.metrics import Metrics
+    vllm = Metrics("m", "vllm").render().decode()
+    runtime = Metrics("m", "runtime").render().decode()
+    assert "vllm:num_requests_running" in vllm and "runtime:" not in vllm
+    assert "runtime:num_requests_running" in runtime and "vllm:" not in runtime
+    with pytest.raises(ValueError, match="metrics prefix must be one of both, vllm, runtime"):
+        Metrics("m", "tgi")
