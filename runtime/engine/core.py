@@ -49,7 +49,9 @@ class CoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    first_scheduled_time: float | None = None  # time.monotonic() when it was first scheduled
+    # time.monotonic() when it was first scheduled (the host's one clock, so the API process
+    # compares it with its own for the queue and prefill times)
+    first_scheduled_time: float | None = None
     pooling_output: PooledTensor | None = None  # a pooling request's result, when it finishes
 
 
