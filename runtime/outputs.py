@@ -38,6 +38,12 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+    num_prompt_tokens: int = 0
+    n: int = 1  # the request's n and max_tokens, for /metrics
+    max_tokens: int | None = None
+    last_token_time: float | None = None
+    # the gaps between a request's steps that produced tokens (vLLM's inter-token latency)
+    inter_token_latencies: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from runtime.cli.engine_args import add_engine_args, engine_kwargs
 
 API_KEY_SCOPES = ("v1", "all")
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+METRICS_PREFIXES = ("both", "vllm", "runtime")  # runtime.metrics.METRICS_PREFIXES
 
 
 class _Default:
@@ -100,6 +101,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         'JSON {"name": ..., "path": ...}; a request picks one by its "model"')
     g.add_argument("--enable-runtime-lora-updating", action="store_true",
                    help="mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    g.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve vLLM's VllmEngine gRPC service (token in, token out, as "
+                        "smg routers drive it), grpc.health.v1 and reflection on this port")
+    g.add_argument("--metrics-prefix", choices=METRICS_PREFIXES, default="both",
+                   help="the names /metrics serves: vLLM's (vllm:*, for vLLM's dashboards, "
+                        "llm-d and the gateway API inference extension), ours (runtime:*), "
+                        "or both")
     g.add_argument("--config", default=None,
                    help="a YAML file of these options (e.g. max_num_seqs: 64); flags win")
     for action in p._actions:
@@ -154,6 +162,9 @@ def serve_command(args: argparse.Namespace) -> int:
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise SystemExit("error: HTTPS needs both --ssl-keyfile and --ssl-certfile")
     sock = bind_socket(args.host, args.port)  # a busy port fails now, not after loading
+    grpc_server = None
+    if args.grpc_port is not None:
+        grpc_server = make_grpc_server(args.host, args.grpc_port, args.shutdown_timeout)
     kwargs = engine_kwargs(args)
     kwargs["model"] = args.model_tag or kwargs["model"]
     names = args.served_model_name or [
@@ -165,7 +176,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if (lora_modules or args.enable_runtime_lora_updating) and not args.enable_lora:
         raise SystemExit("error: --lora-modules and --enable-runtime-lora-updating need "
                          "--enable-lora")
-    metrics = Metrics(names[0])
+    metrics = Metrics(names[0], args.metrics_prefix)
     config = EngineConfig.from_kwargs(**kwargs)
     engine = AsyncLLM(
         config, args.max_queue_len, metrics if config.disable_log_stats else StatLogger(metrics),
@@ -189,6 +200,21 @@ def serve_command(args: argparse.Namespace) -> int:
                             grammar_cache_bytes=args.grammar_cache_bytes,
                             header_timeout=args.header_timeout,
                             body_timeout=args.body_timeout),
-                     url=server_url(sock, tls is not None, args.root_path))
+                     url=server_url(sock, tls is not None, args.root_path),
+                     grpc_server=grpc_server)
     return run_server(app, sock, args.shutdown_timeout, tls, args.root_path,
                       args.uvicorn_log_level)
+
+
+def make_grpc_server(host: str, port: int, grace_s: float) -> Any:
+    """The gRPC server beside the HTTP one, its port checked now."""
+    try:
+        import grpc  # noqa: F401
+        import grpc_health.v1  # noqa: F401
+        import grpc_reflection.v1alpha  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"error: {e}: --grpc-port needs the serve extra: "
+                         "pip install 'runtime[serve]'") from None
+    from runtime.entrypoints.grpc.server import GrpcServer, check_port
+    check_port(host, port)
+    return GrpcServer(host, port, grace_s)

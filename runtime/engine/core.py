@@ -13,6 +13,7 @@ from runtime.config import EngineConfig
 from runtime.core.kv_cache_manager import KVCacheManager
 from runtime.core.scheduler import Scheduler
 from runtime.core.step_input import StepInputBuilder
+from runtime.engine.step_stats import StepTokens
 from runtime.executor import build_executor
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource
@@ -48,6 +49,9 @@ class CoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # time.monotonic() when it was first scheduled (the host's one clock, so the API process
+    # compares it with its own for the queue and prefill times)
+    first_scheduled_time: float | None = None
     pooling_output: PooledTensor | None = None  # a pooling request's result, when it finishes
 
 
@@ -94,6 +98,7 @@ class EngineCore:
         self.structured = None
         # the requests the last step ended with an error (finish_reason "abort"), with it
         self.failed: list[tuple[Request, str]] = []
+        self.step_tokens = StepTokens()  # tokens scheduled per step, for /metrics
 
     def _fit_max_model_len(self, tokens: int, where: str, fix: str) -> None:
         """Every request must fit the cache alone, or preemption could never make room for it;
@@ -172,6 +177,7 @@ class EngineCore:
             if self.structured is not None and not outputs:
                 self.structured.wait(timeout=0.05)  # nothing runs until a grammar is ready
             return outputs
+        self.step_tokens.add(sched.num_batched_tokens)
         step_input = self.step_inputs.build(sched)
         if self.structured is not None:
             step_input.grammar_bitmask, step_input.grammar_rows = \
@@ -203,5 +209,6 @@ class EngineCore:
                 logprobs=result.logprobs.get(r.request_id), prompt_logprobs=plp,
                 finish_reason=r.status.finish_reason, stop_reason=r.stop_reason,
                 num_cached_tokens=r.num_cached_tokens,
+                first_scheduled_time=r.first_scheduled_time,
                 pooling_output=None if pooled is None else PooledTensor.of(pooled)))
         return outputs

@@ -102,9 +102,21 @@ class CoreStats(msgspec.Struct, array_like=True, kw_only=True):
     num_grammar_cache_hits: int = 0
     num_grammar_cache_misses: int = 0
     grammar_compile_counts: list[int] = []
+    # prefix cache, cumulative: prompt tokens looked up, and those found cached
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
+    # steps per bucket of runtime.engine.step_stats (empty: none yet), and their tokens
+    step_token_counts: list[int] = []
+    num_step_tokens: int = 0
+    # with LoRA: the adapters (by name) of the running and of the waiting requests
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
     # the fields that are a share, averaged over replicas; every other number is summed
     SHARES: ClassVar[tuple[str, ...]] = ("kv_cache_usage", "prefix_cache_hit_rate")
+    # per-bucket counts, summed bucket by bucket; names, joined
+    BUCKETS: ClassVar[tuple[str, ...]] = ("grammar_compile_counts", "step_token_counts")
+    NAMES: ClassVar[tuple[str, ...]] = ("running_lora_adapters", "waiting_lora_adapters")
 
     @classmethod
     def merge(cls, replicas: list["CoreStats"]) -> "CoreStats":
@@ -114,7 +126,9 @@ class CoreStats(msgspec.Struct, array_like=True, kw_only=True):
         merged = {}
         for name in cls.__struct_fields__:
             values = [getattr(s, name) for s in replicas]
-            if name == "grammar_compile_counts":
+            if name in cls.NAMES:
+                merged[name] = sorted(set().union(*values))
+            elif name in cls.BUCKETS:
                 merged[name] = [sum(c) for c in zip(*(v for v in values if v))]
             elif name in cls.SHARES:
                 merged[name] = sum(values) / len(values)
@@ -276,11 +290,22 @@ class CoreLoop:
             num_received=self.num_received, kv_cache_usage=kv.usage(),
             prefix_cache_hit_rate=kv.hit_rate(), num_preemptions=scheduler.num_preemptions,
             num_spec_drafts=spec.num_drafts, num_spec_draft_tokens=spec.num_draft_tokens,
-            num_spec_accepted_tokens=spec.num_accepted_tokens)
+            num_spec_accepted_tokens=spec.num_accepted_tokens,
+            num_prefix_cache_queries=kv.num_cache_queries,
+            num_prefix_cache_hits=kv.num_cache_hits,
+            step_token_counts=list(self.core.step_tokens.counts),
+            num_step_tokens=self.core.step_tokens.total)
         if grammars:
             stats.num_grammar_compiles = grammars.num_compiles
             stats.grammar_compile_seconds = grammars.compile_seconds
             stats.num_grammar_cache_hits = grammars.num_cache_hits
             stats.num_grammar_cache_misses = grammars.num_cache_misses
             stats.grammar_compile_counts = list(grammars.compile_counts)
+        if self.core.config.enable_lora:
+            stats.running_lora_adapters = _adapters(scheduler.running)
+            stats.waiting_lora_adapters = _adapters(scheduler.waiting)
         return stats
+
+
+def _adapters(requests) -> list[str]:
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})

@@ -72,10 +72,11 @@ class OutputProcessor:
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             prompt_logprobs = [None] * len(prompt_token_ids)
+        metrics = RequestMetrics(arrival_time=arrival_time,
+                                 num_prompt_tokens=len(prompt_token_ids), n=params.n,
+                                 max_tokens=params.max_tokens)
         self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
-                                                 samples, prompt_logprobs,
-                                                 RequestMetrics(arrival_time=arrival_time),
-                                                 output_kind)
+                                                 samples, prompt_logprobs, metrics, output_kind)
 
     def _to_position(self, entry: TokenLogprobs) -> PositionLogprobs:
         position = {entry.ids[0]: Logprob(entry.logprobs[0], entry.rank,
@@ -108,9 +109,15 @@ class OutputProcessor:
                     state.prompt_logprobs[start + offset] = self._to_position(entry)
             if not out.new_token_ids and out.finish_reason is None:
                 continue
-            if state.metrics.first_token_time is None and out.new_token_ids:
-                state.metrics.first_token_time = now
-                state.metrics.num_cached_tokens = out.num_cached_tokens
+            metrics = state.metrics
+            if metrics.first_token_time is None and out.new_token_ids:
+                metrics.first_token_time = now
+                metrics.num_cached_tokens = out.num_cached_tokens
+                metrics.first_scheduled_time = out.first_scheduled_time
+            elif out.new_token_ids and metrics.last_token_time != now:  # once per step
+                metrics.inter_token_latencies.append(now - metrics.last_token_time)
+            if out.new_token_ids:
+                metrics.last_token_time = now
             sample.token_ids.extend(out.new_token_ids)
             if out.logprobs and sample.cumulative_logprob is not None:
                 for entry in out.logprobs[:len(out.new_token_ids)]:

@@ -24,6 +24,7 @@ from runtime.entrypoints import (anthropic_api, lora_api, openai_api, pooling_ap
                                  responses_api)
 from runtime.entrypoints.chat import render_chat, text_of
 from runtime.entrypoints.connection import HEADER_TIMEOUT_S, GuardedH11Protocol
+from runtime.entrypoints.grpc.server import GrpcServer
 from runtime.entrypoints.errors import (APIError, bad_request, is_anthropic_path,
                                         route_path)
 from runtime.entrypoints.middleware import RequestContext, needs_key
@@ -73,15 +74,19 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
                enable_auto_tool_choice: bool = False,
                lora_modules: dict[str, LoRARequest] | None = None,
                enable_runtime_lora_updating: bool = False,
-               limits: Limits | None = None, url: str = "") -> FastAPI:
+               limits: Limits | None = None, url: str = "",
+               grpc_server: GrpcServer | None = None) -> FastAPI:
     """The server's app; starting it (its lifespan) starts the engine, stopping it stops it,
     and once it is up logs that `model_names[0]` is served at `url`.
     If the engine dies for good, the app asks the server to stop (`app.state.stop_server`) and
-    sets `app.state.exit_code` to 1."""
+    sets `app.state.exit_code` to 1. A `grpc_server` serves the same engine while the app runs."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        metrics.engine_started(engine.config, engine.max_model_len, engine.num_blocks)
+        if grpc_server is not None:
+            await grpc_server.start(app.state.server)
         state = app.state.server
         state.tool_call_parser = tool_call_parser_of(
             state.chat_template or engine.tokenizer.chat_template, model_names[0],
@@ -98,6 +103,8 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
         watch = asyncio.create_task(_exit_when_dead(app, engine))
         yield
         watch.cancel()
+        if grpc_server is not None:
+            await grpc_server.stop()
         await engine.shutdown()
         state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         if state.grammars is not None:
