@@ -90,9 +90,9 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, batch: LoRA
                                              batch.seg_starts, batch.seg_slots, offsets)
 
 
-def _rows(state_indices: torch.Tensor | None, seqs: int, device: torch.device) -> torch.Tensor:
+def _rows(state_indices: torch.Tensor | None, seqs: int) -> torch.Tensor:
     if state_indices is None:
-        return torch.arange(seqs, device=device)
+        return torch.arange(seqs)
     return state_indices.long().contiguous()
 
 
@@ -108,11 +108,17 @@ def _prefill_states(initial_state: torch.Tensor | None, has_initial_state: torch
     return initial_state.to(dtype, memory_format=torch.contiguous_format, copy=True), has
 
 
+def _conv_params(weight: torch.Tensor, bias: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The conv weight and bias as the kernel takes them: contiguous float32."""
+    return weight.float().contiguous(), None if bias is None else bias.float().contiguous()
+
+
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   query_start_loc: torch.Tensor, initial_state: torch.Tensor | None = None,
                   has_initial_state: torch.Tensor | None = None, activation: str | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    if activation not in (None, "silu", "swish") or not _fits(x, 16) or weight.size(1) > 8:
+    if activation not in (None, "silu", "swish") or x.size(-1) % 16 or weight.size(1) > 8:
         return portable_recurrent.causal_conv1d(x, weight, bias, query_start_loc, initial_state,
                                                 has_initial_state, activation)
     seqs = query_start_loc.numel() - 1
@@ -121,23 +127,22 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                  (seqs, x.size(1), weight.size(1) - 1),
                                  dtype if dtype in (torch.float32, x.dtype) else torch.float32)
     out = torch.ops.runtime_cpu.causal_conv1d(
-        x, weight.float().contiguous(), None if bias is None else bias.float().contiguous(),
-        query_start_loc.long().contiguous(), state, torch.arange(seqs), has, activation is not None)
+        x.contiguous(), *_conv_params(weight, bias), query_start_loc.long().contiguous(), state,
+        torch.arange(seqs), has, activation is not None)
     return out, state.to(dtype)
 
 
 def causal_conv1d_update(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None, activation: str | None = None,
                          state_indices: torch.Tensor | None = None) -> torch.Tensor:
-    if (activation not in (None, "silu", "swish") or not _fits(x, 16) or weight.size(1) > 8
+    if (activation not in (None, "silu", "swish") or x.size(-1) % 16 or weight.size(1) > 8
             or not state.is_contiguous() or state.dtype not in (torch.float32, x.dtype)):
         return portable_recurrent.causal_conv1d_update(x, state, weight, bias, activation,
                                                        state_indices)
     seqs = x.size(0)
     return torch.ops.runtime_cpu.causal_conv1d(
-        x, weight.float().contiguous(), None if bias is None else bias.float().contiguous(),
-        torch.arange(seqs + 1), state, _rows(state_indices, seqs, x.device),
-        torch.ones(seqs, dtype=torch.bool), activation is not None)
+        x.contiguous(), *_conv_params(weight, bias), torch.arange(seqs + 1), state,
+        _rows(state_indices, seqs), torch.ones(seqs, dtype=torch.bool), activation is not None)
 
 
 def _gdn_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -154,8 +159,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            has_initial_state: torch.Tensor | None = None,
                            use_qk_l2norm: bool = False, scale: float | None = None,
                            chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel runs the recurrence token by token (the state block of each work item stays
-    in L1), which on a CPU beats the chunked form's small matmuls; same contract and result."""
+    """The kernel runs the recurrence token by token (each work item's block of the state stays
+    in L1): the same contract, and the same result to float32 rounding."""
     if not _gdn_fits(q, v):
         return portable_recurrent.chunk_gated_delta_rule(
             q, k, v, g, beta, query_start_loc, initial_state, has_initial_state, use_qk_l2norm,
@@ -183,7 +188,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     return torch.ops.runtime_cpu.gated_delta_rule(
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(),
         beta.float().contiguous(), torch.arange(seqs + 1), state,
-        _rows(state_indices, seqs, v.device), use_qk_l2norm, _gdn_scale(q, scale))
+        _rows(state_indices, seqs), use_qk_l2norm, _gdn_scale(q, scale))
 
 
 def mamba2_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
@@ -200,7 +205,7 @@ def mamba2_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
     return torch.ops.runtime_cpu.mamba2_state_update(
         state, x.contiguous(), dt.contiguous(), A.float().contiguous(), B.contiguous(),
         C.contiguous(), None if D is None else D.float().contiguous(),
-        _rows(state_indices, x.size(0), x.device))
+        _rows(state_indices, x.size(0)))
 
 
 # oneDNN with a pre-packed weight beats MKL's sgemm (which re-packs the weight every call) on

@@ -241,3 +241,10 @@ def test_unknown_conv_activation_is_refused():
     x, weight, bias = _conv_inputs(torch.float32, lens=[3])
     with pytest.raises(ValueError, match="allowed are 'silu' and None"):
         ops.causal_conv1d(x, weight, bias, _loc([3]), activation="gelu")
+
+
+def test_every_op_name_is_in_the_hook_contract():
+    from runtime.plugins import hookspecs
+    contract = hookspecs.runtime_custom_op.__doc__.replace("\n", " ")
+    for name in ops.OPS:
+        assert f'"{name}"' in contract, name

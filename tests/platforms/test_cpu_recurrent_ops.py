@@ -1,5 +1,7 @@
 """The CPU platform's recurrent kernels (csrc/recurrent_ops.cpp) against the portable ops, on
 varlen batches at odd lengths, with initial states on some sequences, in float32 and bfloat16."""
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,7 +26,7 @@ def _close(got, want, dtype):
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("activation", ["silu", None])
 def test_causal_conv1d(dtype, activation):
-    x = torch.randn(sum(LENS), 48).to(dtype)
+    x = torch.randn(sum(LENS), 96).to(dtype)[:, 24:72]  # a slice of a projection's output
     weight, bias = torch.randn(48, 4).to(dtype), torch.randn(48).to(dtype)
     initial = torch.randn(len(LENS), 48, 3)
     kept = initial.clone()
@@ -109,9 +111,10 @@ def test_shapes_the_kernels_do_not_take_use_the_portable_ops():
     torch.testing.assert_close(state, want_state)
 
 
-def test_the_platform_answers_the_recurrent_ops():
+def test_the_platform_answers_the_recurrent_ops_with_their_signatures():
     platform = CpuPlatform()
     for name in ("causal_conv1d", "causal_conv1d_update", "chunk_gated_delta_rule",
                  "fused_recurrent_gated_delta_rule", "mamba2_state_update"):
         assert platform.custom_op(name) is getattr(ops, name)
+        assert inspect.signature(getattr(ops, name)) == inspect.signature(portable.OPS[name])
     assert platform.custom_op("selective_scan") is None  # no kernel yet: the portable op runs

@@ -4,6 +4,8 @@ Without a GPU they run through Triton's interpreter (TRITON_INTERPRET=1, set by 
 before anything imports Triton); on a GPU the same tests compile them for real. Sizes stay tiny:
 the interpreter runs each program in numpy.
 """
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -65,3 +67,9 @@ def test_a_state_the_kernel_does_not_take_is_refused():
     state = torch.zeros(1, 1, 16, 16, device=DEVICE, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="contiguous float32"):
         recurrent_triton.fused_recurrent_gated_delta_rule(q, k, v, g, g, state)
+
+
+@pytest.mark.parametrize("name", ["fused_recurrent_gated_delta_rule", "causal_conv1d_update"])
+def test_the_kernels_keep_the_portable_signatures(name):
+    assert (inspect.signature(getattr(recurrent_triton, name))
+            == inspect.signature(portable.OPS[name]))

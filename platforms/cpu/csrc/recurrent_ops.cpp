@@ -24,49 +24,71 @@ int64_t checked_sequences(const at::Tensor& query_start_loc, const at::Tensor& s
   return state_indices.numel();
 }
 
+// q and k [T, Hk, K] -> float32, L2-normed if asked (eps 1e-6, as flash-linear-attention), q
+// times the scale: once per token and key head, not once per work item below.
+template <typename T>
+void normed_qk(const T* q, const T* k, float* qn, float* kn, int64_t rows, int64_t dk,
+               bool l2norm, float scale) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float qq = 0.f, kk = 0.f;
+      for (int64_t i = 0; i < dk; ++i) {
+        const float a = static_cast<float>(q[r * dk + i]), b = static_cast<float>(k[r * dk + i]);
+        qn[r * dk + i] = a;
+        kn[r * dk + i] = b;
+        qq += a * a;
+        kk += b * b;
+      }
+      const float qs = scale * (l2norm ? 1.f / std::sqrt(qq + 1e-6f) : 1.f);
+      const float ks = l2norm ? 1.f / std::sqrt(kk + 1e-6f) : 1.f;
+      for (int64_t i = 0; i < dk; ++i) {
+        qn[r * dk + i] *= qs;
+        kn[r * dk + i] *= ks;
+      }
+    }
+  });
+}
+
 // Gated delta rule, per value head with state S [K, V] (V contiguous, float32):
 // S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q. Column j of S only ever meets v[j],
 // so each work item owns a block of lanes of V and runs its sequence's tokens with that block
-// of the state in L1.
+// of the state in L1, read twice and written once per token: S^T k is taken before the decay
+// (exp(g) S^T k), which the update then applies. Four accumulators keep the FMA chains apart.
 template <typename T>
-void gated_delta_rule_kernel(const T* q, const T* k, const T* v, const float* g,
+void gated_delta_rule_kernel(const float* q, const float* k, const T* v, const float* g,
                              const float* beta, const int64_t* loc, const int64_t* rows,
                              float* state, T* out, int64_t seqs, int64_t k_heads,
-                             int64_t v_heads, int64_t dk, int64_t dv, bool l2norm, float scale) {
+                             int64_t v_heads, int64_t dk, int64_t dv) {
   const int64_t blocks = dv / kLanes, group = v_heads / k_heads;
   at::parallel_for(0, seqs * v_heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qn(dk), kn(dk);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / (v_heads * blocks), h = item / blocks % v_heads;
       const int64_t col = item % blocks * kLanes, kh = h / group;
       float* S = state + (rows[s] * v_heads + h) * dk * dv + col;
       for (int64_t t = loc[s]; t < loc[s + 1]; ++t) {
-        const T* qt = q + (t * k_heads + kh) * dk;
-        const T* kt = k + (t * k_heads + kh) * dk;
-        float qq = 0.f, kk = 0.f;
-        for (int64_t i = 0; i < dk; ++i) {
-          qn[i] = static_cast<float>(qt[i]);
-          kn[i] = static_cast<float>(kt[i]);
-          qq += qn[i] * qn[i];
-          kk += kn[i] * kn[i];
-        }
-        const float qs = scale * (l2norm ? 1.f / std::sqrt(qq + 1e-6f) : 1.f);
-        const float ks = l2norm ? 1.f / std::sqrt(kk + 1e-6f) : 1.f;
+        const float* qt = q + (t * k_heads + kh) * dk;
+        const float* kt = k + (t * k_heads + kh) * dk;
         const float decay = std::exp(g[t * v_heads + h]), b = beta[t * v_heads + h];
-        vecf mem = {};
-        for (int64_t i = 0; i < dk; ++i) {
-          vecf row = loadv(S + i * dv) * decay;
+        vecf mem[4] = {};
+        int64_t i = 0;
+        for (; i + 4 <= dk; i += 4)
+          for (int j = 0; j < 4; ++j) mem[j] += loadv(S + (i + j) * dv) * kt[i + j];
+        for (; i < dk; ++i) mem[0] += loadv(S + i * dv) * kt[i];
+        const vecf kv = ((mem[0] + mem[1]) + (mem[2] + mem[3])) * decay;
+        const vecf delta = (loadv(v + (t * v_heads + h) * dv + col) - kv) * b;
+        vecf o[4] = {};
+        for (i = 0; i + 4 <= dk; i += 4)
+          for (int j = 0; j < 4; ++j) {
+            const vecf row = loadv(S + (i + j) * dv) * decay + delta * kt[i + j];
+            storev(S + (i + j) * dv, row);
+            o[j] += row * qt[i + j];
+          }
+        for (; i < dk; ++i) {
+          const vecf row = loadv(S + i * dv) * decay + delta * kt[i];
           storev(S + i * dv, row);
-          mem += row * (kn[i] * ks);
+          o[0] += row * qt[i];
         }
-        const vecf delta = (loadv(v + (t * v_heads + h) * dv + col) - mem) * b;
-        vecf o = {};
-        for (int64_t i = 0; i < dk; ++i) {
-          vecf row = loadv(S + i * dv) + delta * (kn[i] * ks);
-          storev(S + i * dv, row);
-          o += row * (qn[i] * qs);
-        }
-        storev(out + (t * v_heads + h) * dv + col, o);
+        storev(out + (t * v_heads + h) * dv + col, (o[0] + o[1]) + (o[2] + o[3]));
       }
     }
   });
@@ -94,12 +116,16 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
                   state.size(1) == v_heads && state.size(2) == dk && state.size(3) == dv,
               "state must be contiguous float32 [slots, Hv, K, V]");
   at::Tensor out = at::empty_like(v);
+  at::Tensor qn = at::empty(q.sizes(), q.options().dtype(at::kFloat)), kn = at::empty_like(qn);
   RUNTIME_CPU_DISPATCH(v.scalar_type(), "gated_delta_rule", [&] {
+    normed_qk<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), qn.data_ptr<float>(),
+                        kn.data_ptr<float>(), q.size(0) * k_heads, dk, l2norm,
+                        static_cast<float>(scale));
     gated_delta_rule_kernel<scalar_t>(
-        q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-        g.data_ptr<float>(), beta.data_ptr<float>(), query_start_loc.data_ptr<int64_t>(),
+        qn.data_ptr<float>(), kn.data_ptr<float>(), v.data_ptr<scalar_t>(), g.data_ptr<float>(),
+        beta.data_ptr<float>(), query_start_loc.data_ptr<int64_t>(),
         state_indices.data_ptr<int64_t>(), state.data_ptr<float>(), out.data_ptr<scalar_t>(),
-        seqs, k_heads, v_heads, dk, dv, l2norm, static_cast<float>(scale));
+        seqs, k_heads, v_heads, dk, dv);
   });
   return out;
 }
