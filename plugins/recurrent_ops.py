@@ -157,8 +157,9 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
 
 # -- Mamba 2 SSD -------------------------------------------------------------------------------
 
-def _ssd_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool,
-            dt_limit: tuple[float, float]) -> torch.Tensor:
+def mamba2_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool,
+              dt_limit: tuple[float, float]) -> torch.Tensor:
+    """Mamba 2's step sizes as the scan uses them, float32: clamp(softplus(dt + dt_bias))."""
     return _mamba_dt(dt, dt_bias, dt_softplus).clamp(dt_limit[0], dt_limit[1])
 
 
@@ -190,7 +191,7 @@ def mamba2_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
     Returns (y [T, H, P] in x's dtype, final_state [S, H, P, N]).
     """
     heads, head_dim, n = x.size(1), x.size(2), B.size(-1)
-    dt = _ssd_dt(dt, dt_bias, dt_softplus, dt_limit)
+    dt = mamba2_dt(dt, dt_bias, dt_softplus, dt_limit)
     dA = dt * A.float()
     xdt = x.float() * dt.unsqueeze(-1)
     Bh, Ch = _per_head(B, heads), _per_head(C, heads)
@@ -225,7 +226,7 @@ def mamba2_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
     rows = state_indices if state_indices is not None else torch.arange(x.size(0),
                                                                         device=x.device)
     heads = x.size(1)
-    dt = _ssd_dt(dt, dt_bias, dt_softplus, dt_limit)
+    dt = mamba2_dt(dt, dt_bias, dt_softplus, dt_limit)
     Bh, Ch = _per_head(B, heads), _per_head(C, heads)
     h = state[rows].float() * torch.exp(dt * A.float())[..., None, None]
     h = h + (x.float() * dt.unsqueeze(-1)).unsqueeze(-1) * Bh.unsqueeze(-2)

@@ -200,8 +200,7 @@ def mamba2_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
             and B.dtype == x.dtype and C.dtype == x.dtype):
         return portable_recurrent.mamba2_state_update(state, x, dt, A, B, C, D, dt_bias,
                                                       dt_softplus, state_indices, dt_limit)
-    dt = dt.float() + (dt_bias.float() if dt_bias is not None else 0.0)
-    dt = (F.softplus(dt) if dt_softplus else dt).clamp(dt_limit[0], dt_limit[1])
+    dt = portable_recurrent.mamba2_dt(dt, dt_bias, dt_softplus, dt_limit)
     return torch.ops.runtime_cpu.mamba2_state_update(
         state, x.contiguous(), dt.contiguous(), A.float().contiguous(), B.contiguous(),
         C.contiguous(), None if D is None else D.float().contiguous(),

@@ -1,6 +1,7 @@
 """The decode halves of the recurrent ops as Triton kernels: `fused_recurrent_gated_delta_rule`
 (one program per sequence, value head and block of value columns, which owns that block of the
-state) and `causal_conv1d_update` (one program per sequence and block of channels), for GPU
+state), `causal_conv1d_update` (one program per sequence and block of channels) and
+`mamba2_state_update` (one program per sequence, head and block of head dims), for GPU
 platforms to answer the `runtime_custom_op` hook with. Tested on the CPU under TRITON_INTERPRET=1
 against `runtime.plugins.recurrent_ops`."""
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from runtime.plugins.recurrent_ops import mamba2_dt
 
 
 @triton.jit
@@ -104,4 +107,54 @@ def causal_conv1d_update(x: torch.Tensor, state: torch.Tensor, weight: torch.Ten
         x.contiguous(), weight.contiguous(), bias if bias is not None else x, state, rows, out,
         dim, WIDTH=weight.size(1), HAS_BIAS=bias is not None, SILU=activation is not None,
         BLOCK=block)
+    return out
+
+
+@triton.jit
+def _mamba2_update_kernel(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, rows_ptr,
+                          out_ptr, heads, groups, p, n, HAS_D: tl.constexpr,
+                          BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    j = tl.arange(0, BLOCK_N)
+    group = h // (heads // groups)
+    dt = tl.load(dt_ptr + s * heads + h)
+    decay = tl.exp(dt * tl.load(a_ptr + h))
+    x = tl.load(x_ptr + (s * heads + h) * p + i, mask=i < p, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + (s * groups + group) * n + j, mask=j < n, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + (s * groups + group) * n + j, mask=j < n, other=0.0).to(tl.float32)
+    mask = (i[:, None] < p) & (j[None, :] < n)
+    base = state_ptr + (tl.load(rows_ptr + s) * heads + h) * p * n
+    offsets = i[:, None] * n + j[None, :]
+    state = tl.load(base + offsets, mask=mask, other=0.0)
+    state = state * decay + (dt * x)[:, None] * b[None, :]
+    tl.store(base + offsets, state, mask=mask)
+    y = tl.sum(state * c[None, :], 1)
+    if HAS_D:
+        y += tl.load(d_ptr + h) * x
+    tl.store(out_ptr + (s * heads + h) * p + i, y.to(out_ptr.dtype.element_ty), mask=i < p)
+
+
+def mamba2_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+                        A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                        D: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                        dt_softplus: bool, state_indices: torch.Tensor | None = None,
+                        dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+    """As `runtime.plugins.recurrent_ops.mamba2_state_update`; the state must be contiguous
+    float32."""
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError("the Mamba 2 state must be contiguous float32 [slots, H, P, N], got "
+                         f"{state.dtype} with strides {state.stride()}")
+    seqs, heads, p = x.shape
+    groups, n = B.shape[1:]
+    dt = mamba2_dt(dt, dt_bias, dt_softplus, dt_limit)
+    rows = (state_indices if state_indices is not None
+            else torch.arange(seqs, device=x.device)).contiguous()
+    out = torch.empty_like(x)
+    block_p = min(triton.next_power_of_2(p), 16)
+    _mamba2_update_kernel[(seqs, heads, triton.cdiv(p, block_p))](
+        state, x.contiguous(), dt.contiguous(), A.float().contiguous(), B.contiguous(),
+        C.contiguous(), D.float().contiguous() if D is not None else dt, rows, out, heads,
+        groups, p, n, HAS_D=D is not None, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(n))
     return out

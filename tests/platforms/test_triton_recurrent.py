@@ -61,6 +61,26 @@ def test_causal_conv1d_update(dtype, width, bias, activation):
     _close(state, want_state, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_d", [True, False])
+def test_mamba2_state_update(dtype, with_d):
+    x = torch.randn(3, 4, 24, device=DEVICE).to(dtype)  # 24 head dims: two blocks, one partial
+    dt = torch.randn(3, 4, device=DEVICE).to(dtype)
+    A = -torch.rand(4, device=DEVICE) - 0.5
+    B, C = (torch.randn(3, 2, 12, device=DEVICE).to(dtype) for _ in range(2))
+    D = torch.randn(4, device=DEVICE) if with_d else None
+    dt_bias = torch.randn(4, device=DEVICE)
+    state = torch.randn(5, 4, 24, 12, device=DEVICE)
+    rows = torch.tensor([4, 1, 3], device=DEVICE)
+    want_state = state.clone()
+    want = portable.mamba2_state_update(want_state, x, dt, A, B, C, D, dt_bias, True, rows,
+                                        (0.0, 2.0))
+    got = recurrent_triton.mamba2_state_update(state, x, dt, A, B, C, D, dt_bias, True, rows,
+                                               (0.0, 2.0))
+    _close(got, want, dtype)
+    _close(state, want_state, torch.float32)
+
+
 def test_a_state_the_kernel_does_not_take_is_refused():
     q = k = torch.randn(1, 1, 16, device=DEVICE)
     v, g = torch.randn(1, 1, 16, device=DEVICE), torch.zeros(1, 1, device=DEVICE)
@@ -69,7 +89,8 @@ def test_a_state_the_kernel_does_not_take_is_refused():
         recurrent_triton.fused_recurrent_gated_delta_rule(q, k, v, g, g, state)
 
 
-@pytest.mark.parametrize("name", ["fused_recurrent_gated_delta_rule", "causal_conv1d_update"])
+@pytest.mark.parametrize("name", ["fused_recurrent_gated_delta_rule", "causal_conv1d_update",
+                                  "mamba2_state_update"])
 def test_the_kernels_keep_the_portable_signatures(name):
     assert (inspect.signature(getattr(recurrent_triton, name))
             == inspect.signature(portable.OPS[name]))
