@@ -138,6 +138,10 @@ def runtime_custom_op(platform: Platform, name: str) -> Callable | None:
     - "lora_shrink": (x, a, batch) -> [slices, T, rank], and "lora_expand": (y, buf, b, batch,
       offsets) -> y with each token's LoRA delta added in place: the two halves of multi-LoRA,
       per token slot (portable versions and `LoRABatch` in `runtime.plugins.lora_ops`)
+    - the recurrent layers' ops, "causal_conv1d", "causal_conv1d_update", "selective_scan",
+      "selective_state_update", "mamba2_chunk_scan", "mamba2_state_update",
+      "chunk_gated_delta_rule" and "fused_recurrent_gated_delta_rule" (portable versions and
+      their contracts in `runtime.plugins.recurrent_ops`)
 
     Each name is asked for on its own, so a plugin may replace one and keep the others. A
     composite op ("add_rms_norm") is taken only from an implementation asked no later than the

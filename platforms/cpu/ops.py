@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.plugins import lora_ops as portable_lora
+from runtime.plugins import recurrent_ops as portable_recurrent
 from runtime.plugins.lora_ops import LoRABatch
 from runtime.plugins.ops import add_rms_norm as portable_add_rms_norm
 from runtime.plugins.ops import rms_norm as portable_rms_norm
@@ -89,6 +90,123 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, batch: LoRA
                                              batch.seg_starts, batch.seg_slots, offsets)
 
 
+def _rows(state_indices: torch.Tensor | None, seqs: int) -> torch.Tensor:
+    if state_indices is None:
+        return torch.arange(seqs)
+    return state_indices.long().contiguous()
+
+
+def _prefill_states(initial_state: torch.Tensor | None, has_initial_state: torch.Tensor | None,
+                    shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor,
+                                                                         torch.Tensor]:
+    """A fresh state buffer (a copy: the caller's states stay as they were) the kernel runs on
+    in place, and which rows start from it."""
+    if initial_state is None:
+        return torch.zeros(shape, dtype=dtype), torch.zeros(shape[0], dtype=torch.bool)
+    has = (has_initial_state.bool().contiguous() if has_initial_state is not None
+           else torch.ones(shape[0], dtype=torch.bool))
+    return initial_state.to(dtype, memory_format=torch.contiguous_format, copy=True), has
+
+
+def _conv_params(weight: torch.Tensor, bias: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The conv weight and bias as the kernel takes them: contiguous float32."""
+    return weight.float().contiguous(), None if bias is None else bias.float().contiguous()
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  query_start_loc: torch.Tensor, initial_state: torch.Tensor | None = None,
+                  has_initial_state: torch.Tensor | None = None, activation: str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    if activation not in (None, "silu", "swish") or x.size(-1) % 16 or weight.size(1) > 8:
+        return portable_recurrent.causal_conv1d(x, weight, bias, query_start_loc, initial_state,
+                                                has_initial_state, activation)
+    seqs = query_start_loc.numel() - 1
+    dtype = initial_state.dtype if initial_state is not None else torch.float32
+    state, has = _prefill_states(initial_state, has_initial_state,
+                                 (seqs, x.size(1), weight.size(1) - 1),
+                                 dtype if dtype in (torch.float32, x.dtype) else torch.float32)
+    out = torch.ops.runtime_cpu.causal_conv1d(
+        x.contiguous(), *_conv_params(weight, bias), query_start_loc.long().contiguous(), state,
+        torch.arange(seqs), has, activation is not None)
+    return out, state.to(dtype)
+
+
+def causal_conv1d_update(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None, activation: str | None = None,
+                         state_indices: torch.Tensor | None = None) -> torch.Tensor:
+    if (activation not in (None, "silu", "swish") or x.size(-1) % 16 or weight.size(1) > 8
+            or not state.is_contiguous() or state.dtype not in (torch.float32, x.dtype)):
+        return portable_recurrent.causal_conv1d_update(x, state, weight, bias, activation,
+                                                       state_indices)
+    seqs = x.size(0)
+    return torch.ops.runtime_cpu.causal_conv1d(
+        x.contiguous(), *_conv_params(weight, bias), torch.arange(seqs + 1), state,
+        _rows(state_indices, seqs), torch.ones(seqs, dtype=torch.bool), activation is not None)
+
+
+def _gdn_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
+    return v.size(-1) % 16 == 0 and v.size(-2) % q.size(-2) == 0
+
+
+def _gdn_scale(q: torch.Tensor, scale: float | None) -> float:
+    return scale if scale is not None else q.size(-1) ** -0.5
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, query_start_loc: torch.Tensor,
+                           initial_state: torch.Tensor | None = None,
+                           has_initial_state: torch.Tensor | None = None,
+                           use_qk_l2norm: bool = False, scale: float | None = None,
+                           chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel runs the recurrence token by token (each work item's block of the state stays
+    in L1): the same contract, and the same result to float32 rounding."""
+    if not _gdn_fits(q, v):
+        return portable_recurrent.chunk_gated_delta_rule(
+            q, k, v, g, beta, query_start_loc, initial_state, has_initial_state, use_qk_l2norm,
+            scale, chunk_size)
+    seqs = query_start_loc.numel() - 1
+    state, has = _prefill_states(initial_state, has_initial_state,
+                                 (seqs, v.size(1), k.size(-1), v.size(-1)), torch.float32)
+    state[~has] = 0
+    out = torch.ops.runtime_cpu.gated_delta_rule(
+        q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(),
+        beta.float().contiguous(), query_start_loc.long().contiguous(), state,
+        torch.arange(seqs), use_qk_l2norm, _gdn_scale(q, scale))
+    return out, state.to(initial_state.dtype if initial_state is not None else torch.float32)
+
+
+def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                     g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                                     state_indices: torch.Tensor | None = None,
+                                     use_qk_l2norm: bool = False,
+                                     scale: float | None = None) -> torch.Tensor:
+    if not (_gdn_fits(q, v) and state.dtype == torch.float32 and state.is_contiguous()):
+        return portable_recurrent.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, state, state_indices, use_qk_l2norm, scale)
+    seqs = v.size(0)
+    return torch.ops.runtime_cpu.gated_delta_rule(
+        q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(),
+        beta.float().contiguous(), torch.arange(seqs + 1), state,
+        _rows(state_indices, seqs), use_qk_l2norm, _gdn_scale(q, scale))
+
+
+def mamba2_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+                        A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                        D: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                        dt_softplus: bool, state_indices: torch.Tensor | None = None,
+                        dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+    if not (state.dtype == torch.float32 and state.is_contiguous() and B.size(-1) % 16 == 0
+            and B.dtype == x.dtype and C.dtype == x.dtype):
+        return portable_recurrent.mamba2_state_update(state, x, dt, A, B, C, D, dt_bias,
+                                                      dt_softplus, state_indices, dt_limit)
+    dt = portable_recurrent.mamba2_dt(dt, dt_bias, dt_softplus, dt_limit)
+    return torch.ops.runtime_cpu.mamba2_state_update(
+        state, x.contiguous(), dt.contiguous(), A.float().contiguous(), B.contiguous(),
+        C.contiguous(), None if D is None else D.float().contiguous(),
+        _rows(state_indices, x.size(0)))
+
+
 # oneDNN with a pre-packed weight beats MKL's sgemm (which re-packs the weight every call) on
 # the few-row products of decode steps when several threads share them, and loses to it on long
 # prefill chunks and on one thread. Measured on a 2-core AVX2 EPYC, 2 threads: rows 8-256 gain
@@ -134,4 +252,8 @@ def linear(weight: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor | None]
 # The ops that need the built kernels (`linear` is torch's own oneDNN and needs no build).
 OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul,
        "rotary_embedding": rotary_embedding, "lora_shrink": lora_shrink, "lora_expand": lora_expand,
-       "gelu": gelu, "add_layer_norm": add_layer_norm}
+       "gelu": gelu, "add_layer_norm": add_layer_norm, "causal_conv1d": causal_conv1d,
+       "causal_conv1d_update": causal_conv1d_update,
+       "chunk_gated_delta_rule": chunk_gated_delta_rule,
+       "fused_recurrent_gated_delta_rule": fused_recurrent_gated_delta_rule,
+       "mamba2_state_update": mamba2_state_update}

@@ -1,0 +1,289 @@
+// Recurrent layer kernels for the CPU: the gated delta rule, the causal depthwise conv1d and
+// Mamba 2's one-token state update. Each takes a varlen batch through query_start_loc (decode:
+// one token per sequence) and updates its states in place, row state_indices[s] for sequence s,
+// so one kernel serves prefill (the caller passes a buffer of initial states) and decode (the
+// state cache itself). Arithmetic is float32; outputs round to the activations' dtype.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+using namespace runtime_cpu;
+
+int64_t checked_sequences(const at::Tensor& query_start_loc, const at::Tensor& state_indices) {
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && query_start_loc.is_contiguous(),
+              "query_start_loc must be contiguous int64 [S + 1]");
+  TORCH_CHECK(state_indices.scalar_type() == at::kLong && state_indices.is_contiguous() &&
+                  state_indices.numel() == query_start_loc.numel() - 1,
+              "state_indices must be contiguous int64 [S]");
+  return state_indices.numel();
+}
+
+// q and k [T, Hk, K] -> float32, L2-normed if asked (eps 1e-6, as flash-linear-attention), q
+// times the scale: once per token and key head, not once per work item below.
+template <typename T>
+void normed_qk(const T* q, const T* k, float* qn, float* kn, int64_t rows, int64_t dk,
+               bool l2norm, float scale) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float qq = 0.f, kk = 0.f;
+      for (int64_t i = 0; i < dk; ++i) {
+        const float a = static_cast<float>(q[r * dk + i]), b = static_cast<float>(k[r * dk + i]);
+        qn[r * dk + i] = a;
+        kn[r * dk + i] = b;
+        qq += a * a;
+        kk += b * b;
+      }
+      const float qs = scale * (l2norm ? 1.f / std::sqrt(qq + 1e-6f) : 1.f);
+      const float ks = l2norm ? 1.f / std::sqrt(kk + 1e-6f) : 1.f;
+      for (int64_t i = 0; i < dk; ++i) {
+        qn[r * dk + i] *= qs;
+        kn[r * dk + i] *= ks;
+      }
+    }
+  });
+}
+
+// Gated delta rule, per value head with state S [K, V] (V contiguous, float32):
+// S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q. Column j of S only ever meets v[j],
+// so each work item owns a block of lanes of V and runs its sequence's tokens with that block
+// of the state in L1, read twice and written once per token: S^T k is taken before the decay
+// (exp(g) S^T k), which the update then applies. Four accumulators keep the FMA chains apart.
+template <typename T>
+void gated_delta_rule_kernel(const float* q, const float* k, const T* v, const float* g,
+                             const float* beta, const int64_t* loc, const int64_t* rows,
+                             float* state, T* out, int64_t seqs, int64_t k_heads,
+                             int64_t v_heads, int64_t dk, int64_t dv) {
+  const int64_t blocks = dv / kLanes, group = v_heads / k_heads;
+  at::parallel_for(0, seqs * v_heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / (v_heads * blocks), h = item / blocks % v_heads;
+      const int64_t col = item % blocks * kLanes, kh = h / group;
+      float* S = state + (rows[s] * v_heads + h) * dk * dv + col;
+      for (int64_t t = loc[s]; t < loc[s + 1]; ++t) {
+        const float* qt = q + (t * k_heads + kh) * dk;
+        const float* kt = k + (t * k_heads + kh) * dk;
+        const float decay = std::exp(g[t * v_heads + h]), b = beta[t * v_heads + h];
+        vecf mem[4] = {};
+        int64_t i = 0;
+        for (; i + 4 <= dk; i += 4)
+          for (int j = 0; j < 4; ++j) mem[j] += loadv(S + (i + j) * dv) * kt[i + j];
+        for (; i < dk; ++i) mem[0] += loadv(S + i * dv) * kt[i];
+        const vecf kv = ((mem[0] + mem[1]) + (mem[2] + mem[3])) * decay;
+        const vecf delta = (loadv(v + (t * v_heads + h) * dv + col) - kv) * b;
+        vecf o[4] = {};
+        for (i = 0; i + 4 <= dk; i += 4)
+          for (int j = 0; j < 4; ++j) {
+            const vecf row = loadv(S + (i + j) * dv) * decay + delta * kt[i + j];
+            storev(S + (i + j) * dv, row);
+            o[j] += row * qt[i + j];
+          }
+        for (; i < dk; ++i) {
+          const vecf row = loadv(S + i * dv) * decay + delta * kt[i];
+          storev(S + i * dv, row);
+          o[0] += row * qt[i];
+        }
+        storev(out + (t * v_heads + h) * dv + col, (o[0] + o[1]) + (o[2] + o[3]));
+      }
+    }
+  });
+}
+
+at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& g, const at::Tensor& beta,
+                            const at::Tensor& query_start_loc, at::Tensor state,
+                            const at::Tensor& state_indices, bool l2norm, double scale) {
+  const int64_t seqs = checked_sequences(query_start_loc, state_indices);
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
+              "q, k must be [T, Hk, K] and v [T, Hv, V]");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+              "q, k, v must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "q, k, v must share one dtype");
+  const int64_t k_heads = q.size(1), dk = q.size(2), v_heads = v.size(1), dv = v.size(2);
+  TORCH_CHECK(v_heads % k_heads == 0, "the value heads must be a multiple of the key heads");
+  TORCH_CHECK(dv % 16 == 0, "the value head size must be a multiple of 16");
+  TORCH_CHECK(g.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat &&
+                  g.is_contiguous() && beta.is_contiguous() && g.numel() == v.size(0) * v_heads &&
+                  beta.numel() == g.numel(),
+              "g and beta must be contiguous float32 [T, Hv]");
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
+                  state.size(1) == v_heads && state.size(2) == dk && state.size(3) == dv,
+              "state must be contiguous float32 [slots, Hv, K, V]");
+  at::Tensor out = at::empty_like(v);
+  at::Tensor qn = at::empty(q.sizes(), q.options().dtype(at::kFloat)), kn = at::empty_like(qn);
+  RUNTIME_CPU_DISPATCH(v.scalar_type(), "gated_delta_rule", [&] {
+    normed_qk<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), qn.data_ptr<float>(),
+                        kn.data_ptr<float>(), q.size(0) * k_heads, dk, l2norm,
+                        static_cast<float>(scale));
+    gated_delta_rule_kernel<scalar_t>(
+        qn.data_ptr<float>(), kn.data_ptr<float>(), v.data_ptr<scalar_t>(), g.data_ptr<float>(),
+        beta.data_ptr<float>(), query_start_loc.data_ptr<int64_t>(),
+        state_indices.data_ptr<int64_t>(), state.data_ptr<float>(), out.data_ptr<scalar_t>(),
+        seqs, k_heads, v_heads, dk, dv);
+  });
+  return out;
+}
+
+// Depthwise causal conv1d, a block of kLanes channels per work item: the width - 1 previous
+// inputs live in registers, the state (layout [dim, width - 1]) is read before the sequence's
+// first token and written after its last.
+constexpr int64_t kMaxWidth = 8;
+
+template <typename T, typename St>
+void causal_conv1d_kernel(const T* x, const float* weight, const float* bias,
+                          const int64_t* loc, const int64_t* rows, const bool* has_initial,
+                          St* state, T* out, int64_t seqs, int64_t dim, int64_t width,
+                          bool silu) {
+  const int64_t blocks = dim / kLanes, hist = width - 1;
+  at::parallel_for(0, seqs * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / blocks, c0 = item % blocks * kLanes;
+      St* st = state + rows[s] * dim * hist;
+      vecf w[kMaxWidth], win[kMaxWidth] = {};
+      for (int64_t i = 0; i < width; ++i)
+        for (int64_t j = 0; j < kLanes; ++j) w[i][j] = weight[(c0 + j) * width + i];
+      const vecf b = bias != nullptr ? loadv(bias + c0) : vecf{};
+      if (has_initial[s])
+        for (int64_t i = 0; i < hist; ++i)
+          for (int64_t j = 0; j < kLanes; ++j)
+            win[i][j] = static_cast<float>(st[(c0 + j) * hist + i]);
+      for (int64_t t = loc[s]; t < loc[s + 1]; ++t) {
+        win[hist] = loadv(x + t * dim + c0);
+        vecf y = b;
+        for (int64_t i = 0; i < width; ++i) y += w[i] * win[i];
+        if (silu) y = y / (1.f + expv(vecf{} - y));
+        storev(out + t * dim + c0, y);
+        for (int64_t i = 0; i < hist; ++i) win[i] = win[i + 1];
+      }
+      for (int64_t i = 0; i < hist; ++i)
+        for (int64_t j = 0; j < kLanes; ++j)
+          st[(c0 + j) * hist + i] = static_cast<St>(win[i][j]);
+    }
+  });
+}
+
+at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight,
+                         const c10::optional<at::Tensor>& bias,
+                         const at::Tensor& query_start_loc, at::Tensor state,
+                         const at::Tensor& state_indices, const at::Tensor& has_initial_state,
+                         bool silu) {
+  const int64_t seqs = checked_sequences(query_start_loc, state_indices);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 16 == 0,
+              "x must be contiguous [T, dim] with dim a multiple of 16");
+  const int64_t dim = x.size(1), width = weight.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.size(0) == dim && width >= 2 && width <= kMaxWidth,
+              "weight must be contiguous float32 [dim, width], width 2 to 8");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                    bias->numel() == dim),
+              "bias must be contiguous float32 [dim]");
+  TORCH_CHECK(state.is_contiguous() && state.dim() == 3 && state.size(1) == dim &&
+                  state.size(2) == width - 1 &&
+                  (state.scalar_type() == at::kFloat || state.scalar_type() == x.scalar_type()),
+              "state must be contiguous [slots, dim, width - 1] in float32 or x's dtype");
+  TORCH_CHECK(has_initial_state.scalar_type() == at::kBool &&
+                  has_initial_state.is_contiguous() && has_initial_state.numel() == seqs,
+              "has_initial_state must be contiguous bool [S]");
+  at::Tensor out = at::empty_like(x);
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  RUNTIME_CPU_DISPATCH(x.scalar_type(), "causal_conv1d", [&] {
+    auto run = [&](auto* st) {
+      causal_conv1d_kernel(x.data_ptr<scalar_t>(), weight.data_ptr<float>(), b,
+                           query_start_loc.data_ptr<int64_t>(), state_indices.data_ptr<int64_t>(),
+                           has_initial_state.data_ptr<bool>(), st, out.data_ptr<scalar_t>(),
+                           seqs, dim, width, silu);
+    };
+    if (state.scalar_type() == at::kFloat) run(state.data_ptr<float>());
+    else run(state.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+// Mamba 2, one token per sequence, per head with state h [P, N] (N contiguous, float32):
+// h = exp(dt A) h + dt x B^T; y = h C + D x. dt arrives final (bias, softplus and clamp done).
+template <typename T>
+void mamba2_state_update_kernel(const T* x, const float* dt, const float* A, const T* B,
+                                const T* C, const float* D, const int64_t* rows, float* state,
+                                T* out, int64_t seqs, int64_t heads, int64_t p, int64_t groups,
+                                int64_t n) {
+  const int64_t per_group = heads / groups;
+  at::parallel_for(0, seqs * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / heads, h = item % heads, grp = h / per_group;
+      const float d = dt[item], decay = std::exp(d * A[h]);
+      const T* Bs = B + (s * groups + grp) * n;
+      const T* Cs = C + (s * groups + grp) * n;
+      float* H = state + (rows[s] * heads + h) * p * n;
+      for (int64_t i = 0; i < p; ++i) {
+        const float xi = static_cast<float>(x[item * p + i]);
+        vecf acc = {};
+        for (int64_t j = 0; j < n; j += kLanes) {
+          vecf row = loadv(H + i * n + j) * decay + loadv(Bs + j) * (d * xi);
+          storev(H + i * n + j, row);
+          acc += row * loadv(Cs + j);
+        }
+        out[item * p + i] = static_cast<T>(hsum(acc) + (D != nullptr ? D[h] * xi : 0.f));
+      }
+    }
+  });
+}
+
+at::Tensor mamba2_state_update(at::Tensor state, const at::Tensor& x, const at::Tensor& dt,
+                               const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
+                               const c10::optional<at::Tensor>& D,
+                               const at::Tensor& state_indices) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "x must be contiguous [S, H, P]");
+  const int64_t seqs = x.size(0), heads = x.size(1), p = x.size(2);
+  TORCH_CHECK(B.dim() == 3 && B.sizes() == C.sizes() && B.size(0) == seqs && B.is_contiguous() &&
+                  C.is_contiguous() && B.scalar_type() == x.scalar_type() &&
+                  C.scalar_type() == x.scalar_type() && heads % B.size(1) == 0 &&
+                  B.size(2) % 16 == 0,
+              "B and C must be contiguous [S, G, N] in x's dtype, H % G == 0, N % 16 == 0");
+  const int64_t groups = B.size(1), n = B.size(2);
+  TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.is_contiguous() && dt.numel() == seqs * heads,
+              "dt must be contiguous float32 [S, H]");
+  TORCH_CHECK(A.scalar_type() == at::kFloat && A.is_contiguous() && A.numel() == heads,
+              "A must be contiguous float32 [H]");
+  TORCH_CHECK(!D.has_value() || (D->scalar_type() == at::kFloat && D->is_contiguous() &&
+                                 D->numel() == heads),
+              "D must be contiguous float32 [H]");
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
+                  state.size(1) == heads && state.size(2) == p && state.size(3) == n,
+              "state must be contiguous float32 [slots, H, P, N]");
+  TORCH_CHECK(state_indices.scalar_type() == at::kLong && state_indices.is_contiguous() &&
+                  state_indices.numel() == seqs,
+              "state_indices must be contiguous int64 [S]");
+  at::Tensor out = at::empty_like(x);
+  RUNTIME_CPU_DISPATCH(x.scalar_type(), "mamba2_state_update", [&] {
+    mamba2_state_update_kernel<scalar_t>(
+        x.data_ptr<scalar_t>(), dt.data_ptr<float>(), A.data_ptr<float>(),
+        B.data_ptr<scalar_t>(), C.data_ptr<scalar_t>(),
+        D.has_value() ? D->data_ptr<float>() : nullptr, state_indices.data_ptr<int64_t>(),
+        state.data_ptr<float>(), out.data_ptr<scalar_t>(), seqs, heads, p, groups, n);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(runtime_cpu, m) {
+  m.def("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+        "Tensor query_start_loc, Tensor(a!) state, Tensor state_indices, bool l2norm, "
+        "float scale) -> Tensor");
+  m.def("causal_conv1d(Tensor x, Tensor weight, Tensor? bias, Tensor query_start_loc, "
+        "Tensor(a!) state, Tensor state_indices, Tensor has_initial_state, bool silu) -> Tensor");
+  m.def("mamba2_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, "
+        "Tensor C, Tensor? D, Tensor state_indices) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(runtime_cpu, CPU, m) {
+  m.impl("gated_delta_rule", &gated_delta_rule);
+  m.impl("causal_conv1d", &causal_conv1d);
+  m.impl("mamba2_state_update", &mamba2_state_update);
+}

@@ -1,0 +1,120 @@
+"""The CPU platform's recurrent kernels (csrc/recurrent_ops.cpp) against the portable ops, on
+varlen batches at odd lengths, with initial states on some sequences, in float32 and bfloat16."""
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.platforms.cpu import kernels, ops
+from runtime.platforms.cpu.platform import CpuPlatform
+from runtime.plugins import recurrent_ops as portable
+
+BUILD_ERROR = kernels.load(CpuPlatform().info.model_name)
+pytestmark = pytest.mark.skipif(BUILD_ERROR is not None,
+                                reason=f"the CPU kernels did not build: {BUILD_ERROR}")
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+LENS = [1, 9, 70, 3]
+LOC = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()])
+HAS = torch.tensor([True, False, True, True])
+
+
+def _close(got, want, dtype):
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_causal_conv1d(dtype, activation):
+    x = torch.randn(sum(LENS), 96).to(dtype)[:, 24:72]  # a slice of a projection's output
+    weight, bias = torch.randn(48, 4).to(dtype), torch.randn(48).to(dtype)
+    initial = torch.randn(len(LENS), 48, 3)
+    kept = initial.clone()
+    got = ops.causal_conv1d(x, weight, bias, LOC, initial, HAS, activation)
+    want = portable.causal_conv1d(x, weight, bias, LOC, initial, HAS, activation)
+    for g, w in zip(got, want):
+        _close(g, w, dtype)
+    assert torch.equal(initial, kept)  # the caller's states are not written
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("state_dtype", ["float32", "model"])
+def test_causal_conv1d_update(dtype, state_dtype):
+    x, weight = torch.randn(5, 32).to(dtype), torch.randn(32, 4).to(dtype)
+    state = torch.randn(7, 32, 3).to(torch.float32 if state_dtype == "float32" else dtype)
+    rows = torch.tensor([6, 0, 2, 5, 1])
+    want_state = state.clone()
+    want = portable.causal_conv1d_update(x, want_state, weight, None, "silu", rows)
+    got = ops.causal_conv1d_update(x, state, weight, None, "silu", rows)
+    _close(got, want, dtype)
+    _close(state, want_state, dtype)
+
+
+def _gdn(dtype, tokens, k_heads=2, v_heads=4, dk=32, dv=32):
+    q, k = (torch.randn(tokens, k_heads, dk).to(dtype) for _ in range(2))
+    v = torch.randn(tokens, v_heads, dv).to(dtype)
+    g = -F.softplus(torch.randn(tokens, v_heads))
+    return q, k, v, g, torch.rand(tokens, v_heads).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_chunk_gated_delta_rule(dtype):
+    inputs = _gdn(dtype, sum(LENS))
+    initial = torch.randn(len(LENS), 4, 32, 32)
+    kept = initial.clone()
+    got = ops.chunk_gated_delta_rule(*inputs, LOC, initial, HAS, use_qk_l2norm=True)
+    want = portable.chunk_gated_delta_rule(*inputs, LOC, initial, HAS, use_qk_l2norm=True)
+    for g, w in zip(got, want):
+        _close(g, w, dtype)
+    assert torch.equal(initial, kept)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_fused_recurrent_gated_delta_rule(dtype, l2norm):
+    q, k, v, g, beta = _gdn(dtype, 3)
+    if not l2norm:
+        q, k = q / 6, k / 6
+    state = torch.randn(5, 4, 32, 32)
+    rows = torch.tensor([4, 0, 2])
+    want_state = state.clone()
+    want = portable.fused_recurrent_gated_delta_rule(q, k, v, g, beta, want_state, rows, l2norm,
+                                                     scale=0.3)
+    got = ops.fused_recurrent_gated_delta_rule(q, k, v, g, beta, state, rows, l2norm, scale=0.3)
+    _close(got, want, dtype)
+    _close(state, want_state, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_mamba2_state_update(dtype):
+    x = torch.randn(3, 4, 8).to(dtype)
+    dt, A = torch.randn(3, 4).to(dtype), -torch.rand(4) - 0.5
+    B, C = (torch.randn(3, 2, 16).to(dtype) for _ in range(2))
+    D, dt_bias = torch.randn(4), torch.randn(4)
+    state = torch.randn(6, 4, 8, 16)
+    rows = torch.tensor([5, 3, 0])
+    want_state = state.clone()
+    want = portable.mamba2_state_update(want_state, x, dt, A, B, C, D, dt_bias, True, rows,
+                                        (0.0, 3.0))
+    got = ops.mamba2_state_update(state, x, dt, A, B, C, D, dt_bias, True, rows, (0.0, 3.0))
+    _close(got, want, dtype)
+    _close(state, want_state, torch.float32)
+
+
+def test_shapes_the_kernels_do_not_take_use_the_portable_ops():
+    q, k, v, g, beta = _gdn(torch.float32, 2, dv=12)  # 12 is not a multiple of 16
+    state = torch.randn(2, 4, 32, 12)
+    want_state = state.clone()
+    want = portable.fused_recurrent_gated_delta_rule(q, k, v, g, beta, want_state)
+    torch.testing.assert_close(ops.fused_recurrent_gated_delta_rule(q, k, v, g, beta, state),
+                               want)
+    torch.testing.assert_close(state, want_state)
+
+
+def test_the_platform_answers_the_recurrent_ops_with_their_signatures():
+    platform = CpuPlatform()
+    for name in ("causal_conv1d", "causal_conv1d_update", "chunk_gated_delta_rule",
+                 "fused_recurrent_gated_delta_rule", "mamba2_state_update"):
+        assert platform.custom_op(name) is getattr(ops, name)
+        assert inspect.signature(getattr(ops, name)) == inspect.signature(portable.OPS[name])
+    assert platform.custom_op("selective_scan") is None  # no kernel yet: the portable op runs
