@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -169,7 +169,6 @@ class CommunicatorSpec:
     ranks: list[int]
     rank: int
     init_method: str
-    backend_hint: str = ""
 
 
 @dataclass
@@ -249,7 +248,6 @@ class ModelInfo:
     # A pooling model: prefill-only steps without a KV cache (bidirectional for the BERT
     # family), which only backends with `supports_encoder_attention` run.
     pooling: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

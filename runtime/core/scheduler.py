@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -141,7 +140,7 @@ class Scheduler:
     def _lookahead(self, end: int) -> int:
         """Slots a draft model needs past a step's tokens (ending at `end`), for the KV of its
         proposals."""
-        if self.spec is None or self.spec.method != "draft_model":
+        if self.spec is None or not self.spec.needs_lookahead:
             return 0
         return max(0, min(self.spec.num_speculative_tokens, self.max_model_len - end))
 
@@ -150,7 +149,6 @@ class Scheduler:
         self.kv.free(request)
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(request, front=True)
         out.preempted.append(request)
@@ -210,7 +208,6 @@ class Scheduler:
             self.waiting.pop()
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_computed
-                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append((request, num_new))

@@ -89,7 +89,7 @@ class EngineCore:
                                    self.encoder_only)
         spec = config.speculative_config
         self.step_inputs = StepInputBuilder(self.kv, model_config.max_model_len,
-                                            spec is not None and spec.method == "draft_model")
+                                            spec is not None and spec.needs_lookahead)
         # made on the first request with structured_outputs (xgrammar takes seconds to import)
         self.structured = None
         # the requests the last step ended with an error (finish_reason "abort"), with it
