@@ -83,12 +83,12 @@ def runtime_attention_backend_candidates(platform: Platform,
 @hookspec(firstresult=True)
 def runtime_graph_runner(platform: Platform, model: ModelInfo,
                          enforce_eager: bool) -> GraphRunner | None:
-    """Choose how the forward pass is executed (eager, torch.compile, CUDA/HIP graphs, XLA).
+    """Choose how the forward pass is executed (eager, CUDA/HIP graphs, XLA).
 
     Called once per worker after the model is loaded; `enforce_eager` is `--enforce-eager` (or
-    a pipeline-parallel run). Default: `platform.graph_runner(model, enforce_eager)`. Returns a
-    `GraphRunner`; the engine calls its `capture` with the model's forward, its
-    `capture_graphs` with a `CaptureSpec` once the KV cache exists, then `run` every step.
+    a pipeline-parallel run, or a pooling model). Default: `platform.graph_runner(model,
+    enforce_eager)`. Returns a `GraphRunner`; the engine calls its `capture` once with the
+    model's forward and a `CaptureSpec` after the KV cache is allocated, then `run` every step.
     First non-None answer wins (None from everyone: the engine runs eagerly).
     """
 

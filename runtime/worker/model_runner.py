@@ -38,7 +38,6 @@ class ModelRunner:
         # seeded requests' generators: kept through a preemption, dropped when they finish
         self.generators: dict[str, torch.Generator] = {}
         self.graph_runner = graph_runner or EagerRunner()
-        self.graph_runner.capture(self.model.forward, {})
         # proposes tokens for speculative decoding (runtime.spec_decode); set by the worker
         self.proposer = None
         # puts each step's adapters in their slots (runtime.lora); set by the worker

@@ -180,7 +180,7 @@ class Worker:
                                                    self.model_config.dtype)
         self.num_blocks = num_blocks
         cfg = self.config
-        self.runner.graph_runner.capture_graphs(CaptureSpec(
+        self.runner.graph_runner.capture(self.runner.model.forward, CaptureSpec(
             forward_context=forward_context, current_metadata=get_forward_context,
             attention_backend=self.attention_backend, device=self.device,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
