@@ -173,7 +173,7 @@ class CommunicatorSpec:
 
 @dataclass
 class CaptureSpec:
-    """What a graph runner learns when it is prepared, once the KV cache exists (`GraphRunner.capture`).
+    """What a graph runner learns once the KV cache exists (`GraphRunner.capture`).
 
     The model reads the step's attention metadata (an `runtime.attention_backends.base.AttentionMetadata`)
     from the engine's forward context; recording a graph means running the forward under metadata

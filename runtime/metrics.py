@@ -9,7 +9,7 @@ from prometheus_client.core import HistogramMetricFamily
 
 from runtime.engine.core_proc import CoreStats
 from runtime.outputs import RequestMetrics
-from runtime.spec_decode.stats import SpecDecodeStats
+from runtime.core.spec_stats import SpecDecodeStats
 from runtime.structured_output.stats import COMPILE_SECONDS_BUCKETS, empty_counts
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,

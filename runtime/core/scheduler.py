@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from runtime.config import EngineConfig
 from runtime.core.kv_cache_manager import KVCacheManager
 from runtime.request import Request, RequestStatus
-from runtime.spec_decode.stats import SpecDecodeStats
+from runtime.core.spec_stats import SpecDecodeStats
 
 
 @dataclass

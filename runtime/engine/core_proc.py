@@ -89,7 +89,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     kv_cache_usage: float
     prefix_cache_hit_rate: float
     num_preemptions: int
-    # speculative decoding, cumulative (see runtime.spec_decode.stats)
+    # speculative decoding, cumulative (see runtime.core.spec_stats)
     num_spec_drafts: int = 0
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from runtime.layers.custom_ops import CustomOps
+from runtime.plugins.answers import PlatformAnswers
 from runtime.plugins.hookspecs import hookimpl
 from runtime.plugins.manager import get_plugin_manager
 from runtime.plugins.ops import rms_norm
@@ -34,18 +34,20 @@ def counting_norm():
 
 
 def test_a_plugin_overriding_rms_norm_alone_takes_add_rms_norm_too(counting_norm):
-    answers = CustomOps(CpuPlatform())
-    assert answers("rms_norm") is counting_norm
-    assert answers("add_rms_norm") is None  # the layer composes it from the registered rms_norm
-    assert answers.answered_by == {"rms_norm": "counting_norm",
-                                   "add_rms_norm": "composed from rms_norm (counting_norm)"}
+    answers = PlatformAnswers(CpuPlatform())
+    assert answers.custom_op("rms_norm") is counting_norm
+    # the layer composes it from the registered rms_norm
+    assert answers.custom_op("add_rms_norm") is None
+    assert {about: r.answered_by for (_, about), r in answers.records.items()} == {
+        "rms_norm": "counting_norm", "add_rms_norm": "composed from rms_norm (counting_norm)"}
 
 
 def test_the_platforms_fused_op_stays_when_nobody_overrides_its_part():
-    answers = CustomOps(CpuPlatform())
-    fused = answers("add_rms_norm")
+    answers = PlatformAnswers(CpuPlatform())
+    fused = answers.custom_op("add_rms_norm")
     assert fused in (cpu_ops.add_rms_norm, None)  # None where the CPU kernels did not build
-    assert answers.answered_by["add_rms_norm"] == ("cpu platform" if fused else None)
+    assert answers.records["runtime_custom_op", "add_rms_norm"].answered_by == (
+        "cpu platform" if fused else None)
 
 
 def test_every_norm_call_of_a_model_goes_to_the_override(counting_norm, tmp_path):
