@@ -45,6 +45,14 @@ def hook_answer(hook: str, wrap_errors: bool = True, **kwargs: Any) -> tuple[Any
     return answer, _answered_by(answer, replies, kwargs)
 
 
+def collected(hook: str, **kwargs: Any) -> tuple[list[tuple[str, Any]], list[Reply]]:
+    """A collecting hook's answers as pluggy returns them (in call order, a hook wrapper's
+    changes included), each with who gave it; and the replies (errors of forgiven plugins)."""
+    result, replies = ask(hook, **kwargs)
+    by_answer = {id(r.value): label(r.impl, kwargs) for r in replies if r.value is not None}
+    return [(by_answer.get(id(a), "a hook wrapper"), a) for a in result], replies
+
+
 def label(impl: Any, kwargs: dict[str, Any]) -> str:
     """Who an implementation is: its plugin's name, or "<name> platform" for the hooks'
     default implementation, which returns the platform's own method's answer."""
@@ -156,22 +164,21 @@ class PlatformAnswers:
 
     def logits_processors(self) -> list[Callable]:
         """Every plugin's `runtime_logits_processors`, flattened, in hook order."""
-        _, replies = ask("runtime_logits_processors")
-        processors = [p for r in replies for p in r.value or ()]
+        answers, _ = collected("runtime_logits_processors")
+        processors = [p for _, answer in answers for p in answer or ()]
         self._record("runtime_logits_processors", "",
                      ", ".join(getattr(p, "__qualname__", type(p).__name__) for p in processors)
-                     or "none", ", ".join(r.impl.plugin_name for r in replies if r.value) or None)
+                     or "none", ", ".join(who for who, answer in answers if answer) or None)
         return processors
 
     def registered_models(self) -> dict[str, Any]:
         """Every plugin's `runtime_register_models` answer, recorded per plugin."""
         models: dict[str, Any] = {}
-        _, replies = ask("runtime_register_models")
-        for r in reversed(replies):  # the registry applies answers in this order
-            models.update(r.value or {})
-        self._record("runtime_register_models", "",
-                     ", ".join(sorted(models)) or "none",
-                     ", ".join(r.impl.plugin_name for r in replies if r.value) or None)
+        answers, _ = collected("runtime_register_models")
+        for _, answer in answers:  # as the registry applies them: the last asked wins
+            models.update(answer or {})
+        self._record("runtime_register_models", "", ", ".join(sorted(models)) or "none",
+                     ", ".join(who for who, answer in answers if answer) or None)
         return models
 
     def implementers(self, hook: str) -> str:

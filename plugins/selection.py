@@ -13,7 +13,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from runtime.plugins.answers import HookAnswerError, ask, hook_answer, label
+from runtime.plugins.answers import HookAnswerError, collected, hook_answer
 from runtime.plugins.backend_choice import decide_attention_backend
 from runtime.plugins.choice import Verdict, choose
 from runtime.plugins.interfaces import ModelInfo, Platform, PlatformCandidate
@@ -37,16 +37,12 @@ def detect_platforms() -> list[PlatformCandidate]:
     implementations) becomes an unusable candidate with the error as its reason, instead of
     breaking selection for everyone.
     """
-    candidates = []
-    _, replies = ask("runtime_detect_platforms")
-    for r in reversed(replies):  # in registration order: built-ins first
-        name = r.impl.plugin_name
-        if r.error is not None:
-            candidates.append(PlatformCandidate(
-                name, None, reason=f"detection raised {type(r.error).__name__}: {r.error}",
-                plugin=name))
-            continue
-        for c in r.value or []:
+    answers, replies = collected("runtime_detect_platforms")
+    candidates = [PlatformCandidate(r.impl.plugin_name, None, plugin=r.impl.plugin_name,
+                                    reason=f"detection raised {type(r.error).__name__}: {r.error}")
+                  for r in reversed(replies) if r.error is not None]
+    for name, answer in reversed(answers):  # in registration order: built-ins first
+        for c in answer or []:
             if not isinstance(c, PlatformCandidate):
                 c = PlatformCandidate(name, None,
                                       reason=f"detection returned {c!r}, not a PlatformCandidate")
@@ -135,11 +131,12 @@ def explain_attention_backends(platform: Platform, model: ModelInfo,
     """
     kwargs = {"platform": platform, "model": model, "requested": requested}
     candidates = []
-    _, replies = ask("runtime_attention_backend_candidates", platform=platform, model=model)
-    for r in replies:
-        who = label(r.impl, kwargs)
-        candidates += [c if c.plugin and who == r.impl.plugin_name else replace(c, plugin=who)
-                       for c in r.value or []]
+    answers, _ = collected("runtime_attention_backend_candidates", platform=platform, model=model)
+    for who, answer in answers:
+        # a plugin's own label stays; the platform's own answer is tagged "<name> platform"
+        default = who == f"{platform.name} platform"
+        candidates += [c if c.plugin and not default else replace(c, plugin=who)
+                       for c in answer or []]
     verdicts, _ = decide_attention_backend(candidates, requested, platform.name)
     answer, answered_by, error = None, None, None
     try:

@@ -47,7 +47,9 @@ def plugins_command(args: argparse.Namespace) -> int:
         "error": None,
     }
     try:
-        report["active"] = _active(select_platform(device),
+        platform = select_platform(device)
+        detected_by = next(p["plugin"] for p in report["platforms"] if p["active"])
+        report["active"] = _active(platform, detected_by,
                                    getattr(args, "attention_backend", None),
                                    getattr(args, "kv_cache_dtype", "auto"),
                                    getattr(args, "runner", "generate") == "pooling")
@@ -60,7 +62,7 @@ def plugins_command(args: argparse.Namespace) -> int:
     return 0 if report["active"] else 1
 
 
-def _active(platform: Platform, requested: str | None = None,
+def _active(platform: Platform, detected_by: str, requested: str | None = None,
             kv_cache_dtype: str = "auto", pooling: bool = False) -> dict[str, Any]:
     dtype = platform.default_dtype()
     model = ModelInfo(architecture="sample", dtype=dtype,
@@ -78,6 +80,13 @@ def _active(platform: Platform, requested: str | None = None,
     graph = _asked(lambda: answers.graph_runner(model, enforce_eager=False).name)
     explained = explain_attention_backends(platform, model, requested)
     quantization = _quantization(answers)
+    rows = [{"hook": "runtime_detect_platforms", "op": "", "answer": platform.name,
+             "answered_by": detected_by},
+            {"hook": "runtime_attention_backend_candidates", "op": "",
+             "answer": ", ".join(b["name"] for b in explained["backends"]) or "none",
+             "answered_by": ", ".join(dict.fromkeys(b["plugin"] for b in explained["backends"]))
+             or None},
+            *hook_answer_rows(answers)]
     return {
         "name": platform.name,
         "facts": platform.describe(),
@@ -85,7 +94,7 @@ def _active(platform: Platform, requested: str | None = None,
         "attention_backends": explained["backends"],
         "graph_runner": graph,
         "quantization": quantization,
-        "answers": hook_answer_rows(answers),
+        "answers": rows,
     }
 
 

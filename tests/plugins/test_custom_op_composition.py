@@ -4,8 +4,10 @@ import torch
 
 from runtime.plugins.answers import PlatformAnswers
 from runtime.plugins.hookspecs import hookimpl
+from runtime.plugins.interfaces import PlatformCandidate
 from runtime.plugins.manager import get_plugin_manager
 from runtime.plugins.ops import rms_norm
+from runtime.plugins.selection import detect_platforms
 from runtime.platforms.cpu import ops as cpu_ops
 from runtime.platforms.cpu.platform import CpuPlatform
 from runtime.testing.tiny_model import TINY_LLAMA, build_tiny_llama
@@ -59,3 +61,38 @@ def test_every_norm_call_of_a_model_goes_to_the_override(counting_norm, tmp_path
     # per forward pass: each layer's input and post-attention norms, then the final norm
     per_forward = 2 * TINY_LLAMA["num_hidden_layers"] + 1
     assert counting_norm.calls == 3 * per_forward
+
+
+class WrapsSilu:
+    """A hook wrapper: pluggy runs it around every implementation of runtime_custom_op."""
+
+    @staticmethod
+    def traced(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(x[..., :x.size(-1) // 2]) * x[..., x.size(-1) // 2:]
+
+    @hookimpl(wrapper=True)
+    def runtime_custom_op(self, name: str):
+        op = yield
+        return self.traced if name == "silu_and_mul" else op
+
+
+def test_hook_wrappers_take_part_in_every_answer():
+    get_plugin_manager().register(WrapsSilu(), name="wraps_silu")
+    answers = PlatformAnswers(CpuPlatform())
+    assert answers.custom_op("silu_and_mul") is WrapsSilu.traced
+    who = answers.records["runtime_custom_op", "silu_and_mul"].answered_by
+    assert who in ("cpu platform, changed by a hook wrapper", "a hook wrapper")
+    assert answers.custom_op("rms_norm") in (cpu_ops.rms_norm, None)  # passed through
+
+
+class AddsAPlatform:
+    @hookimpl(wrapper=True)
+    def runtime_detect_platforms(self):
+        answers = yield
+        return [*answers, [PlatformCandidate("wrapped", None, reason="added by a wrapper")]]
+
+
+def test_a_detection_wrapper_is_honoured():
+    get_plugin_manager().register(AddsAPlatform(), name="adds")
+    added = [c for c in detect_platforms() if c.name == "wrapped"]
+    assert [(c.plugin, c.reason) for c in added] == [("a hook wrapper", "added by a wrapper")]
