@@ -18,7 +18,7 @@ from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource
 from runtime.pooling.models import is_encoder_only
 from runtime.request import Request, RequestStatus
-from runtime.structured_output.manager import StructuredOutputManager
+from runtime.core.structured_output import StructuredOutputManager
 from runtime.core.messages import TokenLogprobs
 
 logger = logging.getLogger(__name__)
