@@ -48,7 +48,7 @@ class LoRAManager:
 
     def before_forward(self, reqs: Sequence[Any], batch: Any) -> None:
         """A step hook (`runtime.worker.step_hooks`): `reqs` are the step's ScheduledRequests,
-        `batch` its `runtime.core.batch.Batch`."""
+        `batch` its `runtime.batch.Batch`."""
         self.prepare([r.lora_request for r in reqs], batch.query_lens)
 
     def after_sampling(self, reqs: Sequence[Any], out: Any) -> None:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from runtime.core.batch import build_batch
-from runtime.core.messages import ScheduledRequest, StepOutput
+from runtime.batch import build_batch
 from runtime.forward_context import forward_context
 from runtime.layers.attention import PagedKVCache
 from runtime.layers.build_context import BuildContext
@@ -28,6 +28,9 @@ from runtime.sampling.batch import SamplingBatch
 from runtime.sampling.generators import SeededGenerators
 from runtime.sampling.sampler import argmax, exponential_race, random_probs
 from runtime.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from runtime.core.messages import ScheduledRequest, StepOutput
 
 logger = logging.getLogger(__name__)
 

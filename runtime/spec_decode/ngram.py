@@ -2,11 +2,15 @@
 occurrence of its own suffix."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from runtime.core.messages import ScheduledRequest, StepOutput
 from runtime.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from runtime.core.messages import ScheduledRequest, StepOutput
 
 
 class NgramProposer:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from runtime.core.batch import Batch, build_batch
+from runtime.batch import Batch, build_batch
 from runtime.core.messages import ScheduledRequest, StepInput, StepOutput, TokenLogprobs
 from runtime.distributed.pipeline import PipelineStage
 from runtime.forward_context import forward_context

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from runtime.attention_backends.base import prefill_only_metadata
-from runtime.core.batch import Batch
+from runtime.batch import Batch
 from runtime.core.messages import ScheduledRequest, StepOutput
 from runtime.forward_context import forward_context
 from runtime.pooling.pooler import PoolerConfig, pool_rows

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from runtime.core.batch import Batch
+from runtime.batch import Batch
 from runtime.core.messages import ScheduledRequest, StepOutput
 
 

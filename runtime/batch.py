@@ -7,12 +7,15 @@ a decoder pooling model all build their steps here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from runtime.attention_backends.base import AttentionMetadata
-from runtime.core.messages import ScheduledRequest
+
+if TYPE_CHECKING:
+    from runtime.core.messages import ScheduledRequest
 
 
 @dataclass
