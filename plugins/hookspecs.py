@@ -17,9 +17,14 @@ How pluggy calls a hook (as in pytest):
   implementation "platform" is trylast and registered first, so it is always asked last);
 - a `firstresult` hook stops at the first non-None answer; every other hook collects the
   answers of all plugins into a list;
-- an implementation may accept only some of the spec's arguments (pluggy passes those it names).
+- an implementation may accept only some of the spec's arguments (pluggy passes those it names);
+- hook wrappers (`@hookimpl(wrapper=True)`) take part in every call: the engine always calls a
+  hook through pluggy, never the implementations one by one, and learns who answered from the
+  replies the plugin manager records (`runtime.plugins.answers`).
 
-Every hook is called at start-up (never per step); when, is said spec by spec.
+Every hook is called at start-up (never per step); when, is said spec by spec. A worker asks
+each question once and keeps the answers, with who gave them, in its `PlatformAnswers`
+(`runtime plugins` shows the same record for the active platform).
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ if TYPE_CHECKING:
                                             GraphRunner, ModelInfo, Platform, PlatformCandidate)
 
 PROJECT = "runtime"
-HOOK_API_VERSION = 2
+HOOK_API_VERSION = 3
 ENTRY_POINT_GROUP = "runtime.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -44,11 +49,13 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def runtime_detect_platforms() -> list[PlatformCandidate]:
     """Say which devices this plugin can drive here.
 
-    Called once, when the engine picks its platform (and by `runtime plugins`).
-    Receives nothing. Returns a list of `PlatformCandidate`: for each device family the plugin
-    knows, the `Platform` object (or None, with `reason`, when the device or its libraries are
-    absent) and a priority. All answers are collected; the usable candidate with the highest
-    priority wins unless the user forces one with `--device` / `RUNTIME_DEVICE`.
+    Called once, when the engine picks its platform (and in each worker process, and by
+    `runtime plugins`). Receives nothing. Returns a list of `PlatformCandidate`: for each
+    device family the plugin knows, the `Platform` object (or None, with `reason`, when the
+    device or its libraries are absent) and a priority. All answers are collected; the usable
+    candidate with the highest priority wins unless the user forces one with `--device` /
+    `RUNTIME_DEVICE`. An implementation that raises answers nothing and becomes an unusable
+    candidate with the error as its reason; the other plugins are still asked.
     """
 
 
@@ -57,8 +64,8 @@ def runtime_attention_backend(platform: Platform, model: ModelInfo,
                               requested: str | None) -> type[AttentionBackend] | None:
     """Choose the attention backend for this platform, model and KV-cache dtype.
 
-    Called once per engine (and once per draft model), after the model config is known and
-    before the KV cache is allocated. `model` gives head sizes, dtypes and the sliding window;
+    Called once per worker (and once more for a draft model's shapes), after the model config
+    is known and before the KV cache is allocated. `model` gives head sizes, dtypes and the sliding window;
     `requested` is the user's `--attention-backend` name or None. Default: the usable candidate
     of highest priority among `platform.attention_backend_candidates(model)`, or the one
     `requested` names, else an `AttentionBackendError` listing every candidate and why. An
@@ -83,12 +90,12 @@ def runtime_attention_backend_candidates(platform: Platform,
 @hookspec(firstresult=True)
 def runtime_graph_runner(platform: Platform, model: ModelInfo,
                          enforce_eager: bool) -> GraphRunner | None:
-    """Choose how the forward pass is executed (eager, torch.compile, CUDA/HIP graphs, XLA).
+    """Choose how the forward pass is executed (eager, CUDA/HIP graphs, XLA).
 
     Called once per worker after the model is loaded; `enforce_eager` is `--enforce-eager` (or
-    a pipeline-parallel run). Default: `platform.graph_runner(model, enforce_eager)`. Returns a
-    `GraphRunner`; the engine calls its `capture` with the model's forward, its
-    `capture_graphs` with a `CaptureSpec` once the KV cache exists, then `run` every step.
+    a pipeline-parallel run, or a pooling model). Default: `platform.graph_runner(model,
+    enforce_eager)`. Returns a `GraphRunner`; the engine calls its `capture` once with the
+    model's forward and a `CaptureSpec` after the KV cache is allocated, then `run` every step.
     First non-None answer wins (None from everyone: the engine runs eagerly).
     """
 
@@ -121,7 +128,8 @@ def runtime_quantization_kernel(platform: Platform, method: str,
 def runtime_custom_op(platform: Platform, name: str) -> Callable | None:
     """Replace a named layer op.
 
-    Called once per op name when a model's layers are built. The names and signatures (the
+    Called once per op name per worker, when the model's layers are built (a draft model takes
+    the same answers). The names and signatures (the
     portable implementations, which a replacement must match, are in `runtime.plugins.ops`):
 
     - "rms_norm": (x, weight, eps) -> normed x
@@ -156,8 +164,11 @@ def runtime_custom_op(platform: Platform, name: str) -> Callable | None:
 def runtime_register_models() -> dict[str, Any]:
     """Add model architectures.
 
-    Called once, when the model registry is first consulted. Returns a dict that maps a Hugging
-    Face architecture name (config.json's `architectures[0]`) to a model class, or to a string
+    Called each time the model registry is consulted: whenever a model's implementation is
+    chosen (every engine, core process and draft model resolving its model), when the
+    supported architectures are listed, and by `runtime plugins`; so an answer must be cheap
+    and the same every time. Returns a dict that maps a Hugging Face architecture name
+    (config.json's `architectures[0]`) to a model class, or to a string
     "package.module:ClassName" imported only when that architecture is loaded. All answers are
     collected; a plugin's entry replaces a built-in one of the same name.
     """
@@ -167,7 +178,7 @@ def runtime_register_models() -> dict[str, Any]:
 def runtime_logits_processors() -> list[Callable] | None:
     """Add logits processors to sampling.
 
-    Called once per model runner, when it is built. A processor is a callable
+    Called once per worker, when its model runner is built. A processor is a callable
     `(logits, batch) -> logits`: `logits` is the step's float32 [rows, vocab] tensor on the
     device, `batch` the step's `runtime.sampling.SamplingBatch`, one row per sampled position
     (k + 1 rows for a request verifying k proposals). Processors run after the engine's own

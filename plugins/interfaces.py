@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -169,12 +169,11 @@ class CommunicatorSpec:
     ranks: list[int]
     rank: int
     init_method: str
-    backend_hint: str = ""
 
 
 @dataclass
 class CaptureSpec:
-    """What a graph-recording runner needs once the KV cache exists (`GraphRunner.capture_graphs`).
+    """What a graph runner learns once the KV cache exists (`GraphRunner.capture`).
 
     The model reads the step's attention metadata (an `runtime.attention_backends.base.AttentionMetadata`)
     from the engine's forward context; recording a graph means running the forward under metadata
@@ -198,21 +197,20 @@ class CaptureSpec:
 
 
 class GraphRunner(ABC):
-    """How the forward pass runs: eagerly, through torch.compile, CUDA/HIP graphs or XLA.
+    """How the forward pass runs: eagerly, as CUDA/HIP graphs or through XLA.
 
-    `capture` is called once after the model is loaded; `capture_graphs` once after the KV cache
-    is allocated; `run` every step with the step's `input_ids` and `positions`, inside the step's
-    forward context, and returns the model's hidden states for exactly those tokens.
+    `capture` is called once, after the KV cache is allocated and before the first step; `run`
+    every step after it with the step's `input_ids` and `positions`, inside the step's forward
+    context, and returns the model's hidden states for exactly those tokens.
     """
 
     name: str = "eager"
 
     @abstractmethod
-    def capture(self, forward: Callable[..., torch.Tensor], example: dict[str, Any]) -> None:
-        """Prepare to run `forward` (warm up, compile)."""
-
-    def capture_graphs(self, spec: CaptureSpec) -> None:
-        """Record device graphs now that the KV cache exists; runners that record none skip it."""
+    def capture(self, forward: Callable[..., torch.Tensor], spec: CaptureSpec) -> None:
+        """Take `forward` (`forward(input_ids=, positions=)`, the model's) and get ready to run
+        it over the allocated KV cache: record device graphs, set up shape buckets, or (eager)
+        just keep it."""
 
     @abstractmethod
     def run(self, **inputs: Any) -> torch.Tensor:
@@ -224,7 +222,7 @@ class EagerRunner(GraphRunner):
 
     name = "eager"
 
-    def capture(self, forward: Callable[..., torch.Tensor], example: dict[str, Any]) -> None:
+    def capture(self, forward: Callable[..., torch.Tensor], spec: CaptureSpec) -> None:
         self._forward = forward
 
     def run(self, **inputs: Any) -> torch.Tensor:
@@ -249,7 +247,6 @@ class ModelInfo:
     # A pooling model: prefill-only steps without a KV cache (bidirectional for the BERT
     # family), which only backends with `supports_encoder_attention` run.
     pooling: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

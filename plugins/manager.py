@@ -6,12 +6,15 @@ wheel never stops the engine; `runtime plugins` shows the records.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from functools import partial
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
@@ -45,11 +48,75 @@ class PluginRecord:
     target: str = ""  # the module (or "module:attr") the plugin was loaded from
 
 
+@dataclass
+class Reply:
+    """One hook implementation's reply during `recorded_replies`: its answer or its error."""
+
+    hook: str
+    impl: Any  # pluggy's HookImpl
+    value: Any = None
+    error: BaseException | None = None
+
+
+_replies: ContextVar[list[Reply] | None] = ContextVar("runtime_hook_replies", default=None)
+# Hooks whose failing implementation answers None (its error noted) so the others still answer:
+# one plugin's broken detection must not hide the other platforms.
+FORGIVING_HOOKS = frozenset({"runtime_detect_platforms"})
+
+
+@contextmanager
+def recorded_replies() -> Iterator[list[Reply]]:
+    """Every hook implementation's reply during the block, in call order."""
+    replies: list[Reply] = []
+    token = _replies.set(replies)
+    try:
+        yield replies
+    finally:
+        _replies.reset(token)
+
+
+def _record_replies(hook: str, impl: Any) -> None:
+    function = impl.function
+
+    @functools.wraps(function)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        replies = _replies.get()
+        try:
+            value = function(*args, **kwargs)
+        except Exception as e:
+            if replies is not None:
+                replies.append(Reply(hook, impl, error=e))
+            if hook in FORGIVING_HOOKS:
+                logger.warning("plugin %s: %s raised %s: %s", impl.plugin_name, hook,
+                               type(e).__name__, e)
+                return None
+            raise
+        if replies is not None:
+            replies.append(Reply(hook, impl, value))
+        return value
+
+    impl.function = recorded
+
+
+class PluginManager(pluggy.PluginManager):
+    """pluggy's manager; every implementation it registers notes its replies for
+    `recorded_replies` (how `runtime.plugins.answers` names who answered, through pluggy's own
+    call, hook wrappers included)."""
+
+    def register(self, plugin: Any, name: str | None = None) -> str | None:
+        name = super().register(plugin, name)
+        for caller in self.get_hookcallers(plugin) or []:
+            for impl in caller.get_hookimpls():
+                if impl.plugin is plugin and not (impl.hookwrapper or impl.wrapper):
+                    _record_replies(caller.name, impl)
+        return name
+
+
 _lock = threading.RLock()  # re-entrant: a plugin may ask for the manager while it is imported
-_state: tuple[pluggy.PluginManager, list[PluginRecord]] | None = None
+_state: tuple[PluginManager, list[PluginRecord]] | None = None
 
 
-def get_plugin_manager() -> pluggy.PluginManager:
+def get_plugin_manager() -> PluginManager:
     """The process-wide plugin manager, built on first use."""
     return _load()[0]
 
@@ -72,7 +139,7 @@ def allowed_plugin_names() -> set[str] | None:
     return names or None
 
 
-def _load() -> tuple[pluggy.PluginManager, list[PluginRecord]]:
+def _load() -> tuple[PluginManager, list[PluginRecord]]:
     global _state
     with _lock:
         if _state is None:
@@ -80,15 +147,15 @@ def _load() -> tuple[pluggy.PluginManager, list[PluginRecord]]:
         return _state
 
 
-def _build() -> tuple[pluggy.PluginManager, list[PluginRecord]]:
-    pm = pluggy.PluginManager(PROJECT)
+def _build() -> tuple[PluginManager, list[PluginRecord]]:
+    pm = PluginManager(PROJECT)
     pm.add_hookspecs(hookspecs)
     pm.register(platform_answers, name=platform_answers.NAME)  # part of the contract, always on
     allowed = allowed_plugin_names()
     records = []
     for module in BUILTIN_PLUGINS:
         name = module.rsplit(".", 1)[-1]
-        load = partial(importlib.import_module, module)
+        load = functools.partial(importlib.import_module, module)
         records.append(_register(pm, name, "builtin", module, load, allowed))
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         source = ep.dist.name if ep.dist is not None else "unknown distribution"
@@ -101,7 +168,7 @@ def _build() -> tuple[pluggy.PluginManager, list[PluginRecord]]:
     return pm, records
 
 
-def _register(pm: pluggy.PluginManager, name: str, source: str, target: str,
+def _register(pm: PluginManager, name: str, source: str, target: str,
               load: Callable[[], Any], allowed: set[str] | None) -> PluginRecord:
     record = PluginRecord(name, source, False, target=target)
     if allowed is not None and name not in allowed:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
-from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
-from runtime.plugins import platform_answers
+from runtime.plugins.answers import HookAnswerError, collected, hook_answer
 from runtime.plugins.backend_choice import decide_attention_backend
+from runtime.plugins.choice import Verdict, choose
 from runtime.plugins.interfaces import ModelInfo, Platform, PlatformCandidate
-from runtime.plugins.manager import PLUGINS_ENV, discovered_plugins, get_plugin_manager
+from runtime.plugins.manager import PLUGINS_ENV, discovered_plugins
 
 logger = logging.getLogger(__name__)
 
@@ -30,33 +30,23 @@ class PlatformError(ValueError):
     """No single platform could be chosen; the message says why, candidate by candidate."""
 
 
-@dataclass
-class _Verdict:
-    candidate: PlatformCandidate
-    active: bool = False
-    why: str = ""
-
-
 def detect_platforms() -> list[PlatformCandidate]:
     """Every plugin's `runtime_detect_platforms` answers, each tagged with its plugin's name.
 
-    Plugins are asked one by one so that a plugin whose detection raises becomes an unusable
-    candidate with the error as its reason instead of breaking selection for everyone.
+    A plugin whose detection raises (pluggy's call goes on without it: the hook forgives its
+    implementations) becomes an unusable candidate with the error as its reason, instead of
+    breaking selection for everyone.
     """
-    candidates = []
-    for impl in get_plugin_manager().hook.runtime_detect_platforms.get_hookimpls():
-        if impl.hookwrapper or impl.wrapper:
-            continue
-        try:
-            answers = impl.function() or []
-        except Exception as e:  # a plugin's detection bug must not hide the other platforms
-            answers = [PlatformCandidate(impl.plugin_name, None,
-                                         reason=f"detection raised {type(e).__name__}: {e}")]
-        for c in answers:
+    answers, replies = collected("runtime_detect_platforms")
+    candidates = [PlatformCandidate(r.impl.plugin_name, None, plugin=r.impl.plugin_name,
+                                    reason=f"detection raised {type(r.error).__name__}: {r.error}")
+                  for r in reversed(replies) if r.error is not None]
+    for name, answer in reversed(answers):  # in registration order: built-ins first
+        for c in answer or []:
             if not isinstance(c, PlatformCandidate):
-                c = PlatformCandidate(impl.plugin_name, None,
+                c = PlatformCandidate(name, None,
                                       reason=f"detection returned {c!r}, not a PlatformCandidate")
-            candidates.append(c if c.plugin else replace(c, plugin=impl.plugin_name))
+            candidates.append(c if c.plugin else replace(c, plugin=name))
     return candidates
 
 
@@ -69,7 +59,7 @@ def select_platform(device: str | None = None) -> Platform:
     verdicts, error = _decide(detect_platforms(), *_forced(device))
     if error:
         raise PlatformError(error)
-    winner = next(v for v in verdicts if v.active)
+    winner = next(v for v in verdicts if v.chosen)
     logger.info("platform %s (plugin %s): %s", winner.candidate.name, winner.candidate.plugin,
                 winner.why)
     return winner.candidate.platform
@@ -81,7 +71,7 @@ def explain_platforms(device: str | None = None) -> list[dict[str, Any]]:
     verdicts, _ = _decide(detect_platforms(), *_forced(device))
     return [{"name": v.candidate.name, "plugin": v.candidate.plugin,
              "priority": v.candidate.priority, "detected": v.candidate.platform is not None,
-             "reason": v.candidate.reason, "active": v.active, "why": v.why} for v in verdicts]
+             "reason": v.candidate.reason, "active": v.chosen, "why": v.why} for v in verdicts]
 
 
 def _forced(device: str | None) -> tuple[str | None, str]:
@@ -92,51 +82,33 @@ def _forced(device: str | None) -> tuple[str | None, str]:
 
 
 def _decide(candidates: list[PlatformCandidate], forced: str | None,
-            how: str) -> tuple[list[_Verdict], str | None]:
+            how: str) -> tuple[list[Verdict], str | None]:
     """Give every candidate a verdict; returns the verdicts (best first) and an error, if any."""
-    verdicts = sorted((_Verdict(c) for c in candidates),
-                      key=lambda v: (-v.candidate.priority, v.candidate.name))
-    pool = verdicts
-    if forced:
-        pool = [v for v in verdicts if v.candidate.name == forced]
-        for v in verdicts:
-            if v.candidate.name != forced:
-                v.why = f"not the forced one ({how})"
-        if not pool:
-            names = ", ".join(sorted({v.candidate.name for v in verdicts})) or "none"
-            return verdicts, _message(f"no platform named {forced!r} ({how}); available: {names}",
-                                      verdicts, f"pick one of: {names}")
-    usable = []
-    for v in pool:
-        if v.candidate.platform is None:
-            v.why = f"not detected: {v.candidate.reason or 'no reason given'}"
-        else:
-            usable.append(v)
-    if not usable:
+    choice = choose(candidates, lambda c: c.platform is not None, forced, how, "candidates",
+                    "not detected", ties_are_ambiguous=True,
+                    order=lambda i, c: (-c.priority, c.name))
+    verdicts = choice.verdicts
+    if choice.problem == "unknown":
+        names = ", ".join(sorted({v.candidate.name for v in verdicts})) or "none"
+        return verdicts, _message(f"no platform named {forced!r} ({how}); available: {names}",
+                                  verdicts, f"pick one of: {names}")
+    if choice.problem == "unusable":
         if forced:
             return verdicts, _message(f"platform {forced!r} ({how}) is not usable here",
                                       verdicts, "pick another platform or fix the reason above")
         return verdicts, _message("no usable platform", verdicts, INSTALL_HINT)
-    top = usable[0].candidate.priority
-    best = [v for v in usable if v.candidate.priority == top]
-    for v in usable[len(best):]:
-        v.why = f"lower priority ({v.candidate.priority} < {top})"
-    if len(best) > 1:
-        for v in best:
-            v.why = f"tied at the top priority {top}"
+    if choice.problem == "ambiguous":
+        best, top = choice.tied, choice.tied[0].candidate.priority
         labels = ", ".join(f"{v.candidate.name} (plugin {v.candidate.plugin})" for v in best)
         names = {v.candidate.name for v in best}
         hint = (f"force one with --device NAME or {DEVICE_ENV}=NAME" if len(names) == len(best)
                 else f"keep only one of these plugins with {PLUGINS_ENV}")
         return verdicts, _message(f"ambiguous platform: {labels} tie at priority {top}",
                                   verdicts, hint)
-    best[0].active = True
-    best[0].why = (f"forced ({how})" if forced
-                   else f"highest priority ({top}) among usable candidates")
     return verdicts, None
 
 
-def _message(headline: str, verdicts: list[_Verdict], hint: str) -> str:
+def _message(headline: str, verdicts: list[Verdict], hint: str) -> str:
     lines = [f"{headline}.", "Platform candidates:"]
     lines += [f"  - {v.candidate.name} (plugin {v.candidate.plugin}, priority "
               f"{v.candidate.priority}): {v.why}" for v in verdicts] or ["  (none)"]
@@ -155,16 +127,16 @@ def explain_attention_backends(platform: Platform, model: ModelInfo,
     Returns {"backends": rows, "chosen": name or None, "answered_by": plugin or None, "error":
     message or None}. The rows are every plugin's `runtime_attention_backend_candidates`, each
     with `usable`, `chosen` and `why`; the answer itself comes from the real firstresult hook,
-    walked plugin by plugin (in pluggy's call order) so the answering plugin can be named.
+    through pluggy, with the plugin that gave it (`runtime.plugins.answers.hook_answer`).
     """
-    pm = get_plugin_manager()
     kwargs = {"platform": platform, "model": model, "requested": requested}
     candidates = []
-    for impl in pm.hook.runtime_attention_backend_candidates.get_hookimpls():
-        label = _label(impl, kwargs)
-        answers = _call(impl, kwargs) or []
-        candidates += [c if c.plugin and label == impl.plugin_name else replace(c, plugin=label)
-                       for c in answers]
+    answers, _ = collected("runtime_attention_backend_candidates", platform=platform, model=model)
+    for who, answer in answers:
+        # a plugin's own label stays; the platform's own answer is tagged "<name> platform"
+        default = who == f"{platform.name} platform"
+        candidates += [c if c.plugin and not default else replace(c, plugin=who)
+                       for c in answer or []]
     verdicts, _ = decide_attention_backend(candidates, requested, platform.name)
     answer, answered_by, error = None, None, None
     try:
@@ -190,43 +162,3 @@ def explain_attention_backends(platform: Platform, model: ModelInfo,
                         "why": f"answered runtime_attention_backend ({answered_by})"})
     return {"backends": rows, "chosen": answer.name if answer is not None else None,
             "answered_by": answered_by, "error": error}
-
-
-class HookAnswerError(Exception):
-    """A plugin raised while answering a hook; the message names the plugin."""
-
-
-def hook_answers(hook_name: str, **kwargs: Any) -> Iterator[tuple[str, Any]]:
-    """Each implementation's answer to a hook (None included) with who gave it, asked lazily in
-    pluggy's own call order: tryfirst ones, then the latest registered, the hooks' default
-    implementation last. Who: the plugin's name, or "<name> platform" when the platform's own
-    method answered. A plugin that raises becomes a HookAnswerError naming it."""
-    caller = getattr(get_plugin_manager().hook, hook_name)
-    for impl in reversed(caller.get_hookimpls()):
-        if impl.hookwrapper or impl.wrapper:
-            continue
-        who = _label(impl, kwargs)
-        try:
-            yield who, _call(impl, kwargs)
-        except Exception as e:
-            raise HookAnswerError(f"{who}: {e}") from e
-
-
-def hook_answer(hook_name: str, **kwargs: Any) -> tuple[Any, str | None]:
-    """The first non-None answer to a firstresult hook (what pluggy returns) and who gave it;
-    (None, None) when nobody answers."""
-    for who, answer in hook_answers(hook_name, **kwargs):
-        if answer is not None:
-            return answer, who
-    return None, None
-
-
-def _label(impl: Any, kwargs: dict[str, Any]) -> str:
-    if impl.plugin_name == platform_answers.NAME and "platform" in kwargs:
-        return f"{kwargs['platform'].name} platform"
-    return impl.plugin_name
-
-
-def _call(impl: Any, kwargs: dict[str, Any]) -> Any:
-    """Call one hook implementation with the arguments it names, as pluggy would."""
-    return impl.function(*(kwargs[name] for name in impl.argnames))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from runtime.quantization.base import QuantizationConfig
 
@@ -86,9 +86,14 @@ def checkpoint_quant_config(hf_config: Any) -> dict | None:
     return cfg if isinstance(cfg, dict) else cfg.to_dict()
 
 
-def build_quant_config(requested: str | None, hf_config: Any, platform: Any = None,
-                       hook: Any = None) -> QuantizationConfig | None:
-    """The model's quantization method with its kernel resolved, or None for dense weights."""
+def build_quant_config(requested: str | None, hf_config: Any,
+                       kernel_for: Callable[[str, dict[str, Any]], Any] | None = None
+                       ) -> QuantizationConfig | None:
+    """The model's quantization method with its kernel resolved, or None for dense weights.
+
+    `kernel_for(method, params)` is the `runtime_quantization_kernel` hook's answer (a
+    worker's `PlatformAnswers.quantization_kernel`); None from it, or no `kernel_for`: the
+    method's reference kernel."""
     ckpt = checkpoint_quant_config(hf_config)
     if requested is None and ckpt is None:
         return None
@@ -109,10 +114,8 @@ def build_quant_config(requested: str | None, hf_config: Any, platform: Any = No
         name, options = parse_spec(requested)
         config = get_method(name).from_options(options)
     kernel = None
-    if hook is not None:
-        kernel = hook.runtime_quantization_kernel(platform=platform,
-                                                  method=config.kernel_method or config.name,
-                                                  params=config.kernel_params())
+    if kernel_for is not None:
+        kernel = kernel_for(config.kernel_method or config.name, config.kernel_params())
     config.kernel = kernel if kernel is not None else config.reference_kernel()
     logger.info("quantization %s with kernel %s", config.name,
                 getattr(config.kernel, "name", type(config.kernel).__name__))

@@ -15,7 +15,7 @@ from runtime.config import EngineConfig
 from runtime.engine.core_proc import CoreStats
 from runtime.engine.step_stats import ITERATION_TOKENS_BUCKETS
 from runtime.outputs import RequestMetrics
-from runtime.spec_decode.stats import SpecDecodeStats
+from runtime.core.spec_stats import SpecDecodeStats
 from runtime.structured_output.checker import CheckCache
 from runtime.structured_output.stats import COMPILE_SECONDS_BUCKETS
 

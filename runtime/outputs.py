@@ -34,7 +34,7 @@ class CompletionOutput:
 @dataclass
 class RequestMetrics:
     arrival_time: float
-    first_scheduled_time: float | None = None
+    first_scheduled_time: float | None = None  # (monotonic, in the core) for /metrics' queue time
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0

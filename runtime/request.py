@@ -62,8 +62,7 @@ class Request:
         # tokens proposed by speculative decoding, to verify next step (not part of the sequence)
         self.spec_token_ids: list[int] = []
         self.stop_reason: int | str | None = None
-        self.num_preemptions = 0
-        self.first_scheduled_time: float | None = None
+        self.first_scheduled_time: float | None = None  # when first scheduled (/metrics)
 
     @property
     def lora_int_id(self) -> int:

@@ -1,6 +1,6 @@
 """The CPU platform: torch's cpu device, with dtype and memory choices read from the host, and
-its own answers: the native-kernel attention backend and fused ops (when the kernels build),
-torch.compile on request, gloo collectives and torch's native int8/int4 kernels."""
+its own answers: the native-kernel attention backend and fused ops (when the kernels build), an
+eager forward pass, gloo collectives and torch's native int8/int4 kernels."""
 from __future__ import annotations
 
 import logging
@@ -25,8 +25,6 @@ KV_CACHE_SHARE = 0.4
 KV_CACHE_CAP = 8 * GiB
 
 # Features worth knowing for kernels and dtype choice (x86 "flags", ARM "Features").
-COMPILE_ENV = "RUNTIME_CPU_COMPILE"  # "1": torch.compile the forward unless eager is enforced
-
 X86_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
                 "amx_tile", "amx_bf16", "amx_int8")
 ARM_FEATURES = ("asimd", "asimddp", "sve", "sve2", "bf16", "i8mm")
@@ -241,10 +239,7 @@ class CpuPlatform(Platform):
         ]
 
     def graph_runner(self, model: ModelInfo, enforce_eager: bool) -> GraphRunner:
-        """Eager by default; torch.compile when RUNTIME_CPU_COMPILE=1 and eager is not enforced."""
-        if os.environ.get(COMPILE_ENV) == "1" and not enforce_eager:
-            from runtime.platforms.cpu.compile_runner import CompileRunner
-            return CompileRunner()
+        """Eager: compiling the glue between the fused ops bought nothing (docs/benchmarks.md)."""
         return EagerRunner()
 
     def communicator(self, spec: CommunicatorSpec) -> Communicator:

@@ -48,10 +48,8 @@ class CudaGraphRunner(GraphRunner):
         self.sizes: list[int] = []
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def capture(self, forward: Callable[..., torch.Tensor], example: dict[str, Any]) -> None:
+    def capture(self, forward: Callable[..., torch.Tensor], spec: CaptureSpec) -> None:
         self._forward = forward
-
-    def capture_graphs(self, spec: CaptureSpec) -> None:
         backend = spec.attention_backend
         if not backend.graph_capturable:
             logger.info("attention backend %s cannot be recorded: running eagerly", backend.name)

@@ -65,10 +65,8 @@ def _graph_cut() -> Callable[[], None]:
 class XlaGraphRunner(GraphRunner):
     name = "xla (bucketed shapes)"
 
-    def capture(self, forward: Callable[..., torch.Tensor], example: dict[str, Any]) -> None:
+    def capture(self, forward: Callable[..., torch.Tensor], spec: CaptureSpec) -> None:
         self._forward = forward
-
-    def capture_graphs(self, spec: CaptureSpec) -> None:
         self.spec = spec
         self.token_buckets = buckets(MIN_TOKEN_BUCKET, spec.max_num_batched_tokens)
         self.req_buckets = buckets(1, spec.max_num_seqs)

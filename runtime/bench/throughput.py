@@ -18,7 +18,7 @@ from runtime.bench.metrics import format_table, throughput, write_json
 from runtime.bench.structured import STRUCTURED_OUTPUTS, overhead, schemas
 from runtime.cli.engine_args import add_engine_args, engine_kwargs
 from runtime.config import parse_size
-from runtime.spec_decode.stats import SpecDecodeStats
+from runtime.core.spec_stats import SpecDecodeStats
 
 SHARED = ("model", "tokenizer", "dtype", "num_threads")  # given to every backend
 COLUMNS = [("backend", "backend"), ("version", "version"), ("requests_per_s", "req/s"),

@@ -7,11 +7,11 @@ from dataclasses import asdict
 from typing import Any
 
 from runtime.attention_backends.base import KV_CACHE_DTYPES, kv_cache_torch_dtype
+from runtime.plugins.answers import PlatformAnswers
 from runtime.plugins.interfaces import ModelInfo, Platform
-from runtime.plugins.manager import discovered_plugins, get_plugin_manager
-from runtime.plugins.ops import COMPOSITES
+from runtime.plugins.manager import discovered_plugins
 from runtime.plugins.selection import (PlatformError, explain_attention_backends, explain_platforms,
-                                       hook_answer, select_platform)
+                                       select_platform)
 
 # The model shape used to ask which attention backend the active platform would choose.
 SAMPLE_HEAD_SIZE = 64
@@ -47,7 +47,9 @@ def plugins_command(args: argparse.Namespace) -> int:
         "error": None,
     }
     try:
-        report["active"] = _active(select_platform(device),
+        platform = select_platform(device)
+        detected_by = next(p["plugin"] for p in report["platforms"] if p["active"])
+        report["active"] = _active(platform, detected_by,
                                    getattr(args, "attention_backend", None),
                                    getattr(args, "kv_cache_dtype", "auto"),
                                    getattr(args, "runner", "generate") == "pooling")
@@ -60,65 +62,78 @@ def plugins_command(args: argparse.Namespace) -> int:
     return 0 if report["active"] else 1
 
 
-def _active(platform: Platform, requested: str | None = None,
+def _active(platform: Platform, detected_by: str, requested: str | None = None,
             kv_cache_dtype: str = "auto", pooling: bool = False) -> dict[str, Any]:
-    hook = get_plugin_manager().hook
     dtype = platform.default_dtype()
     model = ModelInfo(architecture="sample", dtype=dtype,
                       kv_cache_dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype),
                       head_size=SAMPLE_HEAD_SIZE, num_heads=SAMPLE_HEADS,
                       num_kv_heads=SAMPLE_HEADS, pooling=pooling)
+    answers = PlatformAnswers(platform, requested)
     try:
-        backend = hook.runtime_attention_backend(platform=platform, model=model,
-                                                 requested=requested)
+        backend = answers.attention_backend(model)
         attention = (f"{backend.name} ({backend.__module__}.{backend.__qualname__}), chosen for "
                      f"head_size {SAMPLE_HEAD_SIZE}, {str(dtype).removeprefix('torch.')}, "
-                     f"KV cache {kv_cache_dtype}"
-                     if backend else "none offered")
+                     f"KV cache {kv_cache_dtype}")
     except Exception as e:  # the report must still print when a backend is broken
         attention = f"unavailable: {type(e).__name__}: {e}"
-    try:
-        runner, runner_by = hook_answer("runtime_graph_runner", platform=platform, model=model,
-                                        enforce_eager=False)
-        graph = runner.name if runner else "eager (no plugin answered)"
-    except Exception as e:
-        runner_by, graph = None, f"unavailable: {type(e).__name__}: {e}"
+    graph = _asked(lambda: answers.graph_runner(model, enforce_eager=False).name)
     explained = explain_attention_backends(platform, model, requested)
-    answers = [{"hook": "runtime_attention_backend", "op": "", "answer": explained["chosen"],
-                "answered_by": explained["answered_by"]},
-               {"hook": "runtime_graph_runner", "op": "", "answer": graph,
-                "answered_by": runner_by}]
-    answers += custom_op_answers(platform)
+    quantization = _quantization(answers)
+    rows = [{"hook": "runtime_detect_platforms", "op": "", "answer": platform.name,
+             "answered_by": detected_by},
+            {"hook": "runtime_attention_backend_candidates", "op": "",
+             "answer": ", ".join(b["name"] for b in explained["backends"]) or "none",
+             "answered_by": ", ".join(dict.fromkeys(b["plugin"] for b in explained["backends"]))
+             or None},
+            *hook_answer_rows(answers)]
     return {
         "name": platform.name,
         "facts": platform.describe(),
         "attention_backend": attention,
         "attention_backends": explained["backends"],
         "graph_runner": graph,
-        "quantization": _quantization(platform),
-        "answers": answers,
+        "quantization": quantization,
+        "answers": rows,
     }
+
+
+def hook_answer_rows(answers: PlatformAnswers) -> list[dict[str, Any]]:
+    """Who answers every hook for `answers.platform`, one row per hook (per op, per
+    quantization method): what `answers` has recorded, plus the hooks it asks here. Hooks a
+    single-rank report cannot ask (`runtime_communicator` builds a process group) list who
+    implements them, in call order."""
+    for name in CUSTOM_OPS:
+        _asked(lambda: answers.custom_op(name))
+    _asked(answers.logits_processors)
+    _asked(answers.registered_models)
+    rows = [{"hook": r.hook, "op": r.about, "answer": r.answer, "answered_by": r.answered_by}
+            for r in answers.records.values()]
+    if not any(r.hook == "runtime_communicator" for r in answers.records.values()):
+        rows.append({"hook": "runtime_communicator", "op": "",
+                     "answer": "asked only with several ranks; implemented by",
+                     "answered_by": answers.implementers("runtime_communicator")})
+    return rows
 
 
 def custom_op_answers(platform: Platform) -> list[dict[str, Any]]:
     """Who answers `runtime_custom_op` for each op name (composites as the model builds them)."""
-    from runtime.layers.custom_ops import CustomOps
-    ops = CustomOps(platform)
-    rows = []
+    answers = PlatformAnswers(platform)
     for name in CUSTOM_OPS:
-        try:
-            op = ops(name)
-            answer = ("composed" if name in COMPOSITES and ops.answered_by[name] else "portable"
-                      ) if op is None else getattr(op, "__qualname__", type(op).__name__)
-        except Exception as e:
-            ops.answered_by[name] = None
-            answer = f"unavailable: {type(e).__name__}: {e}"
-        rows.append({"hook": "runtime_custom_op", "op": name, "answer": answer,
-                     "answered_by": ops.answered_by[name]})
-    return rows
+        _asked(lambda: answers.custom_op(name))
+    return [{"hook": r.hook, "op": r.about, "answer": r.answer, "answered_by": r.answered_by}
+            for r in answers.records.values()]
 
 
-def _quantization(platform: Platform) -> list[dict[str, Any]]:
+def _asked(question: Any) -> Any:
+    """The answer, or the error as the answer (the report must still print)."""
+    try:
+        return question()
+    except Exception as e:
+        return f"unavailable: {type(e).__name__}: {e}"
+
+
+def _quantization(answers: PlatformAnswers) -> list[dict[str, Any]]:
     """Each quantization method: the kernel a plugin or the platform supplies, else the
     reference."""
     from runtime.quantization.registry import quantization_methods
@@ -126,9 +141,9 @@ def _quantization(platform: Platform) -> list[dict[str, Any]]:
     for name, cls in sorted(quantization_methods().items()):
         try:
             config = cls()
-            kernel, who = hook_answer("runtime_quantization_kernel", platform=platform,
-                                      method=config.kernel_method or name,
-                                      params=config.kernel_params())
+            method = config.kernel_method or name
+            kernel = answers.quantization_kernel(method, config.kernel_params())
+            who = answers.records["runtime_quantization_kernel", method].answered_by
             chosen = (f"{kernel.name} ({who})" if kernel is not None else
                       f"{config.reference_kernel().name} (reference)")
         except Exception as e:

@@ -65,6 +65,12 @@ class SpeculativeConfig:
                              f"{METHODS}) and \"num_speculative_tokens\"")
         return cls(**value)
 
+    @property
+    def needs_lookahead(self) -> bool:
+        """A draft model writes the KV of its proposals into slots reserved past each step's
+        tokens; prompt lookup keeps no KV of its own."""
+        return self.method == "draft_model"
+
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if getattr(self, f.name) is not None}

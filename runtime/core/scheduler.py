@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from runtime.config import EngineConfig
 from runtime.core.kv_cache_manager import KVCacheManager
 from runtime.request import Request, RequestStatus
-from runtime.spec_decode.stats import SpecDecodeStats
+from runtime.core.spec_stats import SpecDecodeStats
 
 
 @dataclass
@@ -150,7 +150,7 @@ class Scheduler:
     def _lookahead(self, end: int) -> int:
         """Slots a draft model needs past a step's tokens (ending at `end`), for the KV of its
         proposals."""
-        if self.spec is None or self.spec.method != "draft_model":
+        if self.spec is None or not self.spec.needs_lookahead:
             return 0
         return max(0, min(self.spec.num_speculative_tokens, self.max_model_len - end))
 
@@ -185,7 +185,6 @@ class Scheduler:
         self.kv.free(request)
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(request, front=True)
         out.preempted.append(request)

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from runtime.core.kv_cache_manager import KVCacheManager
 from runtime.core.scheduler import SchedulerOutput
 from runtime.request import Request
-from runtime.worker.inputs import CachedRequestData, NewRequestData, StepInput
+from runtime.core.messages import CachedRequestData, NewRequestData, StepInput
 
 
 class StepInputBuilder:

@@ -19,7 +19,8 @@ from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource
 from runtime.pooling.models import is_encoder_only
 from runtime.request import Request, RequestStatus
-from runtime.worker.inputs import TokenLogprobs
+from runtime.core.structured_output import StructuredOutputManager
+from runtime.core.messages import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +94,10 @@ class EngineCore:
                                    self.encoder_only)
         spec = config.speculative_config
         self.step_inputs = StepInputBuilder(self.kv, model_config.max_model_len,
-                                            spec is not None and spec.method == "draft_model")
-        # made on the first request with structured_outputs (xgrammar takes seconds to import)
-        self.structured = None
+                                            spec is not None and spec.needs_lookahead)
+        # constrained requests' grammars and matchers; the grammar backend (xgrammar takes
+        # seconds to import) is made on the first request with structured_outputs
+        self.structured = StructuredOutputManager(self._grammar_compiler)
         # the requests the last step ended with an error (finish_reason "abort"), with it
         self.failed: list[tuple[Request, str]] = []
         self.step_tokens = StepTokens()  # tokens scheduled per step, for /metrics
@@ -119,19 +121,15 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        if self.structured is not None:
-            self.structured.shutdown()
+        self.structured.shutdown()
         self.executor.shutdown()
 
     def add_request(self, request: Request) -> None:
         """Queue a request; one with structured_outputs first waits for its grammar."""
         if request.params.structured_outputs is None:
             self.scheduler.add_request(request)
-            return
-        if self.structured is None:
-            from runtime.structured_output.manager import StructuredOutputManager
-            self.structured = StructuredOutputManager(self._grammar_compiler)
-        self.structured.add_request(request)
+        else:
+            self.structured.add_request(request)
 
     def _grammar_compiler(self):
         from runtime.engine.input_processor import eos_token_ids
@@ -160,32 +158,30 @@ class EngineCore:
     def finish_request(self, request_id: str, status: RequestStatus,
                        stop_reason: int | str | None = None) -> None:
         """End a request early (a stop string matched, or the caller aborted it)."""
-        if self.structured is not None:
-            self.structured.drop(request_id)
+        self.structured.drop(request_id)
         if self.scheduler.finish_request(request_id, status, stop_reason) is not None:
             self.step_inputs.finished([request_id])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.structured and self.structured.waiting)
+        return self.scheduler.has_unfinished() or bool(self.structured.waiting)
 
     def step(self) -> list[CoreOutput]:
         self.failed.clear()
-        outputs = self._admit_compiled() if self.structured is not None else []
+        outputs = self._admit_compiled()
         sched = self.scheduler.schedule()
         self.step_inputs.preempted(sched.preempted)
         if sched.is_empty:
-            if self.structured is not None and not outputs:
+            if not outputs:
                 self.structured.wait(timeout=0.05)  # nothing runs until a grammar is ready
             return outputs
         self.step_tokens.add(sched.num_batched_tokens)
         step_input = self.step_inputs.build(sched)
-        if self.structured is not None:
-            step_input.grammar_bitmask, step_input.grammar_rows = \
-                self.structured.bitmask(sched.scheduled)
+        step_input.grammar_bitmask, step_input.grammar_rows = \
+            self.structured.bitmask(sched.scheduled)
         result = self.executor.execute(step_input)
         refused = dict(result.failed)  # e.g. a LoRA adapter that could not be read
-        if self.structured is not None:
-            refused.update(self.structured.accept(sched.scheduled, result.sampled))
+        # a sampled token the grammar refuses ends its request
+        refused.update(self.structured.accept(sched.scheduled, result.sampled))
         finished = self.scheduler.update(sched, result.sampled, result.draft_token_ids)
         for request_id, error in refused.items():
             logger.error("request %s: %s", request_id, error)
@@ -195,9 +191,7 @@ class EngineCore:
                 finished.append(request)
                 self.failed.append((request, error))
         self.step_inputs.finished(r.request_id for r in finished)
-        if self.structured is not None:
-            for r, _ in sched.scheduled:
-                self.structured.advance(r)
+        self.structured.advance(sched.scheduled)
         for r, _ in sched.scheduled:
             new = result.sampled.get(r.request_id, [])
             plp = result.prompt_logprobs.get(r.request_id)

@@ -91,7 +91,7 @@ class CoreStats(msgspec.Struct, array_like=True, kw_only=True):
     kv_cache_usage: float = 0.0
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
-    # speculative decoding, cumulative (see runtime.spec_decode.stats)
+    # speculative decoding, cumulative (see runtime.core.spec_stats)
     num_spec_drafts: int = 0
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0

@@ -11,7 +11,7 @@ from runtime.engine.core import CoreOutput
 from runtime.outputs import (CompletionOutput, Logprob, PositionLogprobs, RequestMetrics,
                              RequestOutput)
 from runtime.sampling_params import SamplingParams
-from runtime.worker.inputs import TokenLogprobs
+from runtime.core.messages import TokenLogprobs
 
 
 class OutputKind(enum.Enum):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from runtime.worker.inputs import StepInput, StepOutput
+from runtime.core.messages import StepInput, StepOutput
 
 
 class WorkerError(RuntimeError):

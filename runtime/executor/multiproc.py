@@ -25,7 +25,7 @@ from runtime.distributed.layout import ParallelLayout
 from runtime.executor.base import Executor, WorkerError
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource
-from runtime.worker.inputs import StepInput, StepOutput
+from runtime.core.messages import StepInput, StepOutput
 from runtime.worker.worker import start_worker
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from runtime.executor.base import Executor, WorkerError
 from runtime.executor.multiproc import free_port
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource
-from runtime.worker.inputs import StepInput, StepOutput
+from runtime.core.messages import StepInput, StepOutput
 from runtime.worker.worker import start_worker
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from runtime.executor.base import Executor
-from runtime.worker.inputs import StepInput, StepOutput
+from runtime.core.messages import StepInput, StepOutput
 from runtime.worker.worker import Worker
 
 

@@ -1,5 +1,5 @@
 """The attention layer: hands Q, K, V and this step's metadata to the chosen backend; and the
-zeroing of KV-cache blocks on first use."""
+paged KV cache of a model's attention layers."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -38,13 +38,39 @@ class Attention(nn.Module):
         return out.reshape(t, self.num_heads * self.head_size)
 
 
-def zero_new_blocks(kv_layers: list[Attention], reqs: Iterable[Any], num_zeroed: int) -> int:
-    """Zero the blocks `reqs` (a step's requests, each with its `block_ids`) reach beyond the
-    first `num_zeroed` of every layer's cache; returns the new count. The block pool hands out
-    never-used blocks in increasing id order."""
-    top = max(max(r.block_ids) for r in reqs) + 1
-    if top <= num_zeroed:
-        return num_zeroed
-    for layer in kv_layers:
-        layer.kv_cache.narrow(layer.impl.kv_cache_block_dim, num_zeroed, top - num_zeroed).zero_()
-    return top
+class PagedKVCache:
+    """The KV cache of one model's attention layers: one tensor per layer, in the layout its
+    backend asks for, addressed by the engine's block ids.
+
+    The memory is not touched when allocated: zeroing gigabytes up front costs seconds of page
+    faults. Blocks are zeroed when a step first reaches them (`zero_new_blocks`; the block pool
+    hands out never-used blocks in increasing id order), so attention never reads uninitialised
+    memory past a sequence's end.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.num_zeroed_blocks = 0
+
+    def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        for layer in self.layers:
+            shape = type(layer.impl).kv_cache_shape(num_blocks, block_size, layer.num_kv_heads,
+                                                    layer.head_size)
+            layer.kv_cache = torch.empty(shape, dtype=dtype, device=device)
+        self.num_zeroed_blocks = 0
+
+    def release(self) -> None:
+        for layer in self.layers:
+            layer.kv_cache = torch.empty(0)
+
+    def zero_new_blocks(self, reqs: Iterable[Any]) -> None:
+        """Zero the blocks `reqs` (a step's requests, each with its `block_ids`) reach beyond
+        those already zeroed."""
+        top = max(max(r.block_ids) for r in reqs) + 1
+        if top <= self.num_zeroed_blocks:
+            return
+        start = self.num_zeroed_blocks
+        for layer in self.layers:
+            layer.kv_cache.narrow(layer.impl.kv_cache_block_dim, start, top - start).zero_()
+        self.num_zeroed_blocks = top

@@ -15,8 +15,8 @@ class BuildContext:
     """Handed to every model constructor; layers take from it what they need.
 
     `attention_backend` is the class chosen by the `runtime_attention_backend` hook;
-    `custom_op(name)` asks `custom_op_provider` (a `runtime.layers.custom_ops.CustomOps`, which
-    asks the `runtime_custom_op` hook) once per op name;
+    `custom_op(name)` asks `custom_op_provider` (a worker's `PlatformAnswers.custom_op`, which
+    asks the `runtime_custom_op` hook and composes composite ops) once per op name;
     `tp_rank`/`tp_size` and `tp_group` (a `runtime.plugins.interfaces.Communicator`) shard the layers;
     `ep_size` > 1 (expert parallel: the tensor-parallel group's size) gives each rank whole MoE
     experts instead of a slice of every expert;

@@ -46,6 +46,17 @@ class LoRAManager:
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # adapter id -> weights, LRU first
         self.failed: dict[int, str] = {}  # the step's adapters that could not be read -> why
 
+    def before_forward(self, reqs: Sequence[Any], batch: Any) -> None:
+        """A step hook (`runtime.worker.step_hooks`): `reqs` are the step's ScheduledRequests,
+        `batch` its `runtime.batch.Batch`."""
+        self.prepare([r.lora_request for r in reqs], batch.query_lens)
+
+    def after_sampling(self, reqs: Sequence[Any], out: Any) -> None:
+        self.fail_requests(reqs, out)
+
+    def finish(self, request_ids: list[str]) -> None:
+        pass  # adapters outlive requests
+
     def prepare(self, lora_requests: Sequence[LoRARequest | None],
                 query_lens: np.ndarray) -> None:
         """Slots for the step's adapters (one entry per request, in batch order), and each
@@ -72,8 +83,9 @@ class LoRAManager:
         self.step.batch = LoRABatch.build(token_slots)
 
     def fail_requests(self, reqs: Sequence[Any], out: Any) -> None:
-        """Mark the step's requests (the runner's ScheduledRequests, its StepOutput) whose adapter could not be read as failed (the engine ends
-        them with the error), dropping what the base model computed for them."""
+        """Mark the step's requests (the runner's ScheduledRequests, its StepOutput) whose
+        adapter could not be read as failed (the engine ends them with the error), dropping
+        what the base model computed for them."""
         for r in reqs:
             if r.lora_request is not None and r.lora_request.lora_int_id in self.failed:
                 out.failed[r.request_id] = self.failed[r.lora_request.lora_int_id]

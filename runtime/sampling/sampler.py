@@ -65,13 +65,6 @@ class Sampler:
         return SamplerOutput(sampled, ids, values, ranks)
 
 
-def plugin_logits_processors() -> list[Callable]:
-    """Every plugin's `runtime_logits_processors` answer, flattened, in hook order."""
-    from runtime.plugins.manager import get_plugin_manager
-    return [processor for answer in get_plugin_manager().hook.runtime_logits_processors()
-            for processor in answer or ()]
-
-
 def _random_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return exponential_race(random_probs(logits, batch), batch.generators)
 

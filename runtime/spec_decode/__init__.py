@@ -1,5 +1,5 @@
-"""Speculative decoding: proposers (n-gram, draft model), the rejection sampler, and its stats."""
+"""Speculative decoding: proposers (n-gram, draft model) and the rejection sampler; the
+scheduler keeps its counters (`runtime.core.spec_stats`)."""
 from runtime.config.speculative import SpeculativeConfig
-from runtime.spec_decode.stats import SpecDecodeStats
 
-__all__ = ["SpecDecodeStats", "SpeculativeConfig"]
+__all__ = ["SpeculativeConfig"]

@@ -17,38 +17,58 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from runtime.batch import build_batch
 from runtime.forward_context import forward_context
-from runtime.layers.attention import Attention, zero_new_blocks
+from runtime.layers.attention import PagedKVCache
+from runtime.layers.build_context import BuildContext
+from runtime.model_config import ModelConfig
+from runtime.model_loader.build import build_model, model_info
+from runtime.plugins.answers import PlatformAnswers
 from runtime.sampling.batch import SamplingBatch
+from runtime.sampling.generators import SeededGenerators
 from runtime.sampling.sampler import argmax, exponential_race, random_probs
+from runtime.config import EngineConfig
 from runtime.config.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from runtime.worker.inputs import ScheduledRequest
-    from runtime.worker.model_runner import ModelRunner
-    from runtime.worker.worker import Worker
+    from runtime.core.messages import ScheduledRequest, StepOutput
 
 logger = logging.getLogger(__name__)
 
 
 class DraftModelProposer:
+    """A step hook of the model runner (`runtime.worker.step_hooks`): after the target samples,
+    it proposes the next step's tokens. `generators` are the runner's: a seeded request draws
+    its proposals from its own generator."""
+
     def __init__(self, model: nn.Module, config: SpeculativeConfig, device: torch.device,
-                 vocab_size: int, kv_bytes_per_block: int) -> None:
+                 vocab_size: int, block_size: int, dtype: torch.dtype,
+                 generators: SeededGenerators) -> None:
         self.model = model
         self.k = config.num_speculative_tokens
         self.device = device
         self.vocab_size = vocab_size
-        self.kv_bytes_per_block = kv_bytes_per_block
-        self.kv_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        self.num_zeroed_blocks = 0
+        self.block_size = block_size
+        self.dtype = dtype
+        self.generators = generators
+        self.kv_cache = PagedKVCache(model)
+        self.kv_bytes_per_block = sum(2 * block_size * m.num_kv_heads * m.head_size
+                                      * dtype.itemsize for m in self.kv_cache.layers)
         self.probs: dict[str, torch.Tensor] = {}  # request id -> [j, V] q of its proposals
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
-        for layer in self.kv_layers:
-            shape = type(layer.impl).kv_cache_shape(num_blocks, block_size, layer.num_kv_heads,
-                                                    layer.head_size)
-            layer.kv_cache = torch.empty(shape, dtype=dtype, device=self.device)
-        self.num_zeroed_blocks = 0
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """The draft's cache, in the target's block ids, in the model's dtype."""
+        self.kv_cache.allocate(num_blocks, self.block_size, self.dtype, self.device)
+
+    def before_forward(self, reqs: list[ScheduledRequest], batch: object) -> None:
+        pass
+
+    def after_sampling(self, reqs: list[ScheduledRequest], out: StepOutput) -> None:
+        out.draft_token_ids = self.propose(reqs, out.sampled)
+
+    def finish(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.probs.pop(request_id, None)
 
     def draft_probs(self, request_id: str, num_tokens: int) -> torch.Tensor | None:
         """The distributions the first `num_tokens` proposals of a random request were drawn
@@ -56,29 +76,26 @@ class DraftModelProposer:
         probs = self.probs.get(request_id)
         return None if probs is None else probs[:num_tokens]
 
-    def drop(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.probs.pop(request_id, None)
-
-    def _forward(self, reqs: list[ScheduledRequest], runner: "ModelRunner") -> torch.Tensor:
+    def _forward(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
         """Logits at the last position of each request (in `reqs` order, decodes first)."""
-        self.num_zeroed_blocks = zero_new_blocks(self.kv_layers, reqs, self.num_zeroed_blocks)
-        input_ids, positions, metadata, cu = runner._prepare(reqs)
-        with forward_context(metadata):
-            hidden = self.model(input_ids, positions)
-        rows = torch.as_tensor(cu[1:] - 1, device=self.device)
+        self.kv_cache.zero_new_blocks(reqs)
+        batch = build_batch(reqs, self.block_size, self.device)
+        with forward_context(batch.metadata):
+            hidden = self.model(batch.input_ids, batch.positions)
+        rows = torch.as_tensor(batch.last_rows, device=self.device)
         return self.model.compute_logits(hidden[rows]).float()
 
-    def _draw(self, logits: torch.Tensor, reqs: list[ScheduledRequest],
-              runner: "ModelRunner") -> tuple[list[int], torch.Tensor | None]:
+    def _draw(self, logits: torch.Tensor,
+              reqs: list[ScheduledRequest]) -> tuple[list[int], torch.Tensor | None]:
         """One proposal per row: the argmax for greedy requests, else a draw from the draft's
         distribution under the request's temperature and filters (returned as q)."""
         params = [r.params for r in reqs]
         if all(p.greedy for p in params):
             return argmax(logits).tolist(), None
         empty = [[] for _ in reqs]
-        batch = SamplingBatch.build(params, empty, empty, [runner._generator(r) for r in reqs],
-                                    self.device, self.vocab_size)
+        generators = [self.generators.get(r.request_id, r.params, r.sample_index) for r in reqs]
+        batch = SamplingBatch.build(params, empty, empty, generators, self.device,
+                                    self.vocab_size)
         probs = random_probs(logits, batch)
         tokens = exponential_race(probs.clone(), batch.generators)
         if batch.greedy is not None:
@@ -86,8 +103,8 @@ class DraftModelProposer:
         return tokens.tolist(), probs
 
     @torch.inference_mode()
-    def propose(self, reqs: list[ScheduledRequest], emitted: dict[str, list[int]],
-                runner: "ModelRunner") -> dict[str, list[int]]:
+    def propose(self, reqs: list[ScheduledRequest],
+                emitted: dict[str, list[int]]) -> dict[str, list[int]]:
         """Up to k proposals for each request that emitted tokens this step."""
         first, limits = [], {}
         for r in reqs:
@@ -101,12 +118,12 @@ class DraftModelProposer:
                 limits[r.request_id] = min(self.k, end - last)
             first.append(dataclasses.replace(r, token_ids=tokens, spec_token_ids=[]))
         first.sort(key=lambda r: len(r.token_ids) > 1)
-        logits = self._forward(first, runner)
+        logits = self._forward(first)
         active = [(i, r) for i, r in enumerate(first) if r.request_id in limits]
         if not active:
             return {}
         reqs_now = [r for _, r in active]
-        tokens, probs = self._draw(logits[[i for i, _ in active]], reqs_now, runner)
+        tokens, probs = self._draw(logits[[i for i, _ in active]], reqs_now)
         drafts = {r.request_id: [t] for r, t in zip(reqs_now, tokens)}
         dists = {r.request_id: [probs[j]] for j, r in enumerate(reqs_now)
                  if probs is not None and not r.params.greedy}
@@ -118,7 +135,7 @@ class DraftModelProposer:
             batch = [dataclasses.replace(r, token_ids=[drafts[r.request_id][-1]],
                                          start_pos=positions[r.request_id] + step - 1)
                      for r in reqs_now]
-            tokens, probs = self._draw(self._forward(batch, runner), reqs_now, runner)
+            tokens, probs = self._draw(self._forward(batch), reqs_now)
             for j, (r, t) in enumerate(zip(reqs_now, tokens)):
                 drafts[r.request_id].append(t)
                 if r.request_id in dists:
@@ -127,16 +144,17 @@ class DraftModelProposer:
         return drafts
 
 
-def load_draft_proposer(worker: "Worker", config: SpeculativeConfig) -> DraftModelProposer:
-    """Build and load the draft model on the worker's device, unsharded, unquantized, through
-    the worker's own loading path (the platform's custom ops and `linear` kernel included)."""
-    from runtime.layers.build_context import BuildContext
-    from runtime.layers.custom_ops import CustomOps
+def load_draft_proposer(config: SpeculativeConfig, target: ModelConfig,
+                        answers: PlatformAnswers, generators: SeededGenerators,
+                        device: torch.device, block_size: int,
+                        engine: EngineConfig) -> DraftModelProposer:
+    """Build and load the draft model on the worker's device, unsharded, unquantized, with the
+    worker's platform answers (its attention backend asked for the draft's shapes, the same
+    custom ops and `linear` kernel) and the target's loading path; it is looked for where the
+    target's model is (`engine`'s download dir)."""
     from runtime.model_spec import ModelSpec
-    from runtime.plugins.interfaces import ModelInfo
 
-    target = worker.model_config
-    draft = ModelSpec.resolve_draft(config.model, worker.config, target.dtype)
+    draft = ModelSpec.resolve_draft(config.model, engine, target.dtype)
     source, hf_config, mc = draft.source, draft.hf_config, draft.model_config
     if mc.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model {config.model} has a vocabulary of {mc.vocab_size} "
@@ -146,16 +164,12 @@ def load_draft_proposer(worker: "Worker", config: SpeculativeConfig) -> DraftMod
         raise ValueError(f"the draft model {config.model} handles {mc.max_model_len} positions, "
                          f"fewer than the target's max_model_len {target.max_model_len}: "
                          "lower --max-model-len")
-    info = ModelInfo(architecture=mc.architecture, dtype=mc.dtype, kv_cache_dtype=mc.dtype,
-                     head_size=mc.head_size, num_heads=mc.num_heads,
-                     num_kv_heads=mc.num_kv_heads, sliding_window=mc.sliding_window,
-                     block_size=worker.config.block_size)
-    backend = worker.hook.runtime_attention_backend(platform=worker.platform, model=info,
-                                                    requested=worker.config.attention_backend)
-    ctx = BuildContext(dtype=mc.dtype, device=worker.device, attention_backend=backend,
-                       custom_op_provider=CustomOps(worker.platform))
-    model = worker.build_model(mc.choice.model_class, hf_config, mc.dtype, ctx, source)
+    backend = answers.attention_backend(model_info(mc, mc.dtype, block_size),
+                                        about=f"draft model {mc.architecture}")
+    ctx = BuildContext(dtype=mc.dtype, device=device, attention_backend=backend,
+                       custom_op_provider=answers.custom_op)
+    model = build_model(mc.choice.model_class, hf_config, ctx, source)
     logger.info("draft model %s (%s) proposes %d tokens per step", source.path,
                 mc.architecture, config.num_speculative_tokens)
-    return DraftModelProposer(model, config, worker.device, mc.vocab_size,
-                              mc.kv_bytes_per_block(worker.config.block_size, mc.dtype))
+    return DraftModelProposer(model, config, device, mc.vocab_size, block_size, mc.dtype,
+                              generators)

@@ -10,11 +10,12 @@ from numpy.lib.stride_tricks import sliding_window_view
 from runtime.config.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from runtime.worker.inputs import ScheduledRequest
+    from runtime.core.messages import ScheduledRequest, StepOutput
 
 
 class NgramProposer:
-    """Proposals are one-hot: verification accepts d with the target's probability p(d)."""
+    """Proposals are one-hot: verification accepts d with the target's probability p(d). A
+    step hook of the model runner (`runtime.worker.step_hooks`) that keeps nothing per request."""
 
     kv_bytes_per_block = 0  # no cache of its own
 
@@ -23,17 +24,23 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: object) -> None:
+    def allocate_kv_cache(self, num_blocks: int) -> None:
         pass
 
     def draft_probs(self, request_id: str, num_tokens: int) -> None:
         return None
 
-    def drop(self, request_ids: list[str]) -> None:
+    def before_forward(self, reqs: list[ScheduledRequest], batch: object) -> None:
         pass
 
-    def propose(self, reqs: list[ScheduledRequest], emitted: dict[str, list[int]],
-                runner: object = None) -> dict[str, list[int]]:
+    def after_sampling(self, reqs: list[ScheduledRequest], out: StepOutput) -> None:
+        out.draft_token_ids = self.propose(reqs, out.sampled)
+
+    def finish(self, request_ids: list[str]) -> None:
+        pass
+
+    def propose(self, reqs: list[ScheduledRequest],
+                emitted: dict[str, list[int]]) -> dict[str, list[int]]:
         """Proposals for each request that emitted tokens this step, from its whole sequence."""
         drafts = {}
         for r in reqs:

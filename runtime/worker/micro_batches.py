@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from runtime.worker.inputs import ScheduledRequest, StepOutput
+from runtime.core.messages import ScheduledRequest, StepOutput
 
 
 def micro_batches(requests: list[ScheduledRequest], n: int) -> list[list[ScheduledRequest]]:

@@ -2,30 +2,42 @@
 batch from it on the host, runs the model, samples."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import nn
 
-from runtime.attention_backends.base import AttentionMetadata
+from runtime.batch import Batch, build_batch
+from runtime.core.messages import ScheduledRequest, StepInput, StepOutput, TokenLogprobs
 from runtime.distributed.pipeline import PipelineStage
-from runtime.plugins.interfaces import EagerRunner, GraphRunner
 from runtime.forward_context import forward_context
-from runtime.layers.attention import Attention, zero_new_blocks
-from runtime.sampling.sampler import (Sampler, SamplingBatch, gather_logprobs,
-                                      plugin_logits_processors)
+from runtime.layers.attention import PagedKVCache
+from runtime.plugins.interfaces import EagerRunner, GraphRunner
+from runtime.sampling.generators import SeededGenerators
+from runtime.sampling.sampler import Sampler, SamplingBatch, gather_logprobs
 from runtime.sampling_params import SamplingParams
+from runtime.spec_decode.proposer import Proposer
 from runtime.spec_decode.rejection import Verification, rejection_sample
-from runtime.worker.inputs import ScheduledRequest, StepInput, StepOutput, TokenLogprobs
+from runtime.worker.pooling_runner import PoolingRunner
 from runtime.worker.request_states import RequestStates
+from runtime.worker.step_hooks import StepHook
 
 
 class ModelRunner:
+    """`hooks` join every step (`StepHook`: LoRA); a `proposer` (speculative decoding) joins
+    it too and supplies the distributions its proposals are verified against; `pooling` (a
+    pooling model) runs the step's forward and pools it instead of sampling."""
+
     def __init__(self, model: nn.Module, device: torch.device, block_size: int,
                  vocab_size: int, graph_runner: GraphRunner | None = None,
                  pp: PipelineStage | None = None,
-                 hidden: tuple[int, torch.dtype] | None = None) -> None:
+                 hidden: tuple[int, torch.dtype] | None = None, *,
+                 hooks: Sequence[StepHook] = (), proposer: Proposer | None = None,
+                 pooling: PoolingRunner | None = None,
+                 generators: SeededGenerators | None = None,
+                 logits_processors: Sequence[Callable] = ()) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -33,32 +45,24 @@ class ModelRunner:
         # the stage's place in the pipeline, and (hidden size, dtype) of what stages exchange
         self.pp = pp or PipelineStage()
         self.hidden = hidden
-        self.sampler = Sampler(plugin_logits_processors())
+        self.sampler = Sampler(list(logits_processors))
         self.states = RequestStates()
-        # seeded requests' generators: kept through a preemption, dropped when they finish
-        self.generators: dict[str, torch.Generator] = {}
+        self.kv_cache = PagedKVCache(model)
+        # seeded requests' generators (a draft model draws from them too): kept through a
+        # preemption, dropped when they finish
+        self.generators = generators or SeededGenerators(device)
         self.graph_runner = graph_runner or EagerRunner()
-        self.graph_runner.capture(self.model.forward, {})
-        # proposes tokens for speculative decoding (runtime.spec_decode); set by the worker
-        self.proposer = None
-        # puts each step's adapters in their slots (runtime.lora); set by the worker
-        self.lora = None
-        # runs and pools the steps of a pooling model (runtime.pooling); set by the worker
-        self.pooling = None
+        self.proposer = proposer
+        self.pooling = pooling
+        # the proposer first: a hook after it (LoRA) may withdraw its proposals
+        self.hooks: list[StepHook] = [h for h in (proposer, *hooks, pooling) if h is not None]
 
     def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
-        """Give every attention layer its cache, in the layout its backend asks for.
-
-        The memory is not touched here: zeroing gigabytes up front costs seconds of page
-        faults. Blocks are zeroed when first handed out (see `_zero_new_blocks`), so attention
-        never reads uninitialised memory past a sequence's end.
-        """
-        self.kv_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for layer in self.kv_layers:
-            shape = type(layer.impl).kv_cache_shape(num_blocks, self.block_size,
-                                                    layer.num_kv_heads, layer.head_size)
-            layer.kv_cache = torch.empty(shape, dtype=dtype, device=self.device)
-        self.num_zeroed_blocks = 0
+        """Give every attention layer its cache (and the draft model's, addressed by the same
+        block ids), untouched until a step reaches it."""
+        self.kv_cache.allocate(num_blocks, self.block_size, dtype, self.device)
+        if self.proposer is not None:
+            self.proposer.allocate_kv_cache(num_blocks)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_reqs: int, dtype: torch.dtype) -> None:
@@ -80,88 +84,49 @@ class ModelRunner:
                 request_id=f"profile-{i}", token_ids=[0] * n, start_pos=0, block_ids=blocks,
                 sample=True, params=SamplingParams(), sample_index=0, num_prompt_tokens=n,
                 all_token_ids=[0] * n))
-        self.allocate_kv_cache(next_block, dtype)
-        self._zero_new_blocks(reqs)
-        input_ids, positions, metadata, cu = self._prepare(reqs)
-        with forward_context(metadata):
-            hidden = self._forward(self.model, input_ids, positions)
+        self.kv_cache.allocate(next_block, bs, dtype, self.device)
+        batch = self._build(reqs)
+        with forward_context(batch.metadata):
+            hidden = self._forward(self.model, batch)
         if hidden is not None and self.pooling is None:  # None: a stage before the last
-            rows = torch.as_tensor(cu[1:] - 1, device=self.device)
+            rows = torch.as_tensor(batch.last_rows, device=self.device)
             if self.proposer is not None:  # each request verifies k + 1 rows
                 rows = rows.repeat_interleave(1 + self.proposer.k)
             torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), -1)
-        for layer in self.kv_layers:
-            layer.kv_cache = torch.empty(0)
+        self.kv_cache.release()
 
-    def _forward(self, forward: Callable[..., Any], input_ids: torch.Tensor,
-                 positions: torch.Tensor) -> torch.Tensor | None:
+    def _build(self, reqs: list[ScheduledRequest]) -> Batch:
+        """The step's batch over the target's cache, announced to the hooks."""
+        self.kv_cache.zero_new_blocks(reqs)
+        batch = build_batch(reqs, self.block_size, self.device)
+        for hook in self.hooks:
+            hook.before_forward(reqs, batch)
+        return batch
+
+    def _forward(self, forward: Callable[..., Any], batch: Batch) -> torch.Tensor | None:
         """The model's final hidden states. A pipeline stage after the first starts from the
         previous stage's output; one before the last sends its output on and returns None."""
-        inputs: dict[str, Any] = {"input_ids": input_ids, "positions": positions}
+        inputs: dict[str, Any] = {"input_ids": batch.input_ids, "positions": batch.positions}
         if not self.pp.is_first:
-            inputs["intermediate"] = self.pp.recv(input_ids.size(0), *self.hidden, self.device)
+            inputs["intermediate"] = self.pp.recv(batch.input_ids.size(0), *self.hidden,
+                                                  self.device)
         out = forward(**inputs)
         if self.pp.is_last:
             return out
         self.pp.send(*out)
         return None
 
-    def _zero_new_blocks(self, reqs: list[ScheduledRequest]) -> None:
-        self.num_zeroed_blocks = zero_new_blocks(self.kv_layers, reqs, self.num_zeroed_blocks)
-
-    def _generator(self, req: ScheduledRequest) -> torch.Generator | None:
-        if req.params.seed is None:
-            return None
-        gen = self.generators.get(req.request_id)
-        if gen is None:
-            gen = torch.Generator(self.device)
-            gen.manual_seed(req.params.seed + req.sample_index)
-            self.generators[req.request_id] = gen
-        return gen
-
-    def _prepare(self, reqs: list[ScheduledRequest]):
-        bs = self.block_size
-        query_lens = np.array([len(r.token_ids) for r in reqs], dtype=np.int64)
-        starts = np.array([r.start_pos for r in reqs], dtype=np.int64)
-        seq_lens = starts + query_lens
-        cu = np.zeros(len(reqs) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=cu[1:])
-        input_ids = np.fromiter((t for r in reqs for t in r.token_ids), np.int64, int(cu[-1]))
-        # position of every token: its request's start + its offset within the request
-        positions = np.repeat(starts - cu[:-1], query_lens) + np.arange(cu[-1])
-        max_blocks = max(len(r.block_ids) for r in reqs)
-        block_tables = np.zeros((len(reqs), max_blocks), dtype=np.int32)
-        for i, r in enumerate(reqs):
-            block_tables[i, :len(r.block_ids)] = r.block_ids
-        req_of_token = np.repeat(np.arange(len(reqs)), query_lens)
-        slots = block_tables[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        if self.lora is not None:
-            self.lora.prepare([r.lora_request for r in reqs], query_lens)
-        dev = self.device
-        metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            query_start_loc_cpu=cu.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            num_decode_tokens=int(np.argmax(query_lens > 1)) if (query_lens > 1).any()
-            else len(reqs),
-        )
-        return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev),
-                metadata, cu)
+    def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
+        return self.generators.get(r.request_id, r.params, r.sample_index)
 
     def update_states(self, step: StepInput) -> list[ScheduledRequest]:
         """Apply the step's message to the request table; the step's requests, in schedule
         order. Every rank calls this with every message, whatever part of the step it runs."""
-        for request_id in step.finished_ids:
-            self.generators.pop(request_id, None)
-        if self.proposer is not None:
-            self.proposer.drop(step.preempted_ids + step.finished_ids)
-        if self.pooling is not None:
-            self.pooling.drop(step.preempted_ids + step.finished_ids)
+        self.generators.drop(step.finished_ids)
+        gone = step.preempted_ids + step.finished_ids
+        if gone:
+            for hook in self.hooks:
+                hook.finish(gone)
         return self.states.apply(step)
 
     @torch.inference_mode()
@@ -170,26 +135,24 @@ class ModelRunner:
         if not reqs:
             return out
         if self.pooling is not None:
-            out.pooled = self.pooling.execute(reqs, self)
+            out.pooled = self.pooling.execute(reqs, self._build)
             return out
         # Decodes first: the attention backend batches them.
         reqs = sorted(reqs, key=lambda r: len(r.token_ids) > 1)
-        self._zero_new_blocks(reqs)
-        input_ids, positions, metadata, cu = self._prepare(reqs)
-        with forward_context(metadata):
-            hidden = self._forward(self.graph_runner.run, input_ids, positions)
+        batch = self._build(reqs)
+        with forward_context(batch.metadata):
+            hidden = self._forward(self.graph_runner.run, batch)
         if hidden is None:  # a pipeline stage before the last: it sent its output on
             return out
+        cu = batch.query_start_loc
         self._prompt_logprobs(reqs, hidden, cu, out)
         sampling = [i for i, r in enumerate(reqs) if r.sample]
         if any(reqs[i].spec_token_ids for i in sampling):
             self._verify(reqs, sampling, hidden, cu, out)
         elif sampling:
             self._sample(reqs, sampling, hidden, cu, out)
-        if self.proposer is not None:
-            out.draft_token_ids = self.proposer.propose(reqs, out.sampled, self)
-        if self.lora is not None:
-            self.lora.fail_requests(reqs, out)
+        for hook in self.hooks:
+            hook.after_sampling(reqs, out)
         return out
 
     def _sample(self, reqs: list[ScheduledRequest], sampling: list[int], hidden: torch.Tensor,

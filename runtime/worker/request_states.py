@@ -1,5 +1,5 @@
 """A worker's table of the requests it holds, kept in step with the engine's by each step's
-message (runtime.worker.inputs); every rank applies the same messages, so every rank holds the
+message (runtime.core.messages); every rank applies the same messages, so every rank holds the
 same table. The step's `ScheduledRequest`s are built from it."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from runtime.lora.request import LoRARequest
 from runtime.pooling.params import PoolingParams
 from runtime.sampling_params import SamplingParams
-from runtime.worker.inputs import ScheduledRequest, StepInput
+from runtime.core.messages import ScheduledRequest, StepInput
 
 
 @dataclass

@@ -9,7 +9,7 @@ ROOT = Path(__file__).parents[2]
 
 def test_cpu_platform_passes_the_conformance_suite():
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RUNTIME_PLUGINS", "RUNTIME_DEVICE", "RUNTIME_CPU_COMPILE")}
+           if k not in ("RUNTIME_PLUGINS", "RUNTIME_DEVICE")}
     proc = subprocess.run(
         [sys.executable, "-m", "runtime.testing.conformance", "--device", "cpu", "-q",
          "-p", "no:cacheprovider", "-rs"],

@@ -19,7 +19,7 @@ from runtime.core.scheduler import Scheduler
 from runtime.core.step_input import StepInputBuilder
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import SamplingParams
-from runtime.worker.inputs import ScheduledRequest
+from runtime.core.messages import ScheduledRequest
 from runtime.worker.request_states import RequestStates
 from tests.core.test_scheduler import Driver
 

@@ -126,16 +126,17 @@ def test_engine_at_09_with_graphs(tmp_path, monkeypatch, replays):
     """Section 6: the default engine (graphs on) at --gpu-memory-utilization 0.9: memory before
     and after graph capture, and generation afterwards within the budget."""
     seen = {}
-    capture = CudaGraphRunner.capture_graphs
+    capture = CudaGraphRunner.capture
 
-    def measured(self, spec):
-        for when, run in (("before", lambda: None), ("after", lambda: capture(self, spec))):
+    def measured(self, forward, spec):
+        for when, run in (("before", lambda: None),
+                          ("after", lambda: capture(self, forward, spec))):
             run()
             torch.cuda.synchronize()
             free, total = torch.cuda.mem_get_info()
             seen[when] = (total - free, torch.cuda.memory_reserved(), total)
 
-    monkeypatch.setattr(CudaGraphRunner, "capture_graphs", measured)
+    monkeypatch.setattr(CudaGraphRunner, "capture", measured)
     path = model_path(str(tmp_path))
     llm = engine(path, dtype="bfloat16", gpu_memory_utilization=0.9)
     worker = llm.engine.core.executor.worker

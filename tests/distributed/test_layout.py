@@ -5,7 +5,7 @@ from runtime.distributed.layout import ParallelLayout, layer_range
 from runtime.distributed.pipeline import PipelineStage
 from runtime.worker.micro_batches import merge_outputs, micro_batches
 from runtime.sampling_params import SamplingParams
-from runtime.worker.inputs import ScheduledRequest, StepOutput
+from runtime.core.messages import ScheduledRequest, StepOutput
 
 
 def test_groups_of_tp2_by_pp2():

@@ -46,7 +46,7 @@ def test_more_adapters_than_slots(lora_setup):
     llm = LLM(base, dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_loras=1,
               max_cpu_loras=2, max_lora_rank=16)
     run_mixed(llm, requests, refs)
-    manager = llm.engine.core.executor.worker.runner.lora
+    manager = llm.engine.core.executor.worker.lora
     assert len(manager.slots) == 1 and len(manager.cpu) == 2
 
 

@@ -9,7 +9,7 @@ from runtime.plugins.manager import reset_plugin_manager
 from runtime.testing.install import install_into
 
 FAKE_DIST = Path(__file__).parent / "fake_plugin_dist"
-ENV_VARS = ("RUNTIME_PLUGINS", "RUNTIME_DEVICE", "RUNTIME_CPU_COMPILE",
+ENV_VARS = ("RUNTIME_PLUGINS", "RUNTIME_DEVICE",
             "RUNTIME_FAKE_PRIORITY", "RUNTIME_FAKE_USABLE")
 
 

@@ -55,3 +55,15 @@ def test_report_with_a_third_party_plugin(capsys):
     assert {p["name"]: p["loaded"] for p in report["plugins"]}["fake_broken"] is False
     assert [(p["name"], p["active"]) for p in report["platforms"] if p["detected"]] == [
         ("fakedev", True), ("cpu", False)]
+
+
+def test_every_hook_says_who_answered(capsys):
+    from runtime.plugins import hookspecs
+    assert plugins_command(_args("--json")) == 0
+    answers = json.loads(capsys.readouterr().out)["active"]["answers"]
+    specs = {name for name in vars(hookspecs) if name.startswith("runtime_")}
+    assert {a["hook"] for a in answers} == specs
+    who = {a["hook"]: a["answered_by"] for a in answers}
+    assert who["runtime_detect_platforms"] == "cpu"
+    assert who["runtime_communicator"] == "cpu platform"  # who implements it: one rank asks none
+    assert who["runtime_register_models"] is None and who["runtime_logits_processors"] is None

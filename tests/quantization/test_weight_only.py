@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.plugins.manager import get_plugin_manager
 from runtime.quantization.cpu import Int4PackKernel, Int8PackKernel
 from runtime.quantization.registry import build_quant_config, parse_spec, quantization_methods
 from runtime.quantization.weight_only import (
@@ -123,14 +122,14 @@ def test_registry_and_spec_parsing():
 def test_platform_hook_supplies_the_kernel(monkeypatch):
     from runtime.platforms.cpu.platform import CpuPlatform
     from runtime.quantization.cpu import KERNEL_ENV
-    hook = get_plugin_manager().hook
-    cpu = CpuPlatform()
+    from runtime.plugins.answers import PlatformAnswers
+    kernel_for = PlatformAnswers(CpuPlatform()).quantization_kernel
     monkeypatch.setenv(KERNEL_ENV, "native")
-    assert isinstance(build_quant_config("int8", object(), cpu, hook).kernel, Int8PackKernel)
-    assert isinstance(build_quant_config("int4", object(), cpu, hook).kernel, Int4PackKernel)
+    assert isinstance(build_quant_config("int8", object(), kernel_for).kernel, Int8PackKernel)
+    assert isinstance(build_quant_config("int4", object(), kernel_for).kernel, Int4PackKernel)
     monkeypatch.setenv(KERNEL_ENV, "reference")  # what an AVX2-only CPU gets by default
-    assert isinstance(build_quant_config("int8", object(), cpu, hook).kernel, Int8ReferenceKernel)
-    assert isinstance(build_quant_config("int4", object(), cpu, hook).kernel, Int4ReferenceKernel)
+    assert isinstance(build_quant_config("int8", object(), kernel_for).kernel, Int8ReferenceKernel)
+    assert isinstance(build_quant_config("int4", object(), kernel_for).kernel, Int4ReferenceKernel)
     assert "cpu" in Int8Config.fast_kernel_platforms and "cpu" in Int4Config.fast_kernel_platforms
 
 

@@ -93,7 +93,7 @@ def test_the_cores_grammar_cache_is_bounded_in_bytes(tokenizer_dir):
     from runtime.request import Request
     from runtime.sampling_params import SamplingParams
     from runtime.structured_output.backends import make_compiler
-    from runtime.structured_output.manager import StructuredOutputManager
+    from runtime.core.structured_output import StructuredOutputManager
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     manager = StructuredOutputManager(

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from runtime.layers.custom_ops import CustomOps
+from runtime.plugins.answers import PlatformAnswers
 from runtime.plugins.interfaces import Platform
 from runtime.plugins.ops import COMPOSITES, add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 
@@ -22,12 +22,12 @@ def resolve(platform: Platform, name: str) -> tuple[Callable | None, str]:
     """The op a model's layers run for `name` on `platform` (None: the portable one), and who
     supplied it: a composite no plugin supplies whole is built from its registered part, as the
     layers build it."""
-    ops = CustomOps(platform)
-    op = ops(name)
-    who = ops.answered_by[name]
+    answers = PlatformAnswers(platform)
+    op = answers.custom_op(name)
+    who = answers.records["runtime_custom_op", name].who
     if op is None and name in COMPOSITES and who:
         part, compose = COMPOSITES[name]
-        return compose(ops(part)), who  # who: "composed from rms_norm (<its supplier>)"
+        return compose(answers.custom_op(part)), who  # "composed from rms_norm (<supplier>)"
     return op, f"{getattr(op, '__qualname__', type(op).__name__)}, answered by {who}"
 
 

@@ -50,4 +50,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines += [f"  runtime_custom_op [{row['op']}]: {row['answer']} "
               f"({row['answered_by'] or 'nobody: portable'})"
               for row in custom_op_answers(platform)]
+    from runtime.cli.plugins_cmd import hook_answer_rows
+    from runtime.plugins.answers import PlatformAnswers
+    lines += [f"  {row['hook']}: {row['answer']} ({row['answered_by'] or 'nobody'})"
+              for row in hook_answer_rows(PlatformAnswers(platform)) if row["hook"] in (
+                  "runtime_logits_processors", "runtime_register_models", "runtime_communicator")]
     return lines

@@ -8,53 +8,60 @@ states of its earlier chunks are kept here until its last chunk, then pooled wit
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
 from runtime.attention_backends.base import prefill_only_metadata
+from runtime.batch import Batch
+from runtime.core.messages import ScheduledRequest, StepOutput
 from runtime.forward_context import forward_context
 from runtime.pooling.pooler import PoolerConfig, pool_rows
 
-if TYPE_CHECKING:
-    from runtime.worker.inputs import ScheduledRequest
-    from runtime.worker.model_runner import ModelRunner
-
 
 class PoolingRunner:
-    def __init__(self, model: nn.Module, pooler: PoolerConfig, encoder_only: bool) -> None:
+    def __init__(self, model: nn.Module, pooler: PoolerConfig, encoder_only: bool,
+                 device: torch.device) -> None:
         self.model = model
         self.pooler = pooler
         self.encoder_only = encoder_only
+        self.device = device
         self.partial: dict[str, list[torch.Tensor]] = {}  # earlier chunks' hidden states
 
-    def drop(self, request_ids: list[str]) -> None:
+    def before_forward(self, reqs: list[ScheduledRequest], batch: Batch) -> None:
+        pass
+
+    def after_sampling(self, reqs: list[ScheduledRequest], out: StepOutput) -> None:
+        pass
+
+    def finish(self, request_ids: list[str]) -> None:
         """Forget preempted (recomputed from the start) and finished requests."""
         for request_id in request_ids:
             self.partial.pop(request_id, None)
 
     @torch.inference_mode()
-    def execute(self, reqs: list[ScheduledRequest], runner: ModelRunner
-                ) -> dict[str, torch.Tensor]:
-        """Run the step; per request whose prompt it completes, the pooled result in float32
-        on the host: the pooled vector (embed), the label logits (classify) or every token's
-        hidden state (token_embed)."""
+    def execute(self, reqs: list[ScheduledRequest],
+                build: Callable[[list[ScheduledRequest]], Batch]) -> dict[str, torch.Tensor]:
+        """Run the step (a decoder's over the paged cache, its batch made by `build`, the
+        runner's); per request whose prompt it completes, the pooled result in float32 on the
+        host: the pooled vector (embed), the label logits (classify) or every token's hidden
+        state (token_embed)."""
         if self.encoder_only:
             lens = [len(r.token_ids) for r in reqs]
-            metadata = prefill_only_metadata(lens, False, runner.device)
+            metadata = prefill_only_metadata(lens, False, self.device)
             cu = metadata.query_start_loc_cpu
             input_ids = torch.from_numpy(np.fromiter(
-                (t for r in reqs for t in r.token_ids), np.int64, cu[-1])).to(runner.device)
+                (t for r in reqs for t in r.token_ids), np.int64, cu[-1])).to(self.device)
             positions = torch.from_numpy(
-                np.arange(cu[-1]) - np.repeat(np.asarray(cu[:-1]), lens)).to(runner.device)
+                np.arange(cu[-1]) - np.repeat(np.asarray(cu[:-1]), lens)).to(self.device)
         else:
-            runner._zero_new_blocks(reqs)
-            input_ids, positions, metadata, cu = runner._prepare(reqs)
-            cu = cu.tolist()
+            batch = build(reqs)
+            input_ids, positions, metadata = batch.input_ids, batch.positions, batch.metadata
+            cu = batch.query_start_loc.tolist()
         with forward_context(metadata):
-            hidden = self.model(input_ids, positions, self._token_types(reqs, runner.device))
+            hidden = self.model(input_ids, positions, self._token_types(reqs, self.device))
         done: dict[str, list[tuple[str, torch.Tensor]]] = {}
         for i, r in enumerate(reqs):
             rows = hidden[cu[i]:cu[i + 1]]

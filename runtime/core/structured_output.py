@@ -139,6 +139,8 @@ class StructuredOutputManager:
         complete grammar (its stop token taken, the request going on: ignore_eos) allows only
         stop tokens."""
         rows: dict[str, int] = {}
+        if not self.matchers:
+            return None, rows
         num_rows = 0
         for r, n in scheduled:
             samples = r.num_computed_tokens + n - len(r.spec_token_ids) >= r.num_tokens
@@ -169,8 +171,10 @@ class StructuredOutputManager:
         """Feed each constrained request's matcher the tokens it sampled this step. A token the
         grammar refuses, and all after it, are cut from `sampled`; returns those requests, each
         with why it must end."""
-        refused = {}
-        stop = self._compiler.stop_token_ids if self._compiler is not None else ()
+        refused: dict[str, str] = {}
+        if not self.matchers:
+            return refused
+        stop = self._compiler.stop_token_ids
         for r, _ in scheduled:
             matcher = self.matchers.get(r.request_id)
             tokens = sampled.get(r.request_id)
@@ -188,23 +192,26 @@ class StructuredOutputManager:
                     break
         return refused
 
-    def advance(self, request: Request) -> None:
-        """After the step's tokens are in: drop the request's matcher if it finished, else cut
-        its next proposals to the prefix the grammar allows."""
-        matcher = self.matchers.get(request.request_id)
-        if matcher is None:
+    def advance(self, scheduled: list[tuple[Request, int]]) -> None:
+        """After the step's tokens are in: drop each constrained request's matcher if it
+        finished, else cut its next proposals to the prefix the grammar allows."""
+        if not self.matchers:
             return
-        if request.is_finished:
-            self.drop(request.request_id)
-            return
-        num_valid = 0
-        for token_id in request.spec_token_ids:
-            if matcher.is_terminated() or not matcher.accept_token(token_id):
-                break
-            num_valid += 1
-        if num_valid:
-            matcher.rollback(num_valid)
-        del request.spec_token_ids[num_valid:]
+        for request, _ in scheduled:
+            matcher = self.matchers.get(request.request_id)
+            if matcher is None:
+                continue
+            if request.is_finished:
+                self.drop(request.request_id)
+                continue
+            num_valid = 0
+            for token_id in request.spec_token_ids:
+                if matcher.is_terminated() or not matcher.accept_token(token_id):
+                    break
+                num_valid += 1
+            if num_valid:
+                matcher.rollback(num_valid)
+            del request.spec_token_ids[num_valid:]
 
     def shutdown(self) -> None:
         if self._pool is not None:
