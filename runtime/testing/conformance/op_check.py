@@ -24,7 +24,7 @@ def resolve(platform: Platform, name: str) -> tuple[Callable | None, str]:
     layers build it."""
     answers = PlatformAnswers(platform)
     op = answers.custom_op(name)
-    who = answers.records["runtime_custom_op", name].who
+    who = answers.records["runtime_custom_op", name].answered_by
     if op is None and name in COMPOSITES and who:
         part, compose = COMPOSITES[name]
         return compose(answers.custom_op(part)), who  # "composed from rms_norm (<supplier>)"
