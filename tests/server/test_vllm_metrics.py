@@ -131,3 +131,11 @@ def test_metrics_prefix_chooses_the_names():
     assert "runtime:num_requests_running" in runtime and "vllm:" not in runtime
     with pytest.raises(ValueError, match="metrics prefix must be one of both, vllm, runtime"):
         Metrics("m", "tgi")
+
+
+def test_the_serve_flag_offers_exactly_the_prefixes_metrics_serves():
+    # runtime.cli.serve keeps its own copy: building the CLI parser must not import
+    # prometheus_client (the serve extra), which runtime.metrics does.
+    from runtime.cli.serve import METRICS_PREFIXES as FLAG_CHOICES
+    from runtime.metrics import METRICS_PREFIXES
+    assert FLAG_CHOICES == METRICS_PREFIXES
