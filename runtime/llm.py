@@ -14,6 +14,7 @@ from runtime.pooling import (ClassificationRequestOutput, EmbeddingRequestOutput
                              PoolingRequestOutput, ScoringRequestOutput)
 from runtime.engine.pooling_engine import PoolingEngine
 from runtime.model_spec import ModelSpec
+from runtime.multimodal.chat_parts import ChatImages
 from runtime.pooling.processor import PromptInput, params_list, prompt_list
 from runtime.progress import GenerateProgress
 from runtime.sampling_params import SamplingParams
@@ -53,7 +54,8 @@ class LLM:
         """Generate for one prompt or a batch; outputs come back in the prompts' order.
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or
-        "prompt_token_ids". `sampling_params` is one for all or one per prompt, and so is
+        "prompt_token_ids", and "multi_modal_data" ({"image": a PIL image or a list}) for a
+        vision-language model, its prompt holding one placeholder per image. `sampling_params` is one for all or one per prompt, and so is
         `lora_request` (None: the base model). Every prompt is validated before any is queued,
         so a bad one raises without starting the others.
         """
@@ -72,11 +74,12 @@ class LLM:
         engine = self.engine
         tokenized = []
         for prompt, p, lora in zip(prompts, params, loras):
-            text, ids = engine.inputs.tokenize(prompt)
+            text, ids, mm_features = engine.processor.prepare(prompt)
             engine.inputs.validate(ids, p)
             if lora is not None:
                 engine.processor.check_lora(lora)
-            tokenized.append({"prompt": text, "prompt_token_ids": ids})
+            tokenized.append({"prompt": text, "prompt_token_ids": ids,
+                              "mm_features": mm_features})
         order = {engine.add_request(prompt, p, priority=prio, lora_request=lora): i
                  for i, (prompt, p, prio, lora) in
                  enumerate(zip(tokenized, params, priorities, loras))}
@@ -117,12 +120,25 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate replies to conversations, rendered with the tokenizer's chat template."""
+        """Generate replies to conversations, rendered with the tokenizer's chat template.
+
+        A message's content is a string or a list of parts: text, and for a vision-language
+        model images (`{"type": "image_url", "image_url": {"url": ...}}` with a data:,
+        http(s):// or file:// URL, or `{"type": "image_pil", "image_pil": image}`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [self._chat_text(c, chat_template, add_generation_prompt) for c in conversations]
-        prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer.encode(
-            text, add_special_tokens=False)} for text in texts]
+        prompts = []
+        for conversation in conversations:
+            images = self._chat_images()
+            conversation = [{**m, "content": images.text_of(m["content"], _text_parts)}
+                            if isinstance(m.get("content"), list) else m for m in conversation]
+            text = self._chat_text(conversation, chat_template, add_generation_prompt)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append(images.prompt({"prompt": text, "prompt_token_ids": ids}))
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _chat_images(self) -> ChatImages:
+        multimodal = self.engine.processor.multimodal
+        return ChatImages(None if multimodal is None else multimodal.placeholder)
 
     def apply_chat_template(self, messages: Messages, chat_template: str | None = None,
                             add_generation_prompt: bool = True) -> list[int]:
@@ -206,3 +222,14 @@ class LLM:
                         if output.finished:
                             results[order[output.request_id]] = output
         return results
+
+
+def _text_parts(parts: list) -> str:
+    """The text of text content parts (`LLM.chat`)."""
+    texts = []
+    for part in parts:
+        if not isinstance(part, dict) or part.get("type") != "text" or \
+                not isinstance(part.get("text"), str):
+            raise ValueError(f"a content part must be a text or an image part, got {part!r:.80}")
+        texts.append(part["text"])
+    return "".join(texts)

@@ -5,6 +5,7 @@ import enum
 import time
 
 from runtime.lora.request import LoRARequest
+from runtime.multimodal.inputs import MultiModalFeature
 from runtime.pooling.params import PoolingParams
 from runtime.sampling_params import SamplingParams
 
@@ -40,7 +41,8 @@ class Request:
                  max_tokens: int, priority: int = 0, arrival_time: float | None = None,
                  parent_id: str | None = None, sample_index: int = 0,
                  leader_id: str | None = None, lora_request: LoRARequest | None = None,
-                 pooling_params: PoolingParams | None = None) -> None:
+                 pooling_params: PoolingParams | None = None,
+                 mm_features: list[MultiModalFeature] | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
@@ -53,6 +55,8 @@ class Request:
         self.leader_id = leader_id  # sample 0 of the same n > 1 request, whose prompt KV we share
         self.lora_request = lora_request  # the adapter it runs under (None: the base model)
         self.pooling_params = pooling_params
+        # the prompt's images, in prompt order: their embeddings replace their placeholders
+        self.mm_features = mm_features or []
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
@@ -88,6 +92,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    def mm_keys(self, start: int, end: int) -> bytes:
+        """The content hashes of the items whose placeholders lie in tokens [start, end):
+        part of the prefix-cache key of a block there (the same text with another image
+        must not hit)."""
+        return b"".join(f.identifier.encode() for f in self.mm_features
+                        if f.overlaps(start, end))
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

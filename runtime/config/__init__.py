@@ -121,6 +121,20 @@ class EngineConfig:
     block_size: int = option(16, "tokens per KV-cache block")
     max_num_seqs: int = option(256, "the most sequences in one step's batch")
     max_num_batched_tokens: int = option(2048, "the token budget of one step")
+    max_num_encoder_input_tokens: int | None = option(
+        None, "the encoder's budget of one step, in multimodal embedding tokens "
+        "(default: --max-num-batched-tokens)", type=int)
+    encoder_cache_size: int | None = option(
+        None, "multimodal embedding tokens the encoder cache keeps, shared between requests "
+        "with the same item (default: --max-num-batched-tokens)", type=int)
+    limit_mm_per_prompt: dict | str | None = option(
+        None, "the most multimodal items of each modality one prompt may hold, as JSON: "
+        "'{\"image\": 4}' (default: 999 images)", type=str)
+    allowed_media_domains: list[str] | str | None = option(
+        None, "hosts image URLs may be fetched from over http(s), comma-separated (subdomains "
+        "included; default: none, only data: URLs)", type=str)
+    allowed_local_media_path: str | None = option(
+        None, "the folder file:// image URLs may read from (default: none)")
     max_model_len: int | str | None = option(
         None, "context length in tokens, e.g. 2048 or 2k (default: the model's)",
         type=parse_size)
@@ -253,6 +267,34 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         self._check_partial_prefills()
+        self._resolve_multimodal()
+
+    def _resolve_multimodal(self) -> None:
+        """The encoder's budget and cache default to the step's budget; the per-prompt limits
+        are parsed from JSON, a mapping of modality to a count >= 0."""
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            if getattr(self, name) is None:
+                setattr(self, name, self.max_num_batched_tokens)
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        limits = self.limit_mm_per_prompt
+        if isinstance(limits, str):
+            import json
+            try:
+                limits = json.loads(limits)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"limit_mm_per_prompt must be JSON such as '{{\"image\": 4}}', "
+                                 f"got {limits!r} ({e})") from None
+        if limits is not None and (not isinstance(limits, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for k, v in limits.items())):
+            raise ValueError(f"limit_mm_per_prompt maps a modality to a count >= 0, such as "
+                             f"{{\"image\": 4}}; got {limits!r}")
+        self.limit_mm_per_prompt = limits
+        domains = self.allowed_media_domains
+        if isinstance(domains, str):
+            domains = [d.strip().lower() for d in domains.split(",") if d.strip()]
+        self.allowed_media_domains = list(domains or [])
 
     def _check_partial_prefills(self) -> None:
         if self.max_long_partial_prefills > self.max_num_partial_prefills:

@@ -6,12 +6,15 @@ from collections import OrderedDict
 from array import array
 
 
-def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
-    """The chained hash of a full block: it names the block's tokens and every token before them."""
+def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...],
+               extra_keys: bytes = b"") -> bytes:
+    """The chained hash of a full block: it names the block's tokens and every token before them,
+    and `extra_keys` (the content hashes of the images whose placeholders the block holds)."""
     h = hashlib.blake2b(digest_size=16)
     if parent_hash is not None:
         h.update(parent_hash)
     h.update(array("q", token_ids).tobytes())
+    h.update(extra_keys)
     return h.digest()
 
 

@@ -50,7 +50,8 @@ class KVCacheManager:
             # an adapter's chain starts from its id: two adapters never share a block
             parent = hashes[-1] if hashes else \
                 request.lora_int_id.to_bytes(8, "little") if request.lora_int_id else None
-            hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs],
+                                     request.mm_keys(i * bs, (i + 1) * bs)))
 
     def find_cached_blocks(self, request: Request) -> list[int]:
         """The longest run of cached blocks that prefixes this request's tokens.

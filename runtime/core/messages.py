@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from runtime.lora.request import LoRARequest
+from runtime.multimodal.inputs import MultiModalFeature
 from runtime.pooling.params import PoolingParams
 from runtime.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ class NewRequestData:
     num_computed_tokens: int  # prefix-cache hits and blocks shared with an n > 1 sibling
     lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
     pooling_params: PoolingParams | None = None  # set: a pooling request (runtime.pooling)
+    mm_features: list[MultiModalFeature] = field(default_factory=list)  # the prompt's images
 
 
 @dataclass
@@ -64,6 +66,8 @@ class StepInput:
     # (a request verifying k proposals has k + 1 rows, in order).
     grammar_bitmask: np.ndarray | None = None
     grammar_rows: dict[str, int] = field(default_factory=dict)
+    # Encoder-cache entries the scheduler evicted: the workers drop their embeddings.
+    evicted_encoder_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -86,6 +90,7 @@ class ScheduledRequest:
     grammar_bitmask: np.ndarray | None = None
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
 
 @dataclass

@@ -14,6 +14,10 @@ and the shorter ones behind it go first.
 With speculative decoding, a running request's proposed tokens are scheduled after its own, as
 ordinary tokens (budget, slots); `update` rolls back the rejected ones.
 
+A prompt's images are encoded in the step whose chunk first reaches their placeholders, within
+the encoder's own budget (`max_num_encoder_input_tokens`) and the encoder cache's room; a chunk
+that would reach an image that fits neither stops before it.
+
 Pooling requests are prompts only: each finishes in the step that computes its last prompt
 token, and its blocks are freed then. An encoder's (`encoder_only`) hold no KV at all and are
 never chunked: one longer than the budget runs alone, whole, in a step of its own.
@@ -27,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from runtime.config import EngineConfig
+from runtime.core.encoder_cache import EncoderCacheManager
 from runtime.core.kv_cache_manager import KVCacheManager
 from runtime.request import Request, RequestStatus
 from runtime.core.spec_stats import SpecDecodeStats
@@ -39,6 +44,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    evicted_encoder_ids: list[str] = field(default_factory=list)  # the workers drop these
 
     @property
     def is_empty(self) -> bool:
@@ -103,6 +109,7 @@ class Scheduler:
             int(max_model_len * 0.04)  # vLLM's default
         self.spec = config.speculative_config
         self.spec_stats = SpecDecodeStats()
+        self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -180,9 +187,25 @@ class Scheduler:
             n += 1
         return budget // max(1, min(n, self.max_partial_prefills)), num_long
 
+    def _fit_encoder(self, request: Request, start: int, num_new: int,
+                     budget: int) -> tuple[int, int]:
+        """(`num_new` cut so that every image the chunk [start, start + num_new) reaches has
+        its embeddings, cached or encoded this step; the encoder budget left)."""
+        cache = self.encoder_cache
+        for i, feature in enumerate(request.mm_features):
+            if not feature.overlaps(start, start + num_new) or cache.in_use(request, i) or \
+                    cache.hit(request, i):
+                continue
+            if feature.length > budget or not cache.can_allocate(feature.length):
+                return max(0, feature.offset - start), budget
+            cache.allocate(request, i)
+            budget -= feature.length
+        return num_new, budget
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        self.encoder_cache.release(request)
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
@@ -195,6 +218,7 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         scheduled_ids: set[str] = set()
         chunk, num_long = self._prefill_chunk()
+        encoder_budget = self.config.max_num_encoder_input_tokens
 
         for request in list(self.running):
             if budget == 0:
@@ -205,6 +229,9 @@ class Scheduler:
                           - request.num_computed_tokens, budget)
             if self._is_prefilling(request):
                 num_new = min(num_new, chunk)
+            if request.mm_features:
+                num_new, encoder_budget = self._fit_encoder(
+                    request, request.num_computed_tokens, num_new, encoder_budget)
             if num_new <= 0:
                 continue
             # proposals the budget leaves out are dropped
@@ -247,6 +274,12 @@ class Scheduler:
                 if not chunked and num_new > budget:
                     break
                 num_new = min(num_new, budget, chunk)
+                if request.mm_features:
+                    fitted, encoder_budget = self._fit_encoder(request, num_computed, num_new,
+                                                               encoder_budget)
+                    if fitted <= 0 or (not chunked and fitted < num_new):
+                        break
+                    num_new = fitted
                 if not self.kv.allocate_slots(request, num_new, cached,
                                               self._lookahead(num_computed + num_new)):
                     break
@@ -262,6 +295,7 @@ class Scheduler:
             self.waiting.add(request, front=True)
 
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
+        out.evicted_encoder_ids = self.encoder_cache.take_evicted()
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]],
@@ -278,6 +312,8 @@ class Scheduler:
         finished = []
         for request, num_new in out.scheduled:
             request.num_computed_tokens += num_new
+            if request.mm_features:
+                self.encoder_cache.release(request, request.num_computed_tokens)
             tokens = sampled.get(request.request_id, ())
             if request.spec_token_ids:
                 num_accepted = len(tokens) - 1
@@ -327,4 +363,5 @@ class Scheduler:
             self.running.remove(request)
         self._release_held(request)
         self.kv.free(request)
+        self.encoder_cache.release(request)
         del self.requests[request.request_id]

@@ -37,7 +37,8 @@ class StepInputBuilder:
             self._finished.append(request_id)
 
     def build(self, sched: SchedulerOutput) -> StepInput:
-        step = StepInput(preempted_ids=self._preempted, finished_ids=self._finished)
+        step = StepInput(preempted_ids=self._preempted, finished_ids=self._finished,
+                         evicted_encoder_ids=sched.evicted_encoder_ids)
         self._preempted, self._finished = [], []
         for r, n in sched.scheduled:
             step.num_scheduled_tokens[r.request_id] = n
@@ -55,7 +56,7 @@ class StepInputBuilder:
                     output_token_ids=r.output_token_ids, params=r.params,
                     sample_index=r.sample_index, block_ids=list(r.block_ids),
                     num_computed_tokens=r.num_computed_tokens, lora_request=r.lora_request,
-                    pooling_params=r.pooling_params))
+                    pooling_params=r.pooling_params, mm_features=r.mm_features))
             else:
                 step.cached_requests.append(CachedRequestData(
                     request_id=r.request_id, new_token_ids=r.all_token_ids[num_sent:],

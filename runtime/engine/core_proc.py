@@ -28,6 +28,7 @@ import zmq
 from runtime.config import EngineConfig
 from runtime.engine.core import CoreOutput, EngineCore
 from runtime.lora.request import LoRARequest
+from runtime.multimodal.inputs import MultiModalFeature
 from runtime.model_spec import ModelSpec
 from runtime.pooling.params import PoolingParams
 from runtime.request import Request, RequestStatus
@@ -52,17 +53,19 @@ class CoreRequest(msgspec.Struct, array_like=True):
     leader_id: Union[str, None]
     lora_request: Union[LoRARequest, None] = None
     pooling_params: Union[PoolingParams, None] = None
+    mm_features: list[MultiModalFeature] = []
 
     @classmethod
     def of(cls, r: Request) -> "CoreRequest":
         return cls(r.request_id, r.prompt_token_ids, r.params, r.max_tokens, r.priority,
                    r.arrival_time, r.parent_id, r.sample_index, r.leader_id, r.lora_request,
-                   r.pooling_params)
+                   r.pooling_params, r.mm_features)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.params, self.max_tokens,
                        self.priority, self.arrival_time, self.parent_id, self.sample_index,
-                       self.leader_id, self.lora_request, self.pooling_params)
+                       self.leader_id, self.lora_request, self.pooling_params,
+                       self.mm_features)
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):

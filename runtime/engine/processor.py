@@ -19,6 +19,8 @@ from runtime.model_loader.source import ModelSource, load_tokenizer
 from runtime.outputs import RequestOutput
 from runtime.lora.adapter import check_files, load_adapter
 from runtime.lora.request import LoRARequest
+from runtime.multimodal.inputs import MultiModalFeature
+from runtime.multimodal.processing import build_multimodal_processor
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
 
@@ -29,7 +31,8 @@ class Processor:
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any,
                  max_model_len: int) -> None:
         self.tokenizer = load_tokenizer(source, config.trust_remote_code)
-        self.inputs = InputProcessor(self.tokenizer, hf_config.vocab_size, max_model_len,
+        self.inputs = InputProcessor(self.tokenizer, hf_config.get_text_config().vocab_size,
+                                     max_model_len,
                                      eos_token_ids(source, hf_config, self.tokenizer),
                                      config.max_logprobs,
                                      config.structured_outputs_config.resolved_backend)
@@ -40,6 +43,7 @@ class Processor:
         self.config = config
         self.hf_config = hf_config
         self.checked_loras: set[LoRARequest] = set()  # adapters found runnable
+        self.multimodal = build_multimodal_processor(config, source, hf_config, self.tokenizer)
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
@@ -53,7 +57,7 @@ class Processor:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self.inputs.tokenize(prompt)
+        text, token_ids, mm_features = self.prepare(prompt)
         params = self.inputs.validate(token_ids, params)
         max_tokens = self.inputs.max_tokens(token_ids, params)
         arrival = time.monotonic()
@@ -69,8 +73,35 @@ class Processor:
             params = params.clone(logprobs=0)  # the ranking needs each token's logprob
         return [Request(sample_id, token_ids, params, max_tokens, priority, arrival,
                         parent_id=request_id, sample_index=k,
-                        leader_id=sample_ids[0] if k else None, lora_request=lora_request)
+                        leader_id=sample_ids[0] if k else None, lora_request=lora_request,
+                        mm_features=mm_features)
                 for k, sample_id in enumerate(sample_ids)]
+
+    def prepare(self, prompt: PromptType) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+        """The prompt's text, its token ids (image placeholders expanded) and its images.
+
+        A dict prompt may hold "multi_modal_data" ({"image": image or list}), or the
+        "mm_features" an earlier `prepare` made of it."""
+        text, token_ids = self.inputs.tokenize(prompt)
+        if not isinstance(prompt, dict):
+            return text, token_ids, []
+        if "mm_features" in prompt:
+            return text, token_ids, list(prompt["mm_features"])
+        mm_data = prompt.get("multi_modal_data")
+        if mm_data is None:
+            return text, token_ids, []
+        if self.multimodal is None:
+            raise ValueError(f"multi_modal_data was given ({', '.join(map(repr, mm_data))}), "
+                             f"but {self.hf_config.architectures[0]} is a text-only model")
+        token_ids, features = self.multimodal.process(token_ids, mm_data)
+        most = min(self.config.max_num_encoder_input_tokens, self.config.encoder_cache_size)
+        for k, feature in enumerate(features):
+            if feature.length > most:
+                raise ValueError(f"{feature.modality} {k} takes {feature.length} embedding "
+                                 f"tokens, more than the encoder's budget or cache holds "
+                                 f"({most}): raise --max-num-encoder-input-tokens and "
+                                 "--encoder-cache-size")
+        return text, token_ids, features
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Raise ValueError if the engine cannot run this adapter (LoRA off, or the folder is

@@ -15,11 +15,15 @@ from runtime.layers.build_context import BuildContext
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  ctx: BuildContext, sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None, encoder: bool = False) -> None:
+        """`encoder`: a vision encoder's layer, run in prefill-only steps of its own with the
+        context's `encoder_attention_backend`; it keeps no KV cache."""
         super().__init__()
+        self.encoder = encoder
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.sliding_window = sliding_window
-        self.impl = ctx.attention_backend(num_heads, head_size, scale, num_kv_heads,
+        backend = ctx.encoder_attention_backend if encoder else ctx.attention_backend
+        self.impl = backend(num_heads, head_size, scale, num_kv_heads,
                                           sliding_window, logits_soft_cap)
         self.kv_cache = torch.empty(0)  # bound by the model runner once the cache is allocated
         # set by the worker for --calculate-kv-scales: the next forward sets the FP8 scales
@@ -49,7 +53,7 @@ class PagedKVCache:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.layers = [m for m in model.modules() if isinstance(m, Attention) and not m.encoder]
         self.num_zeroed_blocks = 0
 
     def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -21,6 +21,8 @@ class BuildContext:
     `ep_size` > 1 (expert parallel: the tensor-parallel group's size) gives each rank whole MoE
     experts instead of a slice of every expert;
     `pp` says which layers this pipeline stage builds and how it reaches its neighbours;
+    `encoder_attention_backend` runs a vision encoder's bidirectional prefill-only attention
+    (chosen for the encoder's shapes, with `ModelInfo.pooling` set);
     `max_model_len` is the engine's (rotary caches cover it; None: the config's
     max_position_embeddings).
     """
@@ -36,6 +38,7 @@ class BuildContext:
     pp: PipelineStage = field(default_factory=PipelineStage)
     custom_op_provider: Callable[[str], Callable | None] | None = None
     max_model_len: int | None = None
+    encoder_attention_backend: type | None = None
     _custom_ops: dict[str, Callable | None] = field(default_factory=dict)
 
     def linear_method(self, prefix: str) -> LinearMethod:

@@ -146,12 +146,15 @@ class LlamaModel(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+                intermediate: Intermediate | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | Intermediate:
         """The final hidden states. A pipeline stage after the first starts from the previous
         stage's `intermediate` output instead of `input_ids`; one before the last returns its
-        own (the runner sends it on)."""
+        own (the runner sends it on). `inputs_embeds` (a multimodal model's text and image
+        embeddings) replace the embedding of `input_ids`."""
         if intermediate is None:
-            hidden, residual = self.embed(input_ids), None
+            hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             hidden, residual = intermediate
         for layer in self.layers[self.start:self.end]:

@@ -20,6 +20,7 @@ from runtime.sampling.sampler import Sampler, SamplingBatch, gather_logprobs
 from runtime.sampling_params import SamplingParams
 from runtime.spec_decode.proposer import Proposer
 from runtime.spec_decode.rejection import Verification, rejection_sample
+from runtime.worker.encoder_runner import EncoderRunner
 from runtime.worker.pooling_runner import PoolingRunner
 from runtime.worker.request_states import RequestStates
 from runtime.worker.step_hooks import StepHook
@@ -54,6 +55,9 @@ class ModelRunner:
         self.graph_runner = graph_runner or EagerRunner()
         self.proposer = proposer
         self.pooling = pooling
+        # a multimodal model: its encoder cache and the merge of image embeddings
+        self.encoder = EncoderRunner(model, device) if hasattr(model, "embed_multimodal") \
+            else None
         # the proposer first: a hook after it (LoRA) may withdraw its proposals
         self.hooks: list[StepHook] = [h for h in (proposer, *hooks, pooling) if h is not None]
 
@@ -103,10 +107,14 @@ class ModelRunner:
             hook.before_forward(reqs, batch)
         return batch
 
-    def _forward(self, forward: Callable[..., Any], batch: Batch) -> torch.Tensor | None:
+    def _forward(self, forward: Callable[..., Any], batch: Batch,
+                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
         """The model's final hidden states. A pipeline stage after the first starts from the
-        previous stage's output; one before the last sends its output on and returns None."""
+        previous stage's output; one before the last sends its output on and returns None.
+        `inputs_embeds` (a step with image placeholders) replace the token ids' embeddings."""
         inputs: dict[str, Any] = {"input_ids": batch.input_ids, "positions": batch.positions}
+        if inputs_embeds is not None:
+            inputs["inputs_embeds"] = inputs_embeds
         if not self.pp.is_first:
             inputs["intermediate"] = self.pp.recv(batch.input_ids.size(0), *self.hidden,
                                                   self.device)
@@ -123,6 +131,8 @@ class ModelRunner:
         """Apply the step's message to the request table; the step's requests, in schedule
         order. Every rank calls this with every message, whatever part of the step it runs."""
         self.generators.drop(step.finished_ids)
+        if self.encoder is not None:
+            self.encoder.evict(step.evicted_encoder_ids)
         gone = step.preempted_ids + step.finished_ids
         if gone:
             for hook in self.hooks:
@@ -140,8 +150,11 @@ class ModelRunner:
         # Decodes first: the attention backend batches them.
         reqs = sorted(reqs, key=lambda r: len(r.token_ids) > 1)
         batch = self._build(reqs)
+        embeds = None if self.encoder is None else self.encoder.inputs_embeds(reqs, batch)
         with forward_context(batch.metadata):
-            hidden = self._forward(self.graph_runner.run, batch)
+            # graph runners record token-id steps: a step with images runs eagerly
+            hidden = self._forward(self.graph_runner.run if embeds is None else self.model,
+                                   batch, embeds)
         if hidden is None:  # a pipeline stage before the last: it sent its output on
             return out
         cu = batch.query_start_loc

@@ -3,9 +3,10 @@ message (runtime.core.messages); every rank applies the same messages, so every 
 same table. The step's `ScheduledRequest`s are built from it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.lora.request import LoRARequest
+from runtime.multimodal.inputs import MultiModalFeature
 from runtime.pooling.params import PoolingParams
 from runtime.sampling_params import SamplingParams
 from runtime.core.messages import ScheduledRequest, StepInput
@@ -21,6 +22,7 @@ class RequestState:
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
 
 class RequestStates:
@@ -35,7 +37,8 @@ class RequestStates:
             self.requests[new.request_id] = RequestState(
                 new.params, new.sample_index, len(new.prompt_token_ids),
                 list(new.prompt_token_ids) + new.output_token_ids, list(new.block_ids),
-                new.num_computed_tokens, new.lora_request, new.pooling_params)
+                new.num_computed_tokens, new.lora_request, new.pooling_params,
+                new.mm_features)
         for change in step.cached_requests:
             state = self.requests[change.request_id]
             state.token_ids.extend(change.new_token_ids)
@@ -61,4 +64,4 @@ class RequestStates:
             spec_token_ids=spec, num_lookahead=step.num_lookahead.get(request_id, 0),
             grammar_bitmask=None if row is None else
             step.grammar_bitmask[row:row + 1 + len(spec)], lora_request=state.lora_request,
-            pooling_params=state.pooling_params)
+            pooling_params=state.pooling_params, mm_features=state.mm_features)

@@ -1,6 +1,7 @@
 """A worker: one device, the model (or this rank's shard of it), its KV cache and runner."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -90,6 +91,12 @@ class Worker:
         quant_config = build_quant_config(cfg.quantization, mc.hf_config,
                                           self.answers.quantization_kernel)
         ctx = self._build_context(backend, quant_config)
+        vision = getattr(mc.hf_config, "vision_config", None)
+        if vision is not None:  # the vision tower's bidirectional attention, no KV cache
+            heads = vision.num_attention_heads
+            ctx.encoder_attention_backend = self.answers.attention_backend(dataclasses.replace(
+                info, head_size=vision.hidden_size // heads, num_heads=heads,
+                num_kv_heads=heads, sliding_window=None, pooling=True), about="vision encoder")
         raw_gguf = bool(getattr(quant_config, "raw_gguf_weights", False))
         if raw_gguf and self.source.format != "gguf":
             raise ValueError(f"--quantization {quant_config.name} needs a .gguf model, "

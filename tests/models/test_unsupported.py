@@ -16,7 +16,8 @@ from runtime.cli.main import main
 CONFIGS = {
     "mamba": lambda: transformers.MambaConfig(hidden_size=64, num_hidden_layers=2,
                                               architectures=["MambaForCausalLM"]),
-    "llava": lambda: transformers.LlavaConfig(architectures=["LlavaForConditionalGeneration"]),
+    "idefics3": lambda: transformers.Idefics3Config(
+        architectures=["Idefics3ForConditionalGeneration"]),
     "qwen2-vl": lambda: transformers.Qwen2VLConfig(
         architectures=["Qwen2VLForConditionalGeneration"]),
 }

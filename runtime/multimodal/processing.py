@@ -1,0 +1,127 @@
+"""The API process's side of a multimodal prompt: each item through the model's own
+transformers image processor (its PIL backend: torchvision is never needed), the prompt's
+placeholder token expanded to the item's embedding length, and the item's place and content
+hash recorded as a `MultiModalFeature`.
+
+The per-architecture part (which token is the placeholder, how many embeddings an item gives)
+is a small `ImageLayout`; processed items are kept by content hash, so a repeated image is
+processed once.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.multimodal.inputs import MultiModalFeature, TensorData
+from runtime.multimodal.media import MediaError, MediaPolicy, load_image
+
+DEFAULT_ITEMS_PER_PROMPT = 999  # vLLM's default limit per modality
+PROCESSED_CACHE_ITEMS = 256
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """How one architecture lays an image into the prompt."""
+
+    placeholder_token_id: int
+    tokens_per_image: int
+
+
+def llava_layout(hf_config: Any) -> ImageLayout:
+    vision = hf_config.vision_config
+    num_patches = (vision.image_size // vision.patch_size) ** 2
+    full = hf_config.vision_feature_select_strategy == "full"  # "default" drops CLS
+    return ImageLayout(hf_config.image_token_id, num_patches + int(full))
+
+
+LAYOUTS = {"LlavaForConditionalGeneration": llava_layout}
+
+
+def is_multimodal_architecture(architecture: str) -> bool:
+    return architecture in LAYOUTS
+
+
+class MultiModalProcessor:
+    """`limits`: the most items of each modality one prompt may hold (--limit-mm-per-prompt)."""
+
+    def __init__(self, model_path: str, hf_config: Any, tokenizer: Any,
+                 limits: dict[str, int] | None = None,
+                 policy: MediaPolicy = MediaPolicy()) -> None:
+        from transformers import AutoImageProcessor
+        architecture = hf_config.architectures[0]
+        self.layout = LAYOUTS[architecture](hf_config)
+        self.image_processor = AutoImageProcessor.from_pretrained(model_path, backend="pil")
+        self.placeholder = tokenizer.convert_ids_to_tokens(self.layout.placeholder_token_id)
+        self.limits = {"image": DEFAULT_ITEMS_PER_PROMPT, **(limits or {})}
+        self.policy = policy
+        self._processed: OrderedDict[str, dict[str, TensorData]] = OrderedDict()
+        self.num_processed_hits = 0
+
+    def process(self, token_ids: list[int], mm_data: dict[str, Any]
+                ) -> tuple[list[int], list[MultiModalFeature]]:
+        """The prompt with each placeholder expanded, and its items in prompt order. Raises
+        ValueError (MediaError for the media) naming what is wrong."""
+        if not isinstance(mm_data, dict):
+            raise ValueError(f"multi_modal_data must be a dict such as {{'image': image}}, "
+                             f"got {type(mm_data).__name__}")
+        unknown = sorted(set(mm_data) - {"image"})
+        if unknown:
+            raise ValueError(f"multi_modal_data has {', '.join(map(repr, unknown))}, which this "
+                             f"model cannot take; it takes: 'image'")
+        images = mm_data.get("image")
+        if images is None:
+            return token_ids, []
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if len(images) > self.limits["image"]:
+            raise ValueError(f"the prompt has {len(images)} images, more than the "
+                             f"{self.limits['image']} allowed (--limit-mm-per-prompt)")
+        placeholder_id = self.layout.placeholder_token_id
+        positions = [i for i, t in enumerate(token_ids) if t == placeholder_id]
+        if len(positions) != len(images):
+            raise ValueError(f"the prompt has {len(positions)} image placeholders "
+                             f"({self.placeholder!r}) for {len(images)} images: put one "
+                             f"{self.placeholder!r} where each image goes")
+        n = self.layout.tokens_per_image
+        expanded: list[int] = []
+        features = []
+        last = 0
+        for k, (pos, item) in enumerate(zip(positions, images)):
+            expanded += token_ids[last:pos]
+            try:
+                identifier, data = self._processed_image(load_image(item, self.policy))
+            except MediaError as e:
+                raise MediaError(f"image {k}: {e}", e.status) from None
+            features.append(MultiModalFeature("image", identifier, len(expanded), n, data))
+            expanded += [placeholder_id] * n
+            last = pos + 1
+        return expanded + token_ids[last:], features
+
+    def _processed_image(self, image: Any) -> tuple[str, dict[str, TensorData]]:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{type(self.image_processor).__name__}:{image.mode}:{image.size}".encode())
+        h.update(image.tobytes())
+        identifier = h.hexdigest()
+        data = self._processed.get(identifier)
+        if data is not None:
+            self._processed.move_to_end(identifier)
+            self.num_processed_hits += 1
+            return identifier, data
+        out = self.image_processor(images=[image], return_tensors="pt")
+        data = {"pixel_values": TensorData.of(out["pixel_values"][0])}
+        self._processed[identifier] = data
+        if len(self._processed) > PROCESSED_CACHE_ITEMS:
+            self._processed.popitem(last=False)
+        return identifier, data
+
+
+def build_multimodal_processor(config: Any, source: Any, hf_config: Any,
+                               tokenizer: Any) -> MultiModalProcessor | None:
+    """The processor of a multimodal model served from a folder; None for a text-only one."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures or not is_multimodal_architecture(architectures[0]):
+        return None
+    policy = MediaPolicy(tuple(config.allowed_media_domains), config.allowed_local_media_path)
+    return MultiModalProcessor(source.path, hf_config, tokenizer, config.limit_mm_per_prompt,
+                               policy)

@@ -1,0 +1,64 @@
+"""The worker's side of multimodal inputs: the encoder cache's embeddings, the vision encoder
+run for the items a step reaches that the cache lacks, and the merge of their embeddings into
+the step's input embeddings at their placeholders' rows.
+
+The scheduler decides which entries exist (`evicted_encoder_ids` in each step's message); an
+item is encoded here the first time a step's chunk overlaps its placeholders, and a chunk may
+cover only part of them: each step takes the rows of the embeddings its tokens need.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from runtime.batch import Batch
+from runtime.core.messages import ScheduledRequest
+from runtime.multimodal.inputs import MultiModalFeature
+
+
+class EncoderRunner:
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.cache: dict[str, torch.Tensor] = {}  # identifier -> [length, hidden] embeddings
+        self.num_encoded_items = 0
+
+    def evict(self, identifiers: list[str]) -> None:
+        for identifier in identifiers:
+            self.cache.pop(identifier, None)
+
+    def inputs_embeds(self, reqs: list[ScheduledRequest], batch: Batch) -> torch.Tensor | None:
+        """The step's input embeddings with the images' rows filled in; None when no token of
+        the step is an image placeholder (the model embeds the token ids itself)."""
+        spans = []  # (feature, first placeholder row of the item used, first batch row, count)
+        for i, r in enumerate(reqs):
+            start, end = r.start_pos, r.start_pos + len(r.token_ids)
+            for feature in r.mm_features:
+                if feature.overlaps(start, end):
+                    lo, hi = max(start, feature.offset), min(end, feature.end)
+                    spans.append((feature, lo - feature.offset,
+                                  int(batch.query_start_loc[i]) + lo - start, hi - lo))
+        if not spans:
+            return None
+        self._encode_missing([s[0] for s in spans])
+        rows = np.concatenate([np.arange(row, row + n) for _, _, row, n in spans])
+        embeds = self.model.embed_input_ids(batch.input_ids)
+        embeds[torch.from_numpy(rows).to(self.device)] = torch.cat(
+            [self.cache[f.identifier][first:first + n] for f, first, _, n in spans]
+        ).to(embeds.dtype)
+        return embeds
+
+    def _encode_missing(self, features: list[MultiModalFeature]) -> None:
+        missing = list({f.identifier: f for f in features
+                        if f.identifier not in self.cache}.values())
+        if not missing:
+            return
+        outputs = self.model.embed_multimodal(
+            [{k: v.to(self.device) for k, v in f.tensors().items()} for f in missing])
+        for feature, embeddings in zip(missing, outputs):
+            if embeddings.size(0) != feature.length:
+                raise RuntimeError(f"the encoder gave {embeddings.size(0)} embeddings for an "
+                                   f"item of {feature.length} placeholders")
+            self.cache[feature.identifier] = embeddings
+        self.num_encoded_items += len(missing)
