@@ -104,6 +104,13 @@ def requests_of(spec: dict[str, Any]) -> list[tuple[list[int], int]]:
     return [(list(ids), int(n)) for ids, n in spec["requests"]]
 
 
+def images_of(spec: dict[str, Any]) -> list[list[Any]]:
+    """Each request's random-mm images as PIL images ([] for a text request)."""
+    from runtime.testing.tiny_vlm import random_image
+    return [[random_image(seed, (side, side)) for seed, side in items]
+            for items in spec.get("images") or [[] for _ in spec["requests"]]]
+
+
 def run_runtime(spec: dict[str, Any]) -> dict[str, Any]:
     """Our engine, driven step by step so that the KV-cache use can be read between steps."""
     import torch
@@ -116,6 +123,7 @@ def run_runtime(spec: dict[str, Any]) -> dict[str, Any]:
         model=spec["model"], tokenizer=spec.get("tokenizer"), dtype=spec["dtype"],
         num_threads=spec["num_threads"], **spec.get("engine", {})))
     requests = requests_of(spec)
+    images = {tuple(ids): items for (ids, _), items in zip(requests, images_of(spec)) if items}
     pool = engine.core.kv.pool
     from runtime.lora.request import parse_lora_modules
     loras = list(parse_lora_modules(spec.get("lora_modules")).values()) or [None]
@@ -140,8 +148,10 @@ def run_runtime(spec: dict[str, Any]) -> dict[str, Any]:
 
     def drain(batch: list[tuple[list[int], int]]) -> tuple[list, int]:
         for i, (ids, n) in enumerate(batch):
-            engine.add_request({"prompt_token_ids": ids}, params(i, n),
-                               lora_request=loras[i % len(loras)])
+            prompt = {"prompt_token_ids": ids}
+            if tuple(ids) in images:
+                prompt["multi_modal_data"] = {"image": images[tuple(ids)]}
+            engine.add_request(prompt, params(i, n), lora_request=loras[i % len(loras)])
         finished, peak = [], 0
         while engine.has_unfinished_requests():
             steady, batch_size, begin = decoding(), len(core.scheduler.running), \
@@ -202,12 +212,31 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
     """
     import torch
     torch.set_num_threads(spec["num_threads"])
-    model = load_hf_model(spec["model"], getattr(torch, spec["dtype"])).eval()
-    cfg = model.config
+    images = images_of(spec)
+    if any(images):
+        from transformers import AutoImageProcessor, AutoModelForImageTextToText
+        model = AutoModelForImageTextToText.from_pretrained(
+            spec["model"], dtype=getattr(torch, spec["dtype"])).eval()
+        image_processor = AutoImageProcessor.from_pretrained(spec["model"], backend="pil")
+    else:
+        model = load_hf_model(spec["model"], getattr(torch, spec["dtype"])).eval()
+    cfg = model.config.get_text_config()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
     pad = spec["pad_token_id"]
+    pixels = {}
+    if any(images):  # the same processor output and placeholder expansion as ours
+        from runtime.multimodal.processing import LAYOUTS
+        layout = LAYOUTS[model.config.architectures[0]](model.config)
+        expanded = []
+        for (ids, n), items in zip(requests_of(spec), images):
+            ids = [t for i in ids for t in ([i] * layout.tokens_per_image
+                                            if i == layout.placeholder_token_id else [i])]
+            pixels[tuple(ids)] = image_processor(images=items, return_tensors="pt")[
+                "pixel_values"]
+            expanded.append((ids, n))
+        spec = {**spec, "requests": expanded}
     requests = sorted(requests_of(spec), key=lambda r: len(r[0]))
     size = spec.get("hf_batch_size") or len(requests)
     batches = [requests[i:i + size] for i in range(0, len(requests), size)]
@@ -216,9 +245,12 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
         width, new = max(len(ids) for ids, _ in batch), max(n for _, n in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        extra = {"pixel_values": torch.cat([pixels[tuple(p)] for p, _ in batch])} \
+            if pixels else {}
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                           min_new_tokens=new, do_sample=False, pad_token_id=pad, use_cache=True)
+                           min_new_tokens=new, do_sample=False, pad_token_id=pad, use_cache=True,
+                           **extra)
         return len(batch) * (width + new) * per_token
 
     if spec.get("warmup", True):

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-DATASETS = ("random", "prefix-repetition", "repeated-phrase", "jsonl")
+DATASETS = ("random", "random-mm", "prefix-repetition", "repeated-phrase", "jsonl")
 
 
 @dataclass
@@ -21,6 +21,8 @@ class SampleRequest:
     prompt: str
     prompt_token_ids: list[int]
     output_len: int
+    # random-mm: (seed, side) of each random square image, its placeholder in the prompt
+    images: list[tuple[int, int]] = field(default_factory=list)
 
 
 def allowed_token_ids(tokenizer: Any) -> np.ndarray:
@@ -58,6 +60,18 @@ def random_requests(tokenizer: Any, num_prompts: int, input_len: int, output_len
     outs = lengths(output_len, range_ratio, num_prompts, rng)
     return [SampleRequest(*random_text(tokenizer, n, rng, allowed), out)
             for n, out in zip(ins, outs)]
+
+
+def random_mm_requests(tokenizer: Any, placeholder_id: int, num_prompts: int, input_len: int,
+                       output_len: int, range_ratio: float, images_per_prompt: int,
+                       image_size: int, seed: int) -> list[SampleRequest]:
+    """`random` prompts, each opening with `images_per_prompt` image placeholders: images of
+    `image_size` pixels square, random pixels, one seed per image (vLLM's random-mm)."""
+    base = random_requests(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)
+    return [SampleRequest(r.prompt, [placeholder_id] * images_per_prompt + r.prompt_token_ids,
+                          r.output_len, [(seed * 100003 + i * images_per_prompt + k, image_size)
+                                         for k in range(images_per_prompt)])
+            for i, r in enumerate(base)]
 
 
 def prefix_repetition_requests(tokenizer: Any, num_prompts: int, prefix_len: int,
@@ -133,13 +147,29 @@ def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 64) -> 
     g.add_argument("--phrase-len", type=int, default=16,
                    help="repeated-phrase: tokens of the phrase each prompt repeats up to "
                         "--input-len")
+    g.add_argument("--random-mm-images-per-prompt", type=int, default=1,
+                   help="random-mm: images per prompt")
+    g.add_argument("--random-mm-image-size", type=int, default=336,
+                   help="random-mm: each image's side in pixels (square)")
     g.add_argument("--dataset-seed", type=int, default=0)
 
 
-def build_requests(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest]:
+def build_requests(args: argparse.Namespace, tokenizer: Any,
+                   model: str | None = None) -> list[SampleRequest]:
+    """The workload's requests; `model` (a folder) gives random-mm its image placeholder."""
     if args.dataset == "random":
         return random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
                                args.range_ratio, args.dataset_seed)
+    if args.dataset == "random-mm":
+        from transformers import AutoConfig
+        placeholder = getattr(AutoConfig.from_pretrained(model), "image_token_id", None)
+        if placeholder is None:
+            raise ValueError(f"--dataset random-mm needs a vision-language model; {model} "
+                             "has no image_token_id")
+        return random_mm_requests(tokenizer, placeholder, args.num_prompts, args.input_len,
+                                  args.output_len, args.range_ratio,
+                                  args.random_mm_images_per_prompt, args.random_mm_image_size,
+                                  args.dataset_seed)
     if args.dataset == "prefix-repetition":
         return prefix_repetition_requests(tokenizer, args.num_prompts, args.prefix_len,
                                           args.suffix_len, args.num_prefixes, args.output_len,
@@ -155,6 +185,8 @@ def build_requests(args: argparse.Namespace, tokenizer: Any) -> list[SampleReque
 def describe(args: argparse.Namespace) -> dict[str, Any]:
     """The workload's parameters, for the report."""
     keys = {"random": ("num_prompts", "input_len", "output_len", "range_ratio"),
+            "random-mm": ("num_prompts", "input_len", "output_len", "range_ratio",
+                          "random_mm_images_per_prompt", "random_mm_image_size"),
             "prefix-repetition": ("num_prompts", "prefix_len", "suffix_len", "num_prefixes",
                                   "output_len"),
             "repeated-phrase": ("num_prompts", "input_len", "phrase_len", "output_len"),

@@ -81,6 +81,7 @@ def make_spec(backend: str, model: str, args: argparse.Namespace, dtype: str, th
     return {"backend": backend, "model": model, "tokenizer": args.tokenizer, "dtype": dtype,
             "num_threads": threads, "task": getattr(args, "task", "generate"),
             "requests": [(r.prompt_token_ids, r.output_len) for r in requests],
+            "images": [r.images for r in requests],
             "engine": engine, "kv_cache_memory": parse_size(engine.get("kv_cache_memory")),
             "hf_batch_size": args.hf_batch_size, "lora_modules": loras,
             "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     threads = args.num_threads or common.usable_cores()
     machine = common.machine_info(threads)  # before any backend loads the machine
     tokenizer = common.load_tokenizer(model, args.tokenizer)
-    requests = build_requests(args, tokenizer)
+    requests = build_requests(args, tokenizer, model)
     structured = getattr(args, "structured_outputs", None)
     if structured and backends != ["runtime"]:
         raise ValueError("--structured-outputs runs on the runtime backend only")

@@ -9,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from runtime.bench.datasets import (add_dataset_args, build_requests, jsonl_requests, lengths,
-                                    prefix_repetition_requests, random_requests,
-                                    repeated_phrase_requests)
+                                    prefix_repetition_requests, random_mm_requests,
+                                    random_requests, repeated_phrase_requests)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,18 @@ def test_random_prompts_have_the_asked_lengths_and_valid_ids(tokenizer):
     fixed = random_requests(tokenizer, 4, 20, 5)
     assert [len(r.prompt_token_ids) for r in fixed] == [20] * 4
     assert [r.output_len for r in fixed] == [5] * 4
+
+
+def test_random_mm_prompts_open_with_their_images_placeholders(tokenizer):
+    placeholder = len(tokenizer)  # no random token is it
+    requests = random_mm_requests(tokenizer, placeholder, 4, 16, 8, 0.0, images_per_prompt=2,
+                                  image_size=64, seed=1)
+    for r in requests:
+        assert r.prompt_token_ids[:2] == [placeholder] * 2
+        assert placeholder not in r.prompt_token_ids[2:]
+        assert len(r.prompt_token_ids) == 18 and [side for _, side in r.images] == [64, 64]
+    seeds = [seed for r in requests for seed, _ in r.images]
+    assert len(set(seeds)) == len(seeds)  # every image its own pixels
 
 
 def test_prefix_repetition_shares_prefixes(tokenizer):
