@@ -101,6 +101,12 @@ class Metrics:
                                            "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = self._series(Counter, "prefix_cache_hits", None,
                                         "Prompt tokens found in the prefix cache.")
+        self.encoder_queries = self._series(
+            Counter, None, "encoder_cache_queries",
+            "Images a request needed for the first time (each a hit or one encoder run).")
+        self.encoder_hits = self._series(
+            Counter, None, "encoder_cache_hits",
+            "Images found in the encoder cache (no encoder run).")
         self.preemptions = self._series(Counter, "num_preemptions", "num_preemptions",
                                         "Sequences preempted so far.")
         self.prompt_tokens = self._series(Counter, "prompt_tokens", "prompt_tokens",
@@ -260,6 +266,8 @@ class Metrics:
 
         self.prefix_queries.inc(grown("num_prefix_cache_queries"))
         self.prefix_hits.inc(grown("num_prefix_cache_hits"))
+        self.encoder_queries.inc(grown("num_encoder_cache_queries"))
+        self.encoder_hits.inc(grown("num_encoder_cache_hits"))
         self.preemptions.inc(grown("num_preemptions"))
         self.spec_drafts.inc(grown("num_spec_drafts"))
         self.spec_draft_tokens.inc(grown("num_spec_draft_tokens"))

@@ -108,6 +108,10 @@ class CoreStats(msgspec.Struct, array_like=True, kw_only=True):
     # prefix cache, cumulative: prompt tokens looked up, and those found cached
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
+    # encoder cache, cumulative: images needed by a request for the first time, and those
+    # found cached (the others ran the encoder)
+    num_encoder_cache_queries: int = 0
+    num_encoder_cache_hits: int = 0
     # steps per bucket of runtime.engine.step_stats (empty: none yet), and their tokens
     step_token_counts: list[int] = []
     num_step_tokens: int = 0
@@ -296,6 +300,8 @@ class CoreLoop:
             num_spec_accepted_tokens=spec.num_accepted_tokens,
             num_prefix_cache_queries=kv.num_cache_queries,
             num_prefix_cache_hits=kv.num_cache_hits,
+            num_encoder_cache_queries=scheduler.encoder_cache.num_queries,
+            num_encoder_cache_hits=scheduler.encoder_cache.num_hits,
             step_token_counts=list(self.core.step_tokens.counts),
             num_step_tokens=self.core.step_tokens.total)
         if grammars:

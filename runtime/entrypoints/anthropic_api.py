@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from runtime.engine.async_llm import RequestStream
-from runtime.entrypoints.chat import render_chat, text_of
+from runtime.entrypoints.chat import ChatMedia, render_chat, text_of
 from runtime.entrypoints.protocol import MessagesRequest
 from runtime.entrypoints.tool_parsers import Delta, ToolChoice
 from runtime.entrypoints.tool_parsers.anthropic import (anthropic_messages,
@@ -29,14 +29,15 @@ async def create_message(body: MessagesRequest, raw: Request) -> Any:
     messages = []
     if body.system is not None:
         messages.append({"role": "system", "content": text_of(body.system)})
-    messages += anthropic_messages(body.messages, text_of)
+    media = ChatMedia(state.engine.processor.multimodal)
+    messages += anthropic_messages(body.messages, media.text_of)
     tools = anthropic_tool_choice(body, state.tool_call_parser, state.enable_auto_tool_choice)
     prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
                                   state.chat_template, True, tools.tools)
     params = tools.constrain(body.sampling_params(state.engine.processor.sampling_defaults),
                              "tool_choice")
     message_id = new_id("msg")
-    streams = await open_streams(state, message_id, [{"prompt_token_ids": prompt}], params,
+    streams = await open_streams(state, message_id, [media.prompt(prompt)], params,
                                  body.stream, model=model, raw=raw, constraint_param="tools")
     if body.stream:
         blocks = partial(_tool_blocks, streams[0], tools) if tools.reads_calls \

@@ -5,6 +5,7 @@ import os
 from typing import Any
 
 from runtime.entrypoints.errors import bad_request
+from runtime.multimodal.chat_parts import ChatImages
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -72,3 +73,26 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], chat_template: s
         raise bad_request(f"the chat template failed on these messages: {e}",
                           param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+class ChatMedia:
+    """A conversation's images, collected in order while its messages become template text
+    (`runtime.multimodal.chat_parts`); a 400 naming the part for one that cannot be taken.
+    `multimodal` is the engine's `MultiModalProcessor`; None for a text-only model. `param`:
+    the request field a 400 names."""
+
+    def __init__(self, multimodal: Any, param: str = "messages") -> None:
+        self.parts = ChatImages(None if multimodal is None else multimodal.placeholder)
+        self.param = param
+
+    def text_of(self, content: str | list[dict[str, Any]] | None) -> str:
+        if not isinstance(content, list):
+            return text_of(content)
+        try:
+            return self.parts.text_of(content, text_of)
+        except ValueError as e:
+            raise bad_request(str(e), param=self.param) from None
+
+    def prompt(self, token_ids: list[int]) -> dict[str, Any]:
+        """The engine prompt of the rendered conversation, with its images."""
+        return self.parts.prompt({"prompt_token_ids": token_ids})

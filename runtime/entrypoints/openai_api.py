@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from runtime.beam_search import BeamSearch, BeamSearchGroup
 from runtime.engine.async_llm import RequestStream
-from runtime.entrypoints.chat import render_chat, text_of
+from runtime.entrypoints.chat import ChatMedia, render_chat
 from runtime.entrypoints.errors import APIError, bad_request
 from runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from runtime.entrypoints.structured import constraint_field
@@ -82,7 +82,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     tools = ToolChoice.of(body, state.tool_call_parser, state.enable_auto_tool_choice)
-    messages = template_messages(body.messages, text_of)
+    media = ChatMedia(state.engine.processor.multimodal)
+    messages = template_messages(body.messages, media.text_of)
     prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
                                   state.chat_template, body.add_generation_prompt, tools.tools,
                                   body.continue_final_message, body.chat_template_kwargs)
@@ -92,7 +93,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
                                   defaults=state.engine.processor.sampling_defaults)
     params = tools.constrain(params, "response_format")
     request_id = new_id("chatcmpl")
-    streams = await open_streams(state, request_id, [{"prompt_token_ids": prompt}], params,
+    streams = await open_streams(state, request_id, [media.prompt(prompt)], params,
                                  body.stream, body.priority, budget, model, raw,
                                  "tools" if tools.forces_call else constraint_field(body))
     reply = Reply(request_id, model, "chat.completion", state, params.n, streams, tools)

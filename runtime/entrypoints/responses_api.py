@@ -9,7 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from runtime.engine.async_llm import RequestStream
-from runtime.entrypoints.chat import render_chat, text_of
+from runtime.entrypoints.chat import ChatMedia, render_chat
+from runtime.entrypoints.errors import bad_request
 from runtime.entrypoints.responses_protocol import ResponsesRequest
 from runtime.entrypoints.serving import (check_model, final_outputs, new_id,
                                          open_streams, sse, state_of, stream_error,
@@ -24,13 +25,17 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Any:
     state = state_of(raw)
     model = check_model(state, body.model)
     tools = body.tool_choice_of(state.tool_call_parser, state.enable_auto_tool_choice)
-    messages = template_messages(body.chat_messages(), text_of, "input")
+    media = ChatMedia(state.engine.processor.multimodal, "input")
+    try:
+        messages = template_messages(body.chat_messages(), media.text_of, "input")
+    except ValueError as e:
+        raise bad_request(str(e), param="input") from None
     prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
                                   state.chat_template, True, tools.tools)
     params = tools.constrain(body.sampling_params(state.engine.processor.sampling_defaults),
                              "text.format")
     response_id = new_id("resp")
-    streams = await open_streams(state, response_id, [{"prompt_token_ids": prompt}], params,
+    streams = await open_streams(state, response_id, [media.prompt(prompt)], params,
                                  body.stream, max_tokens_param="max_output_tokens", model=model,
                                  raw=raw, constraint_param="tools" if tools.forces_call
                                  else "text")

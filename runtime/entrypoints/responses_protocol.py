@@ -28,7 +28,16 @@ class OutputText(Body):
     text: str
 
 
-Part = Annotated[Union[InputText, OutputText], Field(discriminator="type")]
+class InputImage(Body):
+    """An image by URL (data:, or http(s):// and file:// where the server allows them)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] = "auto"  # the model's processor decides the size
+
+
+Part = Annotated[Union[InputText, OutputText, InputImage], Field(discriminator="type")]
 
 
 class MessageItem(Body):
@@ -155,7 +164,7 @@ class ResponsesRequest(RequestBody):
             if isinstance(item, MessageItem):
                 messages.append(ChatMessage(
                     role="system" if item.role == "developer" else item.role,
-                    content=_text(item.content)))
+                    content=_content(item.content)))
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
@@ -217,3 +226,14 @@ def _text(content: str | list) -> str:
         return content
     return "".join(part.text for part in content)
 
+
+def _content(content: str | list) -> str | list[dict[str, Any]]:
+    """A message's content for the chat route: its text, or its parts where it has images."""
+    if isinstance(content, str) or not any(isinstance(p, InputImage) for p in content):
+        return _text(content)
+    for part in content:
+        if isinstance(part, InputImage) and part.image_url is None:
+            raise ValueError("an input_image needs image_url: file_id (uploaded files) is not "
+                             "supported")
+    return [{"type": "input_image", "image_url": p.image_url} if isinstance(p, InputImage)
+            else {"type": "text", "text": p.text} for p in content]

@@ -21,6 +21,7 @@ from runtime.entrypoints.errors import APIError, bad_request
 from runtime.entrypoints.structured import check_constraint
 from runtime.lora.request import LoRARequest
 from runtime.metrics import Metrics
+from runtime.multimodal.media import MediaError
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 from runtime.structured_output.checker import GrammarChecker
@@ -88,11 +89,11 @@ def check_model(state: ServerState, model: str | None) -> str:
 
 
 def _tokenize(state: ServerState, prompts: list[PromptType]) -> list[dict]:
-    inputs = state.engine.processor.inputs
+    """Each prompt's text and token ids, and its images processed (placeholders expanded)."""
     tokenized = []
     for prompt in prompts:
-        text, ids = inputs.tokenize(prompt)
-        tokenized.append({"prompt": text, "prompt_token_ids": ids})
+        text, ids, mm_features = state.engine.processor.prepare(prompt)
+        tokenized.append({"prompt": text, "prompt_token_ids": ids, "mm_features": mm_features})
     return tokenized
 
 
@@ -180,6 +181,8 @@ async def open_streams(state: ServerState, request_id: str, prompts: list[Prompt
     params = await until_disconnected(raw, prepared(state, params, constraint_param))
     try:
         tokenized = await until_disconnected(raw, state.off_loop(_tokenize, state, prompts))
+    except MediaError as e:  # an image that cannot be read: 400, or 413 for its size
+        raise APIError(e.status, str(e), param="messages") from None
     except ValueError as e:
         raise bad_request(str(e), param="prompt") from None
     for prompt in tokenized:

@@ -33,14 +33,14 @@ def anthropic_messages(messages: list[Any], text_of) -> list[dict]:
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        texts = [b for b in m.content if b.get("type") == "text"]
+        texts = [b for b in m.content if b.get("type") in ("text", "image")]  # images: media
         uses = [b for b in m.content if b.get("type") == "tool_use"]
         results = [b for b in m.content if b.get("type") == "tool_result"]
         if len(texts) + len(uses) + len(results) < len(m.content):
             kinds = sorted({str(b.get("type")) for b in m.content} -
-                           {"text", "tool_use", "tool_result"})
+                           {"text", "image", "tool_use", "tool_result"})
             raise bad_request(f"content blocks of type {', '.join(kinds)} are not supported "
-                              "(text, tool_use and tool_result are)", param="messages")
+                              "(text, image, tool_use and tool_result are)", param="messages")
         for block in results:
             content = block.get("content", "")
             out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
