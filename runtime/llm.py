@@ -101,6 +101,9 @@ class LLM:
         inputs = self.engine.inputs
         searches = []
         for prompt in prompts:
+            if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+                raise ValueError("beam_search does not take multi_modal_data yet: use "
+                                 "generate with images")
             _, ids = inputs.tokenize(prompt)
             inputs.validate(ids, SamplingParams())
             room = inputs.max_tokens(ids, SamplingParams(max_tokens=params.max_tokens))

@@ -101,6 +101,11 @@ class Processor:
                                  f"tokens, more than the encoder's budget or cache holds "
                                  f"({most}): raise --max-num-encoder-input-tokens and "
                                  "--encoder-cache-size")
+        total = sum(f.length for f in features)
+        if not self.config.enable_chunked_prefill and total > most:
+            raise ValueError(f"the prompt's images take {total} embedding tokens, more than "
+                             f"one step's encoder budget or cache ({most}), which without "
+                             "chunked prefill must hold them all")
         return text, token_ids, features
 
     def check_lora(self, lora_request: LoRARequest) -> None:
