@@ -136,3 +136,17 @@ def test_bad_multimodal_input_is_refused_naming_it(llm, prompt, data, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         llm.generate({"prompt": prompt, "multi_modal_data": data}, greedy(), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_preempted_requests_encode_again_and_match_transformers(model_path, hf):
+    # 8 blocks of 8 tokens: two 21-token prompts growing to 45 tokens cannot both stay
+    small = LLM(model_path, dtype="float32", block_size=8, kv_cache_memory="32KiB",
+                max_num_batched_tokens=16, max_num_encoder_input_tokens=16,
+                encoder_cache_size=16, enable_prefix_caching=False)
+    prompts = ["w5 w6 <image> w7 w8 w9", "w9 w8 <image> w7 w6 w5"]
+    images = [random_image(400), random_image(401)]
+    outs = small.generate([{"prompt": p, "multi_modal_data": {"image": i}}
+                           for p, i in zip(prompts, images)], greedy(24), use_tqdm=False)
+    assert small.engine.core.scheduler.num_preemptions > 0
+    for prompt, image, out in zip(prompts, images, outs):
+        assert out.outputs[0].token_ids == hf_generate(hf, prompt, [image], 24)[0]
