@@ -247,6 +247,8 @@ class ModelInfo:
     # A pooling model: prefill-only steps without a KV cache (bidirectional for the BERT
     # family), which only backends with `supports_encoder_attention` run.
     pooling: bool = False
+    # Attention sinks (gpt-oss): only backends with `supports_attention_sinks` run the model.
+    attention_sinks: bool = False
 
 
 @dataclass

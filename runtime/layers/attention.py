@@ -15,12 +15,22 @@ from runtime.layers.build_context import BuildContext
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  ctx: BuildContext, sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None, sinks: bool = False) -> None:
+        """`num_heads`/`num_kv_heads` are this rank's. With `sinks`, the layer holds the
+        parameter `sinks` [num_heads] float32 (gpt-oss's attention sinks; this rank's heads of
+        the checkpoint's) and hands it to the backend."""
         super().__init__()
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.sliding_window = sliding_window
+        self.sinks = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32),
+                                      requires_grad=False)
+            first = ctx.tp_rank * num_heads
+            self.sinks.weight_loader = lambda param, loaded: param.data.copy_(
+                loaded[first:first + num_heads])
         self.impl = ctx.attention_backend(num_heads, head_size, scale, num_kv_heads,
-                                          sliding_window, logits_soft_cap)
+                                          sliding_window, logits_soft_cap, self.sinks)
         self.kv_cache = torch.empty(0)  # bound by the model runner once the cache is allocated
         # set by the worker for --calculate-kv-scales: the next forward sets the FP8 scales
         self.calculate_kv_scales = False
