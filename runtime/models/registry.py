@@ -20,6 +20,7 @@ _BUILTIN: dict[str, str] = {
     "MixtralForCausalLM": "runtime.models.moe:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "runtime.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "runtime.models.moe:Qwen3MoeForCausalLM",
+    "GptOssForCausalLM": "runtime.models.gpt_oss:GptOssForCausalLM",
     # pooling models (runner="pooling"): encoders and classifiers
     "BertModel": "runtime.models.bert:BertModel",
     "BertForSequenceClassification": "runtime.models.bert:BertForSequenceClassification",
