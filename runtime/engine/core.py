@@ -96,8 +96,13 @@ class EngineCore:
         self.step_inputs = StepInputBuilder(self.kv, model_config.max_model_len,
                                             spec is not None and spec.needs_lookahead)
         # constrained requests' grammars and matchers; the grammar backend (xgrammar takes
-        # seconds to import) is made on the first request with structured_outputs
+        # seconds to import) is made on the first request with structured_outputs, unless
+        # structured_outputs_config names it
         self.structured = StructuredOutputManager(self._grammar_compiler)
+        if config.structured_outputs_config.backend != "auto":
+            # a backend chosen by name will be used: build its vocabulary's tables (seconds
+            # for llguidance) before serving, not beside the first constrained request's steps
+            self.structured.build_compiler()
         # the requests the last step could not serve (an adapter that could not be read, a
         # grammar that failed to compile), with why: the server fails them (a request whose
         # grammar its own controls left no token ends with finish_reason "abort" instead)
