@@ -5,9 +5,9 @@ A constrained request waits here (not in the scheduler) until its grammar is com
 never holds the batch. Each sequence (each sample of an n > 1 request) gets its own matcher,
 advanced with the tokens the sequence accepts; matchers live in the core with the tokens, so a
 preempted request resumes with its matcher as it was, and one re-admitted with its generated
-tokens (its engine core died) gets a fresh matcher advanced over them. Speculative proposals are cut to the
-prefix the matcher accepts before they are scheduled, so each proposal row's mask is the
-matcher's state after the proposals before it. A sampled token the matcher refuses (the
+tokens (its engine core died) gets a fresh matcher advanced over them. Speculative proposals
+are cut to the prefix the matcher accepts before they are scheduled, so each proposal row's
+mask is the matcher's state after the proposals before it. A sampled token the matcher refuses (the
 request's other controls left no token its grammar allows) is never accepted: the request ends
 there with an error.
 """
