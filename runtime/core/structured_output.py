@@ -36,9 +36,9 @@ MAX_CACHE_BYTES = 256 * 2**20
 
 class StructuredOutputManager:
     """`make_compiler` builds the vocabulary's compiler (`backends.make_compiler`: xgrammar's
-    or llguidance's); it is called once, by `build_compiler` or else on the first constrained
-    request, in a pool thread.
-    Compiled grammars are cached by their constraint up to `max_cache_bytes` (LRU; a running
+    or llguidance's); it is called once: by `build_compiler` (the core calls it at start-up
+    when the configuration names a backend), else by the first constrained request's compile,
+    in a pool thread. Compiled grammars are cached by their constraint up to `max_cache_bytes` (LRU; a running
     request's matcher keeps its grammar alive without the cache)."""
 
     def __init__(self, make_compiler: Callable[[], Any], max_workers: int = 2,
