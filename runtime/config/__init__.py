@@ -161,6 +161,10 @@ class EngineConfig:
                 "max_new_tokens) from the model's generation_config.json; 'vllm': none, "
                 "SamplingParams' own; or a folder holding a generation_config.json "
                 "(default: auto)")
+    engine_stall_timeout: float = option(
+        60.0, "seconds a server's engine core with requests in flight may go without stepping "
+              "before it counts as dead: it is killed and restarted, and its requests go on "
+              "on the new core (0: no watchdog)")
     disable_log_stats: bool = option(
         False, "no periodic throughput and KV-cache usage lines in the log", store_true=True)
     quantization: str | None = option(
@@ -239,6 +243,9 @@ class EngineConfig:
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the most the "
                              f"sampler returns), got {self.max_logprobs}")
+        if self.engine_stall_timeout < 0:
+            raise ValueError("engine_stall_timeout must be >= 0 (0: no watchdog), got "
+                             f"{self.engine_stall_timeout}")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         if self.enable_lora:  # a captured graph would not see each step's adapter slots

@@ -96,9 +96,16 @@ class EngineCore:
         self.step_inputs = StepInputBuilder(self.kv, model_config.max_model_len,
                                             spec is not None and spec.needs_lookahead)
         # constrained requests' grammars and matchers; the grammar backend (xgrammar takes
-        # seconds to import) is made on the first request with structured_outputs
+        # seconds to import) is made on the first request with structured_outputs, unless
+        # structured_outputs_config names it
         self.structured = StructuredOutputManager(self._grammar_compiler)
-        # the requests the last step ended with an error (finish_reason "abort"), with it
+        if config.structured_outputs_config.backend != "auto":
+            # a backend chosen by name will be used: build its vocabulary's tables (seconds
+            # for llguidance) before serving, not beside the first constrained request's steps
+            self.structured.build_compiler()
+        # the requests the last step could not serve (an adapter that could not be read, a
+        # grammar that failed to compile), with why: the server fails them (a request whose
+        # grammar its own controls left no token ends with finish_reason "abort" instead)
         self.failed: list[tuple[Request, str]] = []
         self.step_tokens = StepTokens()  # tokens scheduled per step, for /metrics
 
@@ -179,9 +186,10 @@ class EngineCore:
         step_input.grammar_bitmask, step_input.grammar_rows = \
             self.structured.bitmask(sched.scheduled)
         result = self.executor.execute(step_input)
-        refused = dict(result.failed)  # e.g. a LoRA adapter that could not be read
-        # a sampled token the grammar refuses ends its request
-        refused.update(self.structured.accept(sched.scheduled, result.sampled))
+        failed = dict(result.failed)  # e.g. a LoRA adapter that could not be read
+        # a sampled token the grammar refuses ends its request: finish_reason "abort", and why
+        dead_ends = self.structured.accept(sched.scheduled, result.sampled)
+        refused = {**failed, **dead_ends}
         finished = self.scheduler.update(sched, result.sampled, result.draft_token_ids)
         for request_id, error in refused.items():
             logger.error("request %s: %s", request_id, error)
@@ -189,7 +197,8 @@ class EngineCore:
                                                     error)
             if request is not None:
                 finished.append(request)
-                self.failed.append((request, error))
+                if request_id in failed:
+                    self.failed.append((request, error))
         self.step_inputs.finished(r.request_id for r in finished)
         self.structured.advance(sched.scheduled)
         for r, _ in sched.scheduled:

@@ -9,6 +9,8 @@ which connects to both:
 Messages are msgspec Structs, msgpack-encoded, one message per frame. The core loop drains its
 input between steps, so a request added over the wire joins the running batch at the next step;
 it blocks on the socket only when it has nothing to run, and exits when its parent is gone.
+While it has work it sends something at least every HEARTBEAT_S, so that the API process can
+tell a core that stopped stepping (frozen, or stuck in native code) from one that is busy.
 
 A request that makes the core raise (in `add_request`, or in a step it took part in) is finished
 in the core and reported in `RequestsFailed`; the core keeps stepping the others. Only an error
@@ -20,6 +22,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from typing import ClassVar, Union
 
 import msgspec
@@ -36,6 +39,12 @@ from runtime.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is still alive
+# A core with work says it is stepping at least this often (an empty Outputs when its steps
+# produced nothing, e.g. chunks of a long prefill): the API process's stall watchdog reads it.
+HEARTBEAT_S = 0.5
+# Test-only fault injection, off unless the core's environment names a token id: the core
+# kills itself (SIGKILL) on receiving a request whose prompt holds that token.
+KILL_ON_TOKEN_ENV = "RUNTIME_TEST_KILL_CORE_ON_TOKEN"
 
 
 class CoreRequest(msgspec.Struct, array_like=True):
@@ -52,17 +61,19 @@ class CoreRequest(msgspec.Struct, array_like=True):
     leader_id: Union[str, None]
     lora_request: Union[LoRARequest, None] = None
     pooling_params: Union[PoolingParams, None] = None
+    output_token_ids: list[int] = []  # generated on a core that died: it goes on from there
 
     @classmethod
     def of(cls, r: Request) -> "CoreRequest":
         return cls(r.request_id, r.prompt_token_ids, r.params, r.max_tokens, r.priority,
                    r.arrival_time, r.parent_id, r.sample_index, r.leader_id, r.lora_request,
-                   r.pooling_params)
+                   r.pooling_params, r.output_token_ids)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.params, self.max_tokens,
                        self.priority, self.arrival_time, self.parent_id, self.sample_index,
-                       self.leader_id, self.lora_request, self.pooling_params)
+                       self.leader_id, self.lora_request, self.pooling_params,
+                       self.output_token_ids)
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
@@ -209,6 +220,9 @@ class CoreLoop:
         self.parent = parent  # the API process: when it is gone, so is our reason to run
         self.num_received = 0
         self.running = True
+        self.last_sent = time.monotonic()
+        fault = os.environ.get(KILL_ON_TOKEN_ENV)
+        self.kill_on_token = int(fault) if fault else None
 
     def run(self) -> None:
         while self.running:
@@ -228,8 +242,12 @@ class CoreLoop:
                 outputs, changed = [], True
             if self.core.failed:
                 outputs = self._fail_requests(outputs)
-            if outputs or changed:
-                self.outbox.send(self.encoder.encode(Outputs(outputs, self._stats())))
+            if outputs or changed or time.monotonic() - self.last_sent > HEARTBEAT_S:
+                self._send(Outputs(outputs, self._stats()))
+
+    def _send(self, message: Outputs | RequestsFailed) -> None:
+        self.outbox.send(self.encoder.encode(message))
+        self.last_sent = time.monotonic()
 
     def _fail_running(self, error: Exception) -> None:
         """A step raised: finish the requests of the running batch, which it was stepping, and
@@ -252,8 +270,7 @@ class CoreLoop:
         return [o for o in outputs if o.request_id not in ids]
 
     def _report(self, request_ids: set[str], error: Exception) -> None:
-        self.outbox.send(self.encoder.encode(
-            RequestsFailed(sorted(request_ids), f"{type(error).__name__}: {error}")))
+        self._send(RequestsFailed(sorted(request_ids), f"{type(error).__name__}: {error}"))
 
     def _drain(self, block: bool) -> bool:
         """Apply every waiting message (waiting up to IDLE_POLL_MS for one if `block`);
@@ -268,6 +285,10 @@ class CoreLoop:
     def _apply(self, message: ToCore) -> None:
         if isinstance(message, AddRequests):
             for r in message.requests:
+                if self.kill_on_token is not None and self.kill_on_token in r.prompt_token_ids:
+                    logger.error("%s: killing the engine core (test fault injection)",
+                                 KILL_ON_TOKEN_ENV)
+                    os.kill(os.getpid(), signal.SIGKILL)
                 try:
                     self.core.add_request(r.to_request())
                 except Exception as e:

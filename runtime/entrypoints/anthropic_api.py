@@ -52,8 +52,8 @@ def _stop(sample: CompletionOutput) -> tuple[str, str | None]:
     """Anthropic's stop_reason and stop_sequence for a finished sample."""
     if sample.finish_reason == "length":
         return "max_tokens", None
-    if isinstance(sample.stop_reason, str):
-        return "stop_sequence", sample.stop_reason
+    if sample.finish_reason == "stop" and isinstance(sample.stop_reason, str):
+        return "stop_sequence", sample.stop_reason  # not an abort's reason
     return "end_turn", None
 
 

@@ -117,7 +117,8 @@ class ModelRunner:
         return None
 
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
-        return self.generators.get(r.request_id, r.params, r.sample_index)
+        return self.generators.at(r.request_id, r.params, r.sample_index,
+                                  len(r.all_token_ids) - r.num_prompt_tokens)
 
     def update_states(self, step: StepInput) -> list[ScheduledRequest]:
         """Apply the step's message to the request table; the step's requests, in schedule

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -65,10 +66,16 @@ class Server:
         return pid
 
     def live_core_pid(self) -> int | None:
-        """The running (not zombie) engine core's pid, if there is one."""
+        """The running (not zombie) engine core's pid, if there is one: the last core the log
+        says was started, among the server's children that multiprocessing spawned (grammar
+        check workers are spawned too)."""
+        with open(self.log_path) as f:
+            started = [int(p) for p in re.findall(r": process (\d+) starting", f.read())]
         with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
-            children = [int(p) for p in f.read().split()]
-        for pid in children:
+            children = {int(p) for p in f.read().split()}
+        for pid in reversed(started):
+            if pid not in children:
+                continue
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     if b"spawn_main" in f.read():
