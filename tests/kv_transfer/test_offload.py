@@ -27,10 +27,10 @@ AGAIN = [PROMPTS[7], PROMPTS[0], PROMPTS[1]]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-def engine(model: str, **kwargs) -> LLM:
-    # 40 blocks on the device: about two requests' worth
-    return LLM(model, dtype="float32", block_size=BLOCK, kv_cache_memory=40 * BYTES_PER_BLOCK,
-               max_model_len=128, **kwargs)
+def engine(model: str, tp: int = 1, **kwargs) -> LLM:
+    # 40 blocks on the device (each rank holds 1 / tp of a block): about two requests' worth
+    return LLM(model, dtype="float32", block_size=BLOCK, max_model_len=128,
+               kv_cache_memory=40 * BYTES_PER_BLOCK // tp, tensor_parallel_size=tp, **kwargs)
 
 
 def one_by_one(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -196,3 +196,27 @@ def test_a_plugin_connector_is_named_by_kv_transfer_config(tiny_llama, recompute
     assert CALLS[first - 2:first + 2] == [
         "get_num_new_matched_tokens", "update_state_after_alloc", CALLS[first],
         "update_connector_output"], CALLS[first - 3:first + 3]
+
+
+def test_tensor_parallel_ranks_keep_their_own_files(tiny_llama, tmp_path, recomputed):
+    """Each rank saves its share of a block; a corrupt file on rank 1 alone fails the load
+    (the executor merges every rank's report) and the block is computed again."""
+    def tp2() -> LLM:  # no host level: every evicted block goes to disk
+        return engine(tiny_llama, tp=2, kv_offloading_disk_path=str(tmp_path))
+    llm = tp2()
+    assert one_by_one(llm, PROMPTS[:4]) == recomputed[:4]
+    llm.engine.core.shutdown()
+    (folder,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path)]
+    names = os.listdir(folder)
+    assert {n.rsplit(".", 1)[1] for n in names} == {"r0", "r1"}
+    for name in names:
+        if name.endswith(".r1"):
+            path = os.path.join(folder, name)
+            data = bytearray(open(path, "rb").read())
+            data[-1] ^= 1
+            open(path, "wb").write(bytes(data))
+    restarted = tp2()
+    assert one_by_one(restarted, PROMPTS[:1]) == recomputed[:1]
+    stats = restarted.engine.core.kv_connector.stats()
+    assert stats["disk_hit_blocks"] > 0 and stats["failed_loads"] == 1, stats
+    restarted.engine.core.shutdown()
