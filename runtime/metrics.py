@@ -188,6 +188,27 @@ class Metrics:
             Gauge, None, "structured_output_check_cache_bytes",
             "Bytes held by the API process's cache of checked grammars (LRU, bounded by "
             "--grammar-cache-bytes).")
+        self.kv_offload_hits = self._family(
+            Counter, None, "kv_offload_hit_blocks",
+            "Prefix-cache blocks loaded back from the offload tier, by level.",
+            extra_labels=("tier",))
+        self.kv_offload_blocks = self._family(
+            Gauge, None, "kv_offload_blocks", "Blocks the offload tier holds, by level.",
+            extra_labels=("tier",))
+        self.kv_offload_saved = self._series(
+            Counter, None, "kv_offload_saved_blocks",
+            "Blocks evicted from the prefix cache and saved to the offload tier.")
+        self.kv_offload_failed = self._series(
+            Counter, None, "kv_offload_failed_loads",
+            "Loads from the offload tier that failed (missing, truncated or corrupt files): "
+            "those blocks were computed again.")
+        self.kv_offload_bytes = self._family(
+            Counter, None, "kv_offload_bytes", "Bytes moved by the offload tier, by direction.",
+            extra_labels=("direction",))
+        self.kv_offload_seconds = self._family(
+            Counter, None, "kv_offload_seconds",
+            "Time the workers spent moving offloaded blocks, by direction.",
+            extra_labels=("direction",))
         self._last = CoreStats()
 
     def watch_grammar_checks(self, cache: CheckCache) -> None:
@@ -276,9 +297,26 @@ class Metrics:
                                   grown("num_step_tokens"))
         self.grammar_cache_hits.inc(grown("num_grammar_cache_hits"))
         self.grammar_cache_misses.inc(grown("num_grammar_cache_misses"))
+        self._on_kv_connector(stats.kv_connector, last.kv_connector)
         looked_up = stats.num_grammar_compiles + stats.num_grammar_cache_hits
         if looked_up:
             self.grammar_cache_hit_rate.set(stats.num_grammar_cache_hits / looked_up)
+
+    def _on_kv_connector(self, now: dict[str, float], before: dict[str, float]) -> None:
+        """The OffloadingConnector's counters (another connector's names are not shown)."""
+        def grown(name: str) -> float:
+            return max(0.0, now.get(name, 0) - before.get(name, 0))
+
+        if not now:
+            return
+        for tier in ("host", "disk"):
+            self.kv_offload_hits.labels(tier=tier).inc(grown(f"{tier}_hit_blocks"))
+            self.kv_offload_blocks.labels(tier=tier).set(now.get(f"{tier}_blocks", 0))
+        self.kv_offload_saved.inc(grown("saved_blocks"))
+        self.kv_offload_failed.inc(grown("failed_loads"))
+        for direction, verb in (("load", "loaded"), ("save", "saved")):
+            self.kv_offload_bytes.labels(direction=direction).inc(grown(f"bytes_{verb}"))
+            self.kv_offload_seconds.labels(direction=direction).inc(grown(f"{direction}_seconds"))
 
     def on_request_added(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

@@ -15,6 +15,7 @@ from runtime.core.scheduler import Scheduler
 from runtime.core.step_input import StepInputBuilder
 from runtime.engine.step_stats import StepTokens
 from runtime.executor import build_executor
+from runtime.kv_transfer.registry import build_scheduler_side
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource
 from runtime.pooling.models import is_encoder_only
@@ -90,8 +91,9 @@ class EngineCore:
                                         "one step without chunked prefill",
                                         "raise --max-num-batched-tokens")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_connector = build_scheduler_side(config, model_config, source, num_blocks)
         self.scheduler = Scheduler(config, self.kv, model_config.max_model_len,
-                                   self.encoder_only)
+                                   self.encoder_only, self.kv_connector)
         spec = config.speculative_config
         self.step_inputs = StepInputBuilder(self.kv, model_config.max_model_len,
                                             spec is not None and spec.needs_lookahead)
@@ -128,6 +130,8 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         self.structured.shutdown()
         self.executor.shutdown()
 
@@ -185,12 +189,17 @@ class EngineCore:
         step_input = self.step_inputs.build(sched)
         step_input.grammar_bitmask, step_input.grammar_rows = \
             self.structured.bitmask(sched.scheduled)
+        if self.kv_connector is not None:
+            step_input.kv_connector_meta = self.kv_connector.build_connector_meta()
+            step_input.kv_load_block_ids = [
+                b for r, first, n in sched.loading for b in r.block_ids[first:first + n]]
         result = self.executor.execute(step_input)
         failed = dict(result.failed)  # e.g. a LoRA adapter that could not be read
         # a sampled token the grammar refuses ends its request: finish_reason "abort", and why
         dead_ends = self.structured.accept(sched.scheduled, result.sampled)
         refused = {**failed, **dead_ends}
-        finished = self.scheduler.update(sched, result.sampled, result.draft_token_ids)
+        finished = self.scheduler.update(sched, result.sampled, result.draft_token_ids,
+                                         result.kv_connector_output)
         for request_id, error in refused.items():
             logger.error("request %s: %s", request_id, error)
             request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED,

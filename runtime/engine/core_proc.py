@@ -122,12 +122,16 @@ class CoreStats(msgspec.Struct, array_like=True, kw_only=True):
     # with LoRA: the adapters (by name) of the running and of the waiting requests
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
+    # with a KV connector: its cumulative counters (KVConnectorScheduler.stats)
+    kv_connector: dict[str, float] = {}
 
     # the fields that are a share, averaged over replicas; every other number is summed
     SHARES: ClassVar[tuple[str, ...]] = ("kv_cache_usage", "prefix_cache_hit_rate")
     # per-bucket counts, summed bucket by bucket; names, joined
     BUCKETS: ClassVar[tuple[str, ...]] = ("grammar_compile_counts", "step_token_counts")
     NAMES: ClassVar[tuple[str, ...]] = ("running_lora_adapters", "waiting_lora_adapters")
+    # counters by name, summed name by name
+    MAPS: ClassVar[tuple[str, ...]] = ("kv_connector",)
 
     @classmethod
     def merge(cls, replicas: list["CoreStats"]) -> "CoreStats":
@@ -139,6 +143,9 @@ class CoreStats(msgspec.Struct, array_like=True, kw_only=True):
             values = [getattr(s, name) for s in replicas]
             if name in cls.NAMES:
                 merged[name] = sorted(set().union(*values))
+            elif name in cls.MAPS:
+                merged[name] = {k: sum(v.get(k, 0) for v in values)
+                                for k in sorted(set().union(*values))}
             elif name in cls.BUCKETS:
                 merged[name] = [sum(c) for c in zip(*(v for v in values if v))]
             elif name in cls.SHARES:
@@ -315,7 +322,8 @@ class CoreLoop:
             num_prefix_cache_queries=kv.num_cache_queries,
             num_prefix_cache_hits=kv.num_cache_hits,
             step_token_counts=list(self.core.step_tokens.counts),
-            num_step_tokens=self.core.step_tokens.total)
+            num_step_tokens=self.core.step_tokens.total,
+            kv_connector=self.core.kv_connector.stats() if self.core.kv_connector else {})
         if grammars:
             stats.num_grammar_compiles = grammars.num_compiles
             stats.grammar_compile_seconds = grammars.compile_seconds

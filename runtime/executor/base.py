@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from typing import Any
+
 from runtime.core.messages import StepInput, StepOutput
 
 
@@ -28,3 +30,22 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         """Stop the workers and release their devices."""
+
+
+def worker_reply(method: str, result: Any, keeps_output: bool) -> Any:
+    """What a worker process sends back for a call: all of it from the rank that samples (and
+    for every call but `execute`); from the other ranks, only the part of a step's output that
+    the engine merges over every rank (the KV connector's report)."""
+    if keeps_output or method != "execute":
+        return result
+    return result.kv_connector_output
+
+
+def step_output(replies: list[Any], output_rank: int) -> StepOutput:
+    """The step's output: the sampling rank's, with every rank's KV connector report merged."""
+    out = replies[output_rank]
+    for rank, reply in enumerate(replies):
+        if rank != output_rank and reply is not None:
+            mine = out.kv_connector_output
+            out.kv_connector_output = reply if mine is None else mine.merge(reply)
+    return out

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 from runtime.plugins.interfaces import Platform
 from runtime.config import EngineConfig
 from runtime.distributed.layout import ParallelLayout
-from runtime.executor.base import Executor, WorkerError
+from runtime.executor.base import Executor, WorkerError, step_output, worker_reply
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource
 from runtime.core.messages import StepInput, StepOutput
@@ -74,7 +74,7 @@ class MultiprocExecutor(Executor):
         self._call("init_kv_cache", num_blocks)
 
     def execute(self, step: StepInput) -> StepOutput:
-        return self._call("execute", step)[self.layout.output_rank]
+        return step_output(self._call("execute", step), self.layout.output_rank)
 
     def check_health(self) -> None:
         if self.dead_reason is not None:
@@ -180,7 +180,7 @@ def worker_main(config: EngineConfig, platform_name: str, source: ModelSource,
             if method == "shutdown":
                 return
             result = getattr(worker, method)(*args)
-            conn.send(("ok", result if keeps_output or method != "execute" else None))
+            conn.send(("ok", worker_reply(method, result, keeps_output)))
     except (EOFError, BrokenPipeError):
         return  # the engine closed its end
     except Exception as e:

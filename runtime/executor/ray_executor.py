@@ -13,7 +13,7 @@ from typing import Any
 from runtime.plugins.interfaces import Platform
 from runtime.config import EngineConfig
 from runtime.distributed.layout import ParallelLayout
-from runtime.executor.base import Executor, WorkerError
+from runtime.executor.base import Executor, WorkerError, step_output, worker_reply
 from runtime.executor.multiproc import free_port
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource
@@ -44,7 +44,7 @@ class RayWorker:
 
     def call(self, method: str, *args: Any) -> Any:
         result = getattr(self.worker, method)(*args)
-        return result if self.keeps_output or method != "execute" else None
+        return worker_reply(method, result, self.keeps_output)
 
 
 def import_ray() -> Any:
@@ -107,7 +107,7 @@ class RayExecutor(Executor):
         self._call("init_kv_cache", num_blocks)
 
     def execute(self, step: StepInput) -> StepOutput:
-        return self._call("execute", self.ray.put(step))[self.layout.output_rank]
+        return step_output(self._call("execute", self.ray.put(step)), self.layout.output_rank)
 
     def check_health(self) -> None:
         """Only what is known: an actor that died while idle fails the next step."""

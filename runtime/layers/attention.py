@@ -10,6 +10,7 @@ from torch import nn
 
 from runtime.forward_context import get_forward_context
 from runtime.layers.build_context import BuildContext
+from runtime.plugins.kv_connector import KVCacheLayer
 
 
 class Attention(nn.Module):
@@ -74,10 +75,22 @@ class PagedKVCache:
         for layer in self.layers:
             layer.kv_cache = torch.empty(0)
 
+    def connector_layers(self) -> list[KVCacheLayer]:
+        """The layers' caches as a KV connector addresses them."""
+        return [KVCacheLayer(f"layer.{i}", layer.kv_cache, layer.impl.kv_cache_block_dim)
+                for i, layer in enumerate(self.layers)]
+
     def zero_new_blocks(self, reqs: Iterable[Any]) -> None:
         """Zero the blocks `reqs` (a step's requests, each with its `block_ids`) reach beyond
         those already zeroed."""
-        top = max(max(r.block_ids) for r in reqs) + 1
+        self.prepare_blocks([max(r.block_ids) for r in reqs])
+
+    def prepare_blocks(self, block_ids: list[int]) -> None:
+        """Zero the never-used blocks up to the highest of `block_ids` (before something other
+        than attention writes into them: a KV connector's loads)."""
+        if not block_ids:
+            return
+        top = max(block_ids) + 1
         if top <= self.num_zeroed_blocks:
             return
         start = self.num_zeroed_blocks

@@ -12,6 +12,7 @@ from runtime.core.messages import StepInput, StepOutput
 from runtime.distributed.groups import init_groups
 from runtime.distributed.layout import ParallelLayout, host_share
 from runtime.distributed.pipeline import PipelineStage
+from runtime.kv_transfer.registry import build_worker_side
 from runtime.forward_context import forward_context, get_forward_context
 from runtime.layers.build_context import BuildContext
 from runtime.model_config import ModelConfig
@@ -52,6 +53,8 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.lora = None  # the LoRAManager, with --enable-lora
         self.num_blocks = 0
+        # a KV connector's worker side (--kv-transfer-config), once the cache exists
+        self.kv_connector = None
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -160,6 +163,9 @@ class Worker:
         self.runner.allocate_kv_cache(num_blocks, self.kv_cache_dtype)
         self.num_blocks = num_blocks
         cfg = self.config
+        self.kv_connector = build_worker_side(cfg, self.model_config, self.source, self.rank)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.runner.kv_cache.connector_layers())
         self.runner.graph_runner.capture(self.runner.model.forward, CaptureSpec(
             forward_context=forward_context, current_metadata=get_forward_context,
             attention_backend=self.attention_backend, device=self.device,
@@ -171,12 +177,18 @@ class Worker:
                 layer.calculate_kv_scales = True
 
     def execute(self, step: StepInput) -> StepOutput:
+        if self.kv_connector is not None:  # before the step's requests touch their blocks
+            self.runner.kv_cache.prepare_blocks(step.kv_load_block_ids)
+            self.kv_connector.start_load_kv(step.kv_connector_meta)
         reqs = self.runner.update_states(step)
         if self.layout.pp_size == 1:
-            return self.runner.execute(reqs)
-        # Micro-batches: the stages work on different parts of the step at the same time.
-        return merge_outputs([self.runner.execute(part)
-                              for part in micro_batches(reqs, self.layout.pp_size)])
+            out = self.runner.execute(reqs)
+        else:  # micro-batches: the stages work on different parts of the step at the same time
+            out = merge_outputs([self.runner.execute(part)
+                                 for part in micro_batches(reqs, self.layout.pp_size)])
+        if self.kv_connector is not None:
+            out.kv_connector_output = self.kv_connector.get_finished()
+        return out
 
 
 def start_worker(config: EngineConfig, platform_name: str, source: ModelSource,

@@ -65,9 +65,15 @@ VALUES = {
     "data_parallel_size": ("-dp 2", 2),
     "distributed_executor_backend": ("--distributed-executor-backend uniproc", "uniproc"),
     "ray_address": ("--ray-address auto", "auto"),
+    "kv_transfer_config": ('--kv-transfer-config {"kv_connector":"OffloadingConnector"}',
+                           '{"kv_connector":"OffloadingConnector"}'),
+    "kv_offloading_size": ("--kv-offloading-size 0.5", 0.5),
+    "kv_offloading_disk_path": ("--kv-offloading-disk-path /tmp/kv", "/tmp/kv"),
+    "kv_offloading_disk_size": ("--kv-offloading-disk-size 2", 2.0),
 }
 # Options that need another one set with them.
-TOGETHER = {"max_long_partial_prefills": {"max_num_partial_prefills": 2}}
+TOGETHER = {"max_long_partial_prefills": {"max_num_partial_prefills": 2},
+            "kv_offloading_disk_size": {"kv_offloading_disk_path": "/tmp/kv"}}
 # The values above that one CPU engine runs with, all at once.
 RUNNABLE = ("tokenizer", "model_impl", "runner", "device", "dtype", "kv_cache_memory",
             "gpu_memory_utilization", "block_size", "max_num_seqs", "max_num_batched_tokens",
