@@ -161,6 +161,10 @@ class EngineConfig:
                 "max_new_tokens) from the model's generation_config.json; 'vllm': none, "
                 "SamplingParams' own; or a folder holding a generation_config.json "
                 "(default: auto)")
+    enable_sleep_mode: bool = option(
+        False, "allow sleep(level) / the server's /sleep: free the KV cache (level 1), and the "
+               "weights too (level 2, read again from the model on wake-up) until woken (see "
+               "docs/sleep.md)", store_true=True)
     disable_log_stats: bool = option(
         False, "no periodic throughput and KV-cache usage lines in the log", store_true=True)
     quantization: str | None = option(
