@@ -116,3 +116,22 @@ def test_sleep_mode_must_be_enabled(folders):
     with pytest.raises(ValueError, match="enable_sleep_mode=True"):
         plain.sleep(1)
     assert torch.is_tensor(next(model_of(plain).parameters()))
+
+
+def test_every_tensor_parallel_rank_sleeps_and_reloads(llm, folders):
+    """Two worker processes (mp executor): each rank frees and reads back its own shard."""
+    llm.update_weights(folders[1])
+    new = tokens(llm)
+    llm.update_weights(folders[0])
+    old = tokens(llm)
+    tp = LLM(folders[0], dtype="float32", kv_cache_memory="16MiB", enable_sleep_mode=True,
+             tensor_parallel_size=2, num_threads=1)
+    try:
+        assert tokens(tp) == old
+        tp.sleep(2)
+        tp.wake_up()
+        assert tokens(tp) == old
+        tp.update_weights(folders[1])
+        assert tokens(tp) == new
+    finally:
+        tp.engine.core.shutdown()
