@@ -193,7 +193,7 @@ class EngineCore:
         if "weights" in self.asleep:
             raise ValueError("the weights are asleep: wake them up first")
         self._check_idle("a weight update")
-        source = resolve_model(model_path)
+        source = resolve_model(model_path, download_dir=self.config.download_dir)
         differ = config_differences(self.model_config.hf_config,
                                     load_config(source, self.config.trust_remote_code))
         if differ:
