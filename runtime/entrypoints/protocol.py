@@ -361,3 +361,6 @@ class CountTokensRequest(RequestBody):
     context_management: only() = None
     mcp_servers: only() = None
     output_config: only() = None
+    speed: only() = None
+    user_profile_id: only() = None
+    workspace_id: only() = None
