@@ -58,6 +58,9 @@ class StatsListener(Protocol):
 
     def on_core_restart(self) -> None: ...
 
+    def on_sleep_state(self, asleep: set[str]) -> None:
+        """What sleep mode has freed now ("weights", "kv_cache"; empty: awake)."""
+
 
 class RequestStream:
     """The outputs of one request, in order; ends after the finished output. Leaving the
@@ -255,6 +258,8 @@ class AsyncLLM:
                                       "abort them first (POST /abort_requests)")
             answers = await self.cores.control(message)
             self.asleep = set().union(*(a.asleep for a in answers.values()))
+            if self.listener is not None:
+                self.listener.on_sleep_state(self.asleep)
             refused = [a for a in answers.values() if a.error is not None]
             if not refused:
                 return

@@ -60,8 +60,12 @@ def hf_greedy(folder: str) -> list[list[int]]:
 def test_each_level_frees_and_wakes_to_the_same_tokens(dev_server):
     before = greedy(dev_server)
     for level, wakes in ((1, [None]), (2, [["weights"], ["kv_cache"]])):
+        assert dev_server.metric("vllm:engine_sleep_state", sleep_state="awake") == 1
         assert post(dev_server, f"/sleep?level={level}").status_code == 200
         assert sleeping(dev_server)
+        state = {1: "weights_offloaded", 2: "discard_all"}[level]
+        assert dev_server.metric("vllm:engine_sleep_state", sleep_state=state) == 1
+        assert dev_server.metric("vllm:engine_sleep_state", sleep_state="awake") == 0
         refused = post(dev_server, "/inference/v1/generate",
                        json={"token_ids": PROMPT, "sampling_params": GREEDY})
         assert refused.status_code == 503 and "asleep" in refused.json()["error"]["message"]
