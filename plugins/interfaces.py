@@ -83,6 +83,11 @@ class Platform(ABC):
         """
         return 0
 
+    def empty_cache(self) -> None:
+        """Give back the memory the engine has just freed (sleep mode, a weight reload): the
+        device allocator's cached blocks, or the host heap's free pages. Default: nothing to
+        give back."""
+
     # Per-platform answers (what the hooks of the same name return by default).
 
     def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:

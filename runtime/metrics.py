@@ -21,6 +21,9 @@ from runtime.structured_output.stats import COMPILE_SECONDS_BUCKETS
 
 METRICS_PREFIXES = ("both", "vllm", "runtime")
 FINISH_REASONS = ("stop", "length", "abort")
+# vLLM's names of the sleep states: awake, level 1 (weights_offloaded: on the CPU it frees the
+# KV cache), level 2 (discard_all)
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 ENGINE = "0"  # vLLM's `engine` label: with data parallelism, the replicas' totals
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
@@ -112,6 +115,11 @@ class Metrics:
                                 extra_labels=("finished_reason",))
         self.requests = {reason: requests.labels(finished_reason=reason)
                          for reason in FINISH_REASONS}
+        sleep_state = self._family(Gauge, "engine_sleep_state", "engine_sleep_state",
+                                   "Sleep mode: 1 for the state the engine is in, 0 for the "
+                                   "others (see docs/sleep.md).", extra_labels=("sleep_state",))
+        self.sleep_states = {s: sleep_state.labels(sleep_state=s) for s in SLEEP_STATES}
+        self.on_sleep_state(set())
         self.rejected = self._series(Counter, None, "request_rejected",
                                      "Requests refused because the waiting queue was full.")
         self.core_restarts = self._series(Counter, None, "engine_core_restarts",
@@ -329,6 +337,11 @@ class Metrics:
 
     def on_core_restart(self) -> None:
         self.core_restarts.inc()
+
+    def on_sleep_state(self, asleep: set[str]) -> None:
+        state = SLEEP_STATES[2 if "weights" in asleep else 1 if asleep else 0]
+        for name, series in self.sleep_states.items():
+            series.set(int(name == state))
 
     def on_request_finished(self, finish_reason: str, metrics: RequestMetrics,
                             tokens_per_sample: float) -> None:

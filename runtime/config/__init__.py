@@ -167,6 +167,10 @@ class EngineConfig:
         60.0, "seconds a server's engine core with requests in flight may go without stepping "
               "before it counts as dead: it is killed and restarted, and its requests go on "
               "on the new core (0: no watchdog)")
+    enable_sleep_mode: bool = option(
+        False, "allow sleep(level) / the server's /sleep: free the KV cache (level 1), and the "
+               "weights too (level 2, read again from the model on wake-up) until woken (see "
+               "docs/sleep.md)", store_true=True)
     disable_log_stats: bool = option(
         False, "no periodic throughput and KV-cache usage lines in the log", store_true=True)
     quantization: str | None = option(

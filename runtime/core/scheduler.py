@@ -94,9 +94,8 @@ class Scheduler:
                  connector: KVConnectorScheduler | None = None) -> None:
         self.config = config
         self.kv = kv
-        self.connector = connector  # a KV connector's scheduler side (--kv-transfer-config)
-        if connector is not None:
-            kv.pool.on_evict = connector.on_evict
+        self.connector: KVConnectorScheduler | None = None
+        self.set_connector(connector)
         self.max_model_len = max_model_len
         self.encoder_only = encoder_only
         self.waiting = WaitingQueue(config.scheduling_policy)
@@ -111,6 +110,11 @@ class Scheduler:
             int(max_model_len * 0.04)  # vLLM's default
         self.spec = config.speculative_config
         self.spec_stats = SpecDecodeStats()
+
+    def set_connector(self, connector: KVConnectorScheduler | None) -> None:
+        """Use this KV connector's scheduler side (--kv-transfer-config) from now on."""
+        self.connector = connector
+        self.kv.pool.on_evict = None if connector is None else connector.on_evict
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request

@@ -22,8 +22,10 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine.core_client import EngineDeadError
-from runtime.engine.core_proc import (AddRequests, CoreRequest, CoreStats, FinishRequests,
-                                      FromCore, Outputs, Ready, RequestsFailed)
+from runtime.engine.core import EngineBusyError
+from runtime.engine.core_proc import (AddRequests, Control, CoreRequest, CoreStats,
+                                      FinishRequests, FromCore, Outputs, Ready, RequestsFailed,
+                                      Sleep, UpdateWeights, WakeUp)
 from runtime.engine.input_processor import PromptType
 from runtime.engine.output_processor import OutputKind
 from runtime.engine.pooling_engine import by_length, pooling_config, pooling_request
@@ -38,12 +40,17 @@ from runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineRestartingError", "QueueFullError",
-           "RequestFailedError", "RequestStream"]
+__all__ = ["AsyncLLM", "EngineBusyError", "EngineDeadError", "EngineRestartingError",
+           "EngineSleepingError", "QueueFullError", "RequestFailedError", "RequestStream"]
 
 
 class RequestFailedError(RuntimeError):
     """The core raised on this request (or its core died under it); other requests go on."""
+
+
+class EngineSleepingError(EngineRestartingError):
+    """The engine is asleep (sleep mode), or going to sleep, waking up or loading weights:
+    nothing runs until it is awake again."""
 
 
 class StatsListener(Protocol):
@@ -59,6 +66,9 @@ class StatsListener(Protocol):
                             tokens_per_sample: float) -> None: ...
 
     def on_core_restart(self) -> None: ...
+
+    def on_sleep_state(self, asleep: set[str]) -> None:
+        """What sleep mode has freed now ("weights", "kv_cache"; empty: awake)."""
 
 
 class RequestStream:
@@ -137,6 +147,9 @@ class AsyncLLM:
         self.isolated: str | None = None  # the suspect now running
         self.num_blocks = 0
         self.cores = ReplicaPool(self.config, self.spec, self, max_core_restarts)
+        self.asleep: set[str] = set()  # what sleep freed, on any replica
+        self.weights_path = self.source.path  # the checkpoint whose weights are served
+        self._control_lock = asyncio.Lock()  # held while a sleep-mode or weight call runs
 
     @property
     def tokenizer(self) -> Any:
@@ -159,6 +172,10 @@ class AsyncLLM:
     def is_healthy(self) -> bool:
         return self.cores.is_alive
 
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep)
+
     async def start(self) -> None:
         """Spawn the core processes and wait until their models are loaded (raises if one
         fails)."""
@@ -180,6 +197,7 @@ class AsyncLLM:
         """Validate and queue a request; its outputs are deltas if `stream`, else one final
         output. Raises ValueError (bad input), QueueFullError, EngineRestartingError or
         EngineDeadError."""
+        self._check_awake()
         self.cores.check_admission(params.num_samples, self.max_queue_len)
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
         requests = self.processor.add_request(prompt, params, request_id, priority, kind,
@@ -195,6 +213,7 @@ class AsyncLLM:
         """Pool `inputs` (from `self.pooling`): each is a request of the cores, scheduled with
         whatever else they run; returns their results in order. Raises as `add_request` does,
         or the error of a request that failed; leaving early aborts those still running."""
+        self._check_awake()
         self.cores.check_admission(len(inputs), self.max_queue_len)
         loop, arrival = asyncio.get_running_loop(), time.monotonic()
         batches = defaultdict(list)
@@ -222,11 +241,59 @@ class AsyncLLM:
                 if item.request_id in self.pooled:
                     self.abort(item.request_id)
 
+    def _check_awake(self) -> None:
+        if self._control_lock.locked():
+            raise EngineSleepingError("the engine is going to sleep, waking up or loading "
+                                      "weights")
+        if self.asleep:
+            raise EngineSleepingError("the engine is asleep (sleep mode) until woken up")
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free every replica's KV cache (level 1), and the weights too (level 2); until
+        `wake_up` new requests get EngineSleepingError. Raises EngineBusyError while requests
+        are in flight (they are not waited for), ValueError on bad input."""
+        await self._control(Sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what `tags` ("weights", "kv_cache"; None: both) name on every replica."""
+        await self._control(WakeUp(tags))
+
+    async def update_weights(self, model_path: str) -> None:
+        """Serve the weights of `model_path` (same architecture and config) on every replica;
+        raises as `sleep` does. A replica that cannot load them keeps the old weights, and
+        the others go back to them, so all replicas serve one checkpoint."""
+        await self._control(UpdateWeights(model_path), rollback=True)
+        self.weights_path = model_path
+
+    async def _control(self, message: Control, rollback: bool = False) -> None:
+        """Send `message` to every replica; raises the first refusal (after putting the
+        replicas that took new weights back on the old ones, with `rollback`)."""
+        async with self._control_lock:
+            busy = len(self.streams) + len(self.pooled)
+            if busy:
+                raise EngineBusyError(f"{busy} requests are in flight: let them finish or "
+                                      "abort them first (POST /abort_requests)")
+            answers = await self.cores.control(message)
+            self.asleep = set().union(*(a.asleep for a in answers.values()))
+            if self.listener is not None:
+                self.listener.on_sleep_state(self.asleep)
+            refused = [a for a in answers.values() if a.error is not None]
+            if not refused:
+                return
+            took = [i for i, a in answers.items() if a.error is None]
+            if rollback and took:
+                await self.cores.control(UpdateWeights(self.weights_path), took)
+            error = refused[0]
+            raise (EngineBusyError if error.error_type == "EngineBusyError" else
+                   ValueError)(error.error)
+
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks in the core (a no-op once it has finished)."""
         handle = self.streams.pop(request_id, None)
         self._forget(request_id)
         sample_ids, output = self.processor.abort_request(request_id)
+        if handle is not None and output is not None:  # a caller still iterating ends here
+            handle.put(output)
         if self.pooled.pop(request_id, None) is not None:
             sample_ids = [request_id]
         self.cores.finish(request_id, FinishRequests(

@@ -3,14 +3,19 @@
 The API process binds two ZeroMQ sockets on Unix-domain (ipc) paths and spawns the core process,
 which connects to both:
 
-    API process  --PUSH-->  core process   AddRequests | FinishRequests | Shutdown
-    API process  <--PUSH--  core process   Ready | Outputs | RequestsFailed | Failed
+    API process  --PUSH-->  core process   AddRequests | FinishRequests | Sleep | WakeUp |
+                                           UpdateWeights | Shutdown
+    API process  <--PUSH--  core process   Ready | Outputs | RequestsFailed | Controlled |
+                                           Failed
 
 Messages are msgspec Structs, msgpack-encoded, one message per frame. The core loop drains its
 input between steps, so a request added over the wire joins the running batch at the next step;
 it blocks on the socket only when it has nothing to run, and exits when its parent is gone.
 While it has work it sends something at least every HEARTBEAT_S, so that the API process can
 tell a core that stopped stepping (frozen, or stuck in native code) from one that is busy.
+
+Sleep, WakeUp and UpdateWeights (sleep mode and weight reload, runtime.engine.core) are each
+answered by one `Controlled`, in the order they came.
 
 A request that makes the core raise (in `add_request`, or in a step it took part in) is finished
 in the core and reported in `RequestsFailed`; the core keeps stepping the others. Only an error
@@ -29,7 +34,7 @@ import msgspec
 import zmq
 
 from runtime.config import EngineConfig
-from runtime.engine.core import CoreOutput, EngineCore
+from runtime.engine.core import CoreOutput, EngineBusyError, EngineCore
 from runtime.lora.request import LoRARequest
 from runtime.model_spec import ModelSpec
 from runtime.pooling.params import PoolingParams
@@ -90,6 +95,28 @@ class FinishRequests(msgspec.Struct, tag=True, array_like=True):
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
+
+
+class Sleep(msgspec.Struct, tag=True, array_like=True):
+    level: int
+
+
+class WakeUp(msgspec.Struct, tag=True, array_like=True):
+    tags: Union[list[str], None]  # None: everything asleep
+
+
+class UpdateWeights(msgspec.Struct, tag=True, array_like=True):
+    model_path: str
+
+
+class Controlled(msgspec.Struct, tag=True, array_like=True):
+    """The answer to a Sleep, WakeUp or UpdateWeights: done (`error` None), or refused with
+    the error's class name ("EngineBusyError", "ValueError") and message; and what is asleep
+    after it."""
+
+    error_type: Union[str, None]
+    error: Union[str, None]
+    asleep: list[str]
 
 
 class CoreStats(msgspec.Struct, array_like=True, kw_only=True):
@@ -176,8 +203,9 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
     error: str
 
 
-ToCore = Union[AddRequests, FinishRequests, Shutdown]
-FromCore = Union[Ready, Outputs, RequestsFailed, Failed]
+Control = Union[Sleep, WakeUp, UpdateWeights]
+ToCore = Union[AddRequests, FinishRequests, Sleep, WakeUp, UpdateWeights, Shutdown]
+FromCore = Union[Ready, Outputs, RequestsFailed, Controlled, Failed]
 
 
 def run_core_process(config: EngineConfig, spec: ModelSpec, input_path: str, output_path: str,
@@ -307,8 +335,24 @@ class CoreLoop:
         elif isinstance(message, FinishRequests):
             for request_id, stop in zip(message.request_ids, message.stop_reasons):
                 self.core.finish_request(request_id, message.status, stop)
+        elif isinstance(message, (Sleep, WakeUp, UpdateWeights)):
+            self.outbox.send(self.encoder.encode(self._control(message)))
         else:
             self.running = False
+
+    def _control(self, message: Control) -> Controlled:
+        """Apply a sleep-mode or weight message; a refusal is answered, a worker's failure
+        raises (the core process fails and is restarted)."""
+        try:
+            if isinstance(message, Sleep):
+                self.core.sleep(message.level)
+            elif isinstance(message, WakeUp):
+                self.core.wake_up(message.tags)
+            else:
+                self.core.update_weights(message.model_path)
+        except (EngineBusyError, ValueError) as e:
+            return Controlled(type(e).__name__, str(e), sorted(self.core.asleep))
+        return Controlled(None, None, sorted(self.core.asleep))
 
     def _stats(self) -> CoreStats:
         scheduler, kv = self.core.scheduler, self.core.kv

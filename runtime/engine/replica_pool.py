@@ -13,12 +13,13 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
 from typing import Protocol, Sequence
 
 from runtime.config import EngineConfig
 from runtime.engine.core_client import CoreClient, EngineDeadError
-from runtime.engine.core_proc import (AddRequests, CoreStats, Failed, FinishRequests, FromCore,
-                                      Outputs, Ready)
+from runtime.engine.core_proc import (AddRequests, Control, Controlled, CoreStats, Failed,
+                                      FinishRequests, FromCore, Outputs, Ready)
 from runtime.engine.load_balancer import LoadBalancer
 from runtime.model_spec import ModelSpec
 
@@ -75,6 +76,8 @@ class ReplicaPool:
         self._last_heard = [0.0] * n
         self._watchdog: asyncio.Task | None = None
         self._death_reasons: list[str | None] = [None] * n  # of the replicas restarting
+        # per replica: the futures of its Control messages not answered yet, oldest first
+        self._controls: list[deque[asyncio.Future]] = [deque() for _ in range(n)]
 
     def _client(self, replica: int) -> CoreClient:
         name = "the engine core" if self.config.data_parallel_size_local == 1 \
@@ -156,6 +159,24 @@ class ReplicaPool:
     def send(self, replica: int, message: FinishRequests) -> None:
         self.replicas[replica].send(message)
 
+    async def control(self, message: Control,
+                      replicas: Sequence[int] | None = None) -> dict[int, Controlled]:
+        """Send `message` to `replicas` (default: every live one) and wait for each one's
+        answer; raises EngineDeadError when a replica dies first."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if replicas is None:
+            replicas = [i for i, r in enumerate(self.replicas) if r.is_alive]
+        if not replicas:
+            raise EngineRestartingError("the engine core is restarting")
+        loop = asyncio.get_running_loop()
+        futures = {}
+        for i in replicas:
+            futures[i] = loop.create_future()
+            self._controls[i].append(futures[i])
+            self.replicas[i].send(message)
+        return dict(zip(futures, await asyncio.gather(*futures.values())))
+
     def release(self, request_id: str) -> int | None:
         """Forget which replica serves a request; returns that replica."""
         owner = self.owner.pop(request_id, None)
@@ -195,6 +216,9 @@ class ReplicaPool:
             if isinstance(message, Failed):
                 self._replica_died(replica, f"{client.name} failed: {message.error}")
                 return
+            if isinstance(message, Controlled):
+                self._controls[replica].popleft().set_result(message)
+                continue
             if isinstance(message, Outputs):
                 self._replica_stats[replica] = message.stats
                 self.stats = self._live_stats()
@@ -246,6 +270,8 @@ class ReplicaPool:
         self.balancer.remove(replica)
         self.stats = self._live_stats()
         owned = [rid for rid, (owner, _) in self.owner.items() if owner == replica]
+        while self._controls[replica]:
+            self._controls[replica].popleft().set_exception(EngineDeadError(reason))
         for request_id in owned:
             del self.owner[request_id]
         now = time.monotonic()

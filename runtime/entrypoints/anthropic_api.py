@@ -10,11 +10,11 @@ from fastapi.responses import StreamingResponse
 
 from runtime.engine.async_llm import RequestStream
 from runtime.entrypoints.chat import render_chat, text_of
-from runtime.entrypoints.protocol import MessagesRequest
+from runtime.entrypoints.protocol import CountTokensRequest, MessagesRequest
 from runtime.entrypoints.tool_parsers import Delta, ToolChoice
 from runtime.entrypoints.tool_parsers.anthropic import (anthropic_messages,
                                                         anthropic_tool_choice, content_blocks)
-from runtime.entrypoints.serving import (check_model, final_outputs, new_id,
+from runtime.entrypoints.serving import (ServerState, check_model, final_outputs, new_id,
                                          open_streams, sse, state_of, stream_error,
                                          unless_disconnected)
 from runtime.outputs import CompletionOutput
@@ -26,13 +26,7 @@ router = APIRouter()
 async def create_message(body: MessagesRequest, raw: Request) -> Any:
     state = state_of(raw)
     model = check_model(state, body.model)  # an adapter's name picks that adapter
-    messages = []
-    if body.system is not None:
-        messages.append({"role": "system", "content": text_of(body.system)})
-    messages += anthropic_messages(body.messages, text_of)
-    tools = anthropic_tool_choice(body, state.tool_call_parser, state.enable_auto_tool_choice)
-    prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
-                                  state.chat_template, True, tools.tools)
+    prompt, tools = await rendered(state, body)
     params = tools.constrain(body.sampling_params(state.engine.processor.sampling_defaults),
                              "tool_choice")
     message_id = new_id("msg")
@@ -46,6 +40,29 @@ async def create_message(body: MessagesRequest, raw: Request) -> Any:
                                  headers={"Cache-Control": "no-cache"})
     return await unless_disconnected(raw, _message(message_id, body.model, streams, tools),
                                      streams)
+
+
+async def rendered(state: ServerState, body: MessagesRequest | CountTokensRequest
+                   ) -> tuple[list[int], ToolChoice]:
+    """The prompt tokens of a Messages request (system, messages and tools through the chat
+    template, off the event loop), and its tool choice."""
+    messages = []
+    if body.system is not None:
+        messages.append({"role": "system", "content": text_of(body.system)})
+    messages += anthropic_messages(body.messages, text_of)
+    tools = anthropic_tool_choice(body, state.tool_call_parser, state.enable_auto_tool_choice)
+    prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
+                                  state.chat_template, True, tools.tools)
+    return prompt, tools
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, raw: Request) -> dict:
+    """Anthropic's token count: the prompt /v1/messages would run for the same messages."""
+    state = state_of(raw)
+    check_model(state, body.model)
+    prompt, _ = await rendered(state, body)
+    return {"input_tokens": len(prompt)}
 
 
 def _stop(sample: CompletionOutput) -> tuple[str, str | None]:

@@ -68,13 +68,13 @@ class MultiprocExecutor(Executor):
         self._gather()  # each worker says it has loaded its part of the model
 
     def determine_num_blocks(self) -> int:
-        return min(self._call("determine_num_blocks"))
+        return min(self.collective_rpc("determine_num_blocks"))
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self._call("init_kv_cache", num_blocks)
+        self.collective_rpc("init_kv_cache", num_blocks)
 
     def execute(self, step: StepInput) -> StepOutput:
-        return step_output(self._call("execute", step), self.layout.output_rank)
+        return step_output(self.collective_rpc("execute", step), self.layout.output_rank)
 
     def check_health(self) -> None:
         if self.dead_reason is not None:
@@ -88,7 +88,7 @@ class MultiprocExecutor(Executor):
             self.dead_reason = "the executor has shut down"
         self._finalizer()
 
-    def _call(self, method: str, *args: Any) -> list[Any]:
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         if self.dead_reason is not None:
             raise WorkerError(self.dead_reason)
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)

@@ -64,6 +64,12 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
 
+    def release_kv_cache(self) -> None:
+        """Free the caches `allocate_kv_cache` gave (the draft model's: a cache of no blocks)."""
+        self.kv_cache.release()
+        if self.proposer is not None:
+            self.proposer.allocate_kv_cache(0)
+
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_reqs: int, dtype: torch.dtype) -> None:
         """The largest step the scheduler can form, run once to measure its memory peak.

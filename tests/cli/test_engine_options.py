@@ -50,6 +50,7 @@ VALUES = {
     "generation_config": ("--generation-config vllm", "vllm"),
     "engine_stall_timeout": ("--engine-stall-timeout 5", 5.0),
     "disable_log_stats": ("--disable-log-stats", True),
+    "enable_sleep_mode": ("--enable-sleep-mode", True),
     "quantization": ("-q int8", "int8"),
     "speculative_config": ('--speculative-config {"method":"ngram","num_speculative_tokens":2}',
                            '{"method":"ngram","num_speculative_tokens":2}'),
@@ -80,7 +81,7 @@ RUNNABLE = ("tokenizer", "model_impl", "runner", "device", "dtype", "kv_cache_me
             "max_model_len", "enable_prefix_caching", "enable_chunked_prefill",
             "scheduling_policy", "attention_backend", "enforce_eager", "num_threads", "seed",
             "download_dir", "trust_remote_code", "max_logprobs", "generation_config",
-            "engine_stall_timeout", "disable_log_stats", "speculative_config",
+            "engine_stall_timeout", "disable_log_stats", "enable_sleep_mode", "speculative_config",
             "structured_outputs_config", "distributed_executor_backend", "ray_address")
 
 

@@ -220,3 +220,14 @@ def test_tensor_parallel_ranks_keep_their_own_files(tiny_llama, tmp_path, recomp
     stats = restarted.engine.core.kv_connector.stats()
     assert stats["disk_hit_blocks"] > 0 and stats["failed_loads"] == 1, stats
     restarted.engine.core.shutdown()
+
+
+def test_sleep_starts_the_host_level_anew(tiny_llama, tmp_path, recomputed):
+    llm = engine(tiny_llama, enable_sleep_mode=True,
+                 kv_offloading_size=30 * BYTES_PER_BLOCK / 2**30)
+    assert one_by_one(llm, PROMPTS[:4]) == recomputed[:4]
+    assert llm.engine.core.kv_connector.stats()["host_blocks"] > 0
+    llm.sleep(1)
+    llm.wake_up()
+    assert llm.engine.core.kv_connector.stats()["host_blocks"] == 0
+    assert one_by_one(llm, PROMPTS[:2]) == recomputed[:2]

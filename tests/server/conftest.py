@@ -28,9 +28,11 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m runtime.cli.main serve ARGS` on 127.0.0.1, its log in `log_path`."""
+    """`python -m runtime.cli.main serve ARGS` on 127.0.0.1, its log in `log_path`, with `env`
+    added to the environment."""
 
-    def __init__(self, args: list[str], log_path: str) -> None:
+    def __init__(self, args: list[str], log_path: str, env: dict[str, str] | None = None
+                 ) -> None:
         self.port = free_port()
         scheme = "https" if "--ssl-certfile" in args else "http"
         self.url = f"{scheme}://127.0.0.1:{self.port}"
@@ -40,7 +42,8 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "runtime.cli.main", "--log-level", "INFO", "serve",
              "--host", "127.0.0.1", "--port", str(self.port), *args],
-            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
+            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})})
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
