@@ -108,6 +108,10 @@ class AttentionBackend(ABC):
     supports_logits_soft_cap: bool = False
     # Whether the backend runs pooling steps: `AttentionMetadata.prefill_only`, causal or not.
     supports_encoder_attention: bool = False
+    # Whether the backend applies `sinks`, a learned logit per query head in each softmax
+    # (gpt-oss). `runtime.platforms.common.offer_backend` refuses a backend without it for a
+    # model whose `ModelInfo.attention_sinks` is set.
+    supports_attention_sinks: bool = False
 
     @classmethod
     def supports_kv_cache_dtype(cls, dtype: torch.dtype,
@@ -135,18 +139,29 @@ class AttentionBackend(ABC):
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
         """`logits_soft_cap`: scores become `cap * tanh(scores / cap)` before the softmax
-        (Gemma 2); a backend without `supports_logits_soft_cap` refuses it."""
+        (Gemma 2); a backend without `supports_logits_soft_cap` refuses it.
+
+        `sinks` [num_heads] float32, on the layer's device: attention sinks (gpt-oss), one
+        learned logit per query head that joins every softmax's denominator and adds no value,
+        so each row's weights sum to less than one. The layer owns the tensor and loads it in
+        place; a backend without `supports_attention_sinks` refuses it."""
         if logits_soft_cap is not None and not self.supports_logits_soft_cap:
             raise ValueError(f"attention backend {self.name} has no logit soft-capping, which "
                              f"this model needs; torch_paged and cpu_paged have it")
+        if sinks is not None and not self.supports_attention_sinks:
+            raise ValueError(f"attention backend {self.name} has no attention sinks, which "
+                             f"this model needs; torch_paged, cpu_paged and triton_paged have "
+                             f"them")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.sinks = sinks
         # float32 scalars on the default device, which is the layer's: the engine (and
         # `runtime.testing.paged_batch`) build layers under `torch.device(device)`. Updated in
         # place, so a recorded device graph reads the current values.
@@ -177,7 +192,8 @@ class AttentionBackend(ABC):
 
         query [num_tokens, num_heads, head_size]; key/value [num_tokens, num_kv_heads, head_size].
         Each token attends causally to its own request's context (and only the last
-        `sliding_window` positions, when set); a `prefill_only` step leaves the cache untouched,
+        `sliding_window` positions, when set; with `sinks`, each head's sink logit joins the
+        softmax); a `prefill_only` step leaves the cache untouched,
         and with `causal` False each token attends to every token of its request.
         Returns [num_tokens, num_heads, head_size].
         """

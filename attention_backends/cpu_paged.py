@@ -9,7 +9,8 @@ attention 1.3x slower, SmolLM2 at batch 64 on a Xeon). The portable code sees it
 permuted views. Prefill-only (pooling) steps run `encoder_attention` on the packed
 tokens with their `query_start_loc`: no padded batch, no gathers. The kernels are ops under
 `torch.ops.runtime_cpu`, which the CPU platform builds and loads before it offers this backend. An
-FP8 cache is widened to float32 in the kernel's registers as it is read.
+FP8 cache is widened to float32 in the kernel's registers as it is read. Attention sinks
+(gpt-oss) join the decode kernel's softmax; prefill chunks take them through the portable path.
 """
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ ENCODER_HEAD_SIZES = (16, 32, 64, 128)
 
 class CpuPagedAttention(TorchPagedAttention):
     """Soft-capped layers (Gemma 2) decode and encode through the portable path: the kernels
-    have no cap; so do sliding-window layers' prefill-only steps and head sizes other than 16,
-    32, 64 and 128."""
+    have no cap; so do prefill-only steps of sliding-window layers, of layers with sinks and of
+    head sizes other than 16, 32, 64 and 128."""
 
     name = "cpu_paged"
+    supports_attention_sinks = True
 
     @classmethod
     def supports(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
@@ -66,7 +68,7 @@ class CpuPagedAttention(TorchPagedAttention):
     def _encode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         if (self.logits_soft_cap is not None or self.sliding_window is not None
-                or self.head_size not in ENCODER_HEAD_SIZES):
+                or self.sinks is not None or self.head_size not in ENCODER_HEAD_SIZES):
             return super()._encode(query, key, value, metadata)
         return torch.ops.runtime_cpu.encoder_attention(
             query, key, value, metadata.query_start_loc, metadata.max_seq_len, self.scale,
@@ -81,5 +83,5 @@ class CpuPagedAttention(TorchPagedAttention):
                   else (1.0, 1.0))  # a checkpoint's scales mean nothing to an unquantized cache
         torch.ops.runtime_cpu.paged_attention_decode(
             out, q, k_cache, v_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd],
-            self.scale, self.sliding_window or -1, *scales)
+            self.scale, self.sliding_window or -1, *scales, self.sinks)
         return out

@@ -40,22 +40,29 @@ def read_kv(cached: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-           mask: torch.Tensor | None, soft_cap: float | None) -> torch.Tensor:
+           mask: torch.Tensor | None, soft_cap: float | None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [..., H, Lq, D] over k, v [..., Hkv, L, D] under a boolean `mask`
     (None: causal, Lq == L). With `soft_cap`, the scores are capped as `cap * tanh(s / cap)`
-    before the softmax, which scaled_dot_product_attention cannot do."""
-    if soft_cap is None:
+    before the softmax; with `sinks` [H], head h's sink logit joins its softmax as one more
+    column with no value. scaled_dot_product_attention can do neither."""
+    if soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               scale=scale, enable_gqa=True)
     group = q.size(-3) // k.size(-3)
     k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
     # scores in float32, as a fused kernel keeps them: rounded to bf16 they are 6x as far off
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     if mask is None:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, -1).to(v.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, -1).to(v.dtype), v)
+    sink = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    return torch.matmul(weights.to(v.dtype), v)
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -63,6 +70,7 @@ class TorchPagedAttention(AttentionBackend):
     fp8_kv_cache = True
     supports_logits_soft_cap = True
     supports_encoder_attention = True
+    supports_attention_sinks = True
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -127,7 +135,7 @@ class TorchPagedAttention(AttentionBackend):
         if self.sliding_window is not None:
             mask = mask & (pos[None, :] > pos[:, None] - self.sliding_window)
         o = attend(padded(query), padded(key), padded(value), self.scale, mask,
-                   self.logits_soft_cap)
+                   self.logits_soft_cap, self.sinks)
         return o.transpose(1, 2)[owner, offset]
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -135,14 +143,14 @@ class TorchPagedAttention(AttentionBackend):
         q_len = q.size(0)
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k.to(q.dtype), v.to(q.dtype)))
         if q_len == seq_len and self.sliding_window is None:
-            o = attend(q, k, v, self.scale, None, self.logits_soft_cap)
+            o = attend(q, k, v, self.scale, None, self.logits_soft_cap, self.sinks)
         else:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
             k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
             mask = k_pos <= q_pos
             if self.sliding_window is not None:
                 mask &= k_pos > q_pos - self.sliding_window
-            o = attend(q, k, v, self.scale, mask, self.logits_soft_cap)
+            o = attend(q, k, v, self.scale, mask, self.logits_soft_cap, self.sinks)
         return o.squeeze(0).transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -159,5 +167,5 @@ class TorchPagedAttention(AttentionBackend):
         if self.sliding_window is not None:
             mask &= k_pos >= seq_lens - self.sliding_window
         o = attend(q.unsqueeze(2), k, v, self.scale, mask[:, None, None, :],
-                   self.logits_soft_cap)
+                   self.logits_soft_cap, self.sinks)
         return o.squeeze(2)

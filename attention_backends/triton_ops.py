@@ -31,6 +31,11 @@ An FP8 cache (e4m3fn or e5m2, see `base`) is handed to the kernels as bytes: the
 any GPU Triton targets runs (and Triton's interpreter, whose own FP8 casts do not round as
 torch does). The scales come as one-element tensors, read by the kernels, so a recorded graph
 follows later changes; k_scale multiplies the scores and v_scale the output.
+
+Attention sinks (gpt-oss: one learned logit per query head, no value) start each row's online
+softmax: the running maximum is the sink and the running sum 1, as if the sink were a first key
+whose value is zero. A split decode starts only its first piece so, and the merge then counts
+the sink once, through that piece's log-sum-exp.
 """
 from __future__ import annotations
 
@@ -169,14 +174,14 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 @triton.jit
 def _paged_attention_kernel(
         out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_loc_ptr, scale, k_scale_ptr, v_scale_ptr, num_splits, split_len,
+        query_start_loc_ptr, scale, k_scale_ptr, v_scale_ptr, sinks_ptr, num_splits, split_len,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_cb, stride_cs, stride_ch,
         stride_bt, NUM_HEADS: tl.constexpr,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
         FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_SUBNORMAL: tl.constexpr,
-        SPLIT: tl.constexpr):
+        SPLIT: tl.constexpr, SINKS: tl.constexpr):
     req = tl.program_id(0)
     tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -208,6 +213,12 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M * GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_P2], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_P2, HEAD_P2], tl.float32)
+    if SINKS:  # the sink as a first key of value zero: in the first piece only, when split
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        if SPLIT:
+            sink = tl.where(split == 0, sink, float("-inf"))
+        m_i = sink
+        l_i = tl.where(sink == float("-inf"), 0.0, 1.0)
 
     kv_end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)  # causal: last row's pos + 1
     kv_start = 0
@@ -307,8 +318,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
                     sliding_window: int | None, k_scale: torch.Tensor,
-                    v_scale: torch.Tensor) -> None:
-    """Attend query [T, H, D] over the paged cache into `out` [T, H, D] (see the module doc)."""
+                    v_scale: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
+    """Attend query [T, H, D] over the paged cache into `out` [T, H, D] (see the module doc);
+    `sinks` [H] float32, when given, are the heads' attention-sink logits."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = k_cache.size(2)
     group = num_heads // num_kv_heads
@@ -330,7 +342,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _paged_attention_kernel[(metadata.num_reqs, axis1, num_kv_heads)](
         target, lse, query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
-        metadata.query_start_loc, scale, k_scale, v_scale, splits, split_len,
+        metadata.query_start_loc, scale, k_scale, v_scale,
+        k_scale if sinks is None else sinks, splits, split_len,
         query.stride(0), query.stride(1), target.stride(0), target.stride(1),
         target.stride(2) if splits > 1 else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
@@ -339,7 +352,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
         SLIDING_WINDOW=sliding_window or 0, FP8_MANT=fp8["FP8_MANT"], FP8_BIAS=fp8["FP8_BIAS"],
         FP8_SUBNORMAL=fp8["FP8_SUBNORMAL"],
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # "tf32" fails on AMD
-        SPLIT=splits > 1)
+        SPLIT=splits > 1, SINKS=sinks is not None)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, target, lse, out.stride(0), out.stride(1), splits, NUM_HEADS=num_heads,

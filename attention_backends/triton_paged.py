@@ -5,7 +5,8 @@ as the backend that is always there. It reads nothing per step on the host beyon
 request count and longest query, so decode steps can be recorded as device graphs. The kernels
 live in `runtime.attention_backends.triton_ops`, imported on the first forward pass so that choosing
 this backend never needs Triton to be importable. The cache may be FP8 (e4m3 or e5m2) on any GPU:
-the kernels encode and decode its bytes themselves.
+the kernels encode and decode its bytes themselves. Attention sinks (gpt-oss) start each
+row's online softmax.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class TritonPagedAttention(AttentionBackend):
     name = "triton_paged"
     graph_capturable = True
     fp8_kv_cache = True
+    supports_attention_sinks = True
 
     @classmethod
     def supports(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
@@ -37,5 +39,5 @@ class TritonPagedAttention(AttentionBackend):
         write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
         out = torch.empty_like(query)
         paged_attention(out, query, k_cache, v_cache, metadata, self.scale, self.sliding_window,
-                        self.k_scale, self.v_scale)
+                        self.k_scale, self.v_scale, self.sinks)
         return out

@@ -21,7 +21,8 @@ def offer_backend(name: str, backend: type[AttentionBackend], priority: int, mod
                   device_type: str, plugin: str, problems: list[str]) -> BackendCandidate:
     """A candidate for `backend`: usable unless the platform listed `problems` or the backend's
     own `supports_kv_cache_dtype` or `supports` check refuses the model, or the model pools and
-    the backend has no `supports_encoder_attention`; the reason names every problem found.
+    the backend has no `supports_encoder_attention`, or the model has attention sinks and the
+    backend no `supports_attention_sinks`; the reason names every problem found.
     `device_type` is torch's device type (`platform.device_type`: "cpu", "cuda", "xla" …), not
     the platform's name; anything torch does not know is refused here, before any backend's
     `supports` sees it."""
@@ -34,6 +35,9 @@ def offer_backend(name: str, backend: type[AttentionBackend], priority: int, mod
     if model.pooling and not backend.supports_encoder_attention:
         problems.append("no prefill-only (encoder / pooling) attention, which this pooling "
                         "model needs")
+    if model.attention_sinks and not backend.supports_attention_sinks:
+        problems.append("no attention sinks (a learned logit per head in the softmax), which "
+                        "this model needs")
     if problems:
         return BackendCandidate(name, None, priority, "; ".join(problems), plugin)
     return BackendCandidate(name, backend, priority, "", plugin)

@@ -181,6 +181,17 @@ class PlatformAnswers:
                      ", ".join(who for who, answer in answers if answer) or None)
         return models
 
+    def registered_kv_connectors(self) -> dict[str, Any]:
+        """Every plugin's `runtime_register_kv_connectors` answer, recorded per plugin."""
+        connectors: dict[str, Any] = {}
+        answers, _ = collected("runtime_register_kv_connectors")
+        for _, answer in answers:  # the last asked wins, as for models
+            connectors.update(answer or {})
+        self._record("runtime_register_kv_connectors", "",
+                     ", ".join(sorted(connectors)) or "none",
+                     ", ".join(who for who, answer in answers if answer) or None)
+        return connectors
+
     def implementers(self, hook: str) -> str:
         """The implementations of `hook` in call order (for a hook not asked here)."""
         kwargs = {"platform": self.platform}

@@ -175,6 +175,17 @@ def runtime_register_models() -> dict[str, Any]:
 
 
 @hookspec
+def runtime_register_kv_connectors() -> dict[str, Any]:
+    """Add KV connectors (`runtime.plugins.kv_connector`).
+
+    Called when an engine core or a worker builds the connector that `--kv-transfer-config`
+    names, and by `runtime plugins`. Returns a dict that maps a connector name (the config's
+    `kv_connector`) to a `KVConnectorClasses` (its scheduler and worker sides). All answers are
+    collected; a plugin's entry replaces a built-in one of the same name.
+    """
+
+
+@hookspec
 def runtime_logits_processors() -> list[Callable] | None:
     """Add logits processors to sampling.
 

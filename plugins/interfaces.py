@@ -83,6 +83,11 @@ class Platform(ABC):
         """
         return 0
 
+    def empty_cache(self) -> None:
+        """Give back the memory the engine has just freed (sleep mode, a weight reload): the
+        device allocator's cached blocks, or the host heap's free pages. Default: nothing to
+        give back."""
+
     # Per-platform answers (what the hooks of the same name return by default).
 
     def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
@@ -247,6 +252,8 @@ class ModelInfo:
     # A pooling model: prefill-only steps without a KV cache (bidirectional for the BERT
     # family), which only backends with `supports_encoder_attention` run.
     pooling: bool = False
+    # Attention sinks (gpt-oss): only backends with `supports_attention_sinks` run the model.
+    attention_sinks: bool = False
 
 
 @dataclass

@@ -182,7 +182,33 @@ class Mxfp4Config(Fp4Config):
 
     name = "mxfp4"
     block_size = 32
-    weights_from = "compressed-tensors checkpoint (mxfp4-pack-quantized)"
+    weights_from = ("compressed-tensors checkpoint (mxfp4-pack-quantized); transformers' "
+                    "quant_method mxfp4 (gpt-oss experts)")
+
+    @classmethod
+    def from_checkpoint(cls, config: dict) -> Mxfp4ExpertsConfig:
+        """transformers' own MXFP4 format (`quant_method: mxfp4`, gpt-oss)."""
+        return Mxfp4ExpertsConfig()
+
+
+class Mxfp4ExpertsConfig(Mxfp4Config):
+    """transformers' MXFP4 checkpoints (gpt-oss): only the MoE experts are quantized, each
+    stacked projection stored as `<name>_blocks` uint8 [E, out, in / 32, 16] (two e2m1 codes
+    per byte, the low nibble first) and `<name>_scales` uint8 e8m0 [E, out, in / 32]. Every
+    linear layer stays dense; the model class that owns the experts decodes them
+    (`dequantize_mx_blocks`) as they load."""
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        return UnquantizedLinearMethod()
+
+
+def dequantize_mx_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """transformers' MXFP4 `_blocks` [..., out, in / 32, 16] and `_scales` [..., out, in / 32]
+    -> float32 [..., out, in] (exact: e2m1 times a power of two)."""
+    *lead, groups, width = blocks.shape
+    packed = blocks.reshape(-1, groups * width)
+    dense = dequantize_fp4(packed, scales.reshape(-1, groups), 32, None)
+    return dense.view(*lead, groups * width * 2)
 
 
 class Nvfp4Config(Fp4Config):

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from runtime.beam_search import BeamSearch, BeamSearchGroup, BeamSearchOutput, BeamSearchParams
 from runtime.config import EngineConfig
+from runtime.engine.core import EngineCore
 from runtime.engine.input_processor import PromptType
 from runtime.engine.llm_engine import LLMEngine
 from runtime.lora.request import LoRARequest
@@ -60,6 +61,8 @@ class LLM:
         so a bad one raises without starting the others.
         """
         self._generating("generate")
+        if self.engine.core.asleep:
+            raise RuntimeError("the engine is asleep: call wake_up() first")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or self.get_default_sampling_params()
@@ -156,6 +159,30 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, chat_template=chat_template,
                                                   add_generation_prompt=add_generation_prompt,
                                                   tokenize=False)
+
+    @property
+    def _core(self) -> EngineCore:
+        return (self.engine or self.pooling).core
+
+    def sleep(self, level: int = 1) -> None:
+        """Free memory until `wake_up`: the KV cache (level 1), and the weights too (level 2,
+        read again from the model's files on wake-up). Needs `enable_sleep_mode=True`; the
+        prefix cache is dropped. Nothing can run while asleep."""
+        self._core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what sleep freed: `tags` "weights" and/or "kv_cache" (default both)."""
+        self._core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self._core.asleep)
+
+    def update_weights(self, model_path: str) -> None:
+        """Serve the weights of `model_path` (a folder or .gguf file of the same architecture
+        and config) from now on, without a restart; the tokenizer stays the first model's and
+        the prefix cache is dropped. A checkpoint that cannot be loaded raises ValueError and
+        leaves the old weights served."""
+        self._core.update_weights(model_path)
 
     def _generating(self, method: str) -> None:
         if self.engine is None:

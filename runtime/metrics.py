@@ -21,6 +21,9 @@ from runtime.structured_output.stats import COMPILE_SECONDS_BUCKETS
 
 METRICS_PREFIXES = ("both", "vllm", "runtime")
 FINISH_REASONS = ("stop", "length", "abort")
+# vLLM's names of the sleep states: awake, level 1 (weights_offloaded: on the CPU it frees the
+# KV cache), level 2 (discard_all)
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 ENGINE = "0"  # vLLM's `engine` label: with data parallelism, the replicas' totals
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
@@ -118,6 +121,11 @@ class Metrics:
                                 extra_labels=("finished_reason",))
         self.requests = {reason: requests.labels(finished_reason=reason)
                          for reason in FINISH_REASONS}
+        sleep_state = self._family(Gauge, "engine_sleep_state", "engine_sleep_state",
+                                   "Sleep mode: 1 for the state the engine is in, 0 for the "
+                                   "others (see docs/sleep.md).", extra_labels=("sleep_state",))
+        self.sleep_states = {s: sleep_state.labels(sleep_state=s) for s in SLEEP_STATES}
+        self.on_sleep_state(set())
         self.rejected = self._series(Counter, None, "request_rejected",
                                      "Requests refused because the waiting queue was full.")
         self.core_restarts = self._series(Counter, None, "engine_core_restarts",
@@ -194,6 +202,27 @@ class Metrics:
             Gauge, None, "structured_output_check_cache_bytes",
             "Bytes held by the API process's cache of checked grammars (LRU, bounded by "
             "--grammar-cache-bytes).")
+        self.kv_offload_hits = self._family(
+            Counter, None, "kv_offload_hit_blocks",
+            "Prefix-cache blocks loaded back from the offload tier, by level.",
+            extra_labels=("tier",))
+        self.kv_offload_blocks = self._family(
+            Gauge, None, "kv_offload_blocks", "Blocks the offload tier holds, by level.",
+            extra_labels=("tier",))
+        self.kv_offload_saved = self._series(
+            Counter, None, "kv_offload_saved_blocks",
+            "Blocks evicted from the prefix cache and saved to the offload tier.")
+        self.kv_offload_failed = self._series(
+            Counter, None, "kv_offload_failed_loads",
+            "Loads from the offload tier that failed (missing, truncated or corrupt files): "
+            "those blocks were computed again.")
+        self.kv_offload_bytes = self._family(
+            Counter, None, "kv_offload_bytes", "Bytes moved by the offload tier, by direction.",
+            extra_labels=("direction",))
+        self.kv_offload_seconds = self._family(
+            Counter, None, "kv_offload_seconds",
+            "Time the workers spent moving offloaded blocks, by direction.",
+            extra_labels=("direction",))
         self._last = CoreStats()
 
     def watch_grammar_checks(self, cache: CheckCache) -> None:
@@ -284,9 +313,26 @@ class Metrics:
                                   grown("num_step_tokens"))
         self.grammar_cache_hits.inc(grown("num_grammar_cache_hits"))
         self.grammar_cache_misses.inc(grown("num_grammar_cache_misses"))
+        self._on_kv_connector(stats.kv_connector, last.kv_connector)
         looked_up = stats.num_grammar_compiles + stats.num_grammar_cache_hits
         if looked_up:
             self.grammar_cache_hit_rate.set(stats.num_grammar_cache_hits / looked_up)
+
+    def _on_kv_connector(self, now: dict[str, float], before: dict[str, float]) -> None:
+        """The OffloadingConnector's counters (another connector's names are not shown)."""
+        def grown(name: str) -> float:
+            return max(0.0, now.get(name, 0) - before.get(name, 0))
+
+        if not now:
+            return
+        for tier in ("host", "disk"):
+            self.kv_offload_hits.labels(tier=tier).inc(grown(f"{tier}_hit_blocks"))
+            self.kv_offload_blocks.labels(tier=tier).set(now.get(f"{tier}_blocks", 0))
+        self.kv_offload_saved.inc(grown("saved_blocks"))
+        self.kv_offload_failed.inc(grown("failed_loads"))
+        for direction, verb in (("load", "loaded"), ("save", "saved")):
+            self.kv_offload_bytes.labels(direction=direction).inc(grown(f"bytes_{verb}"))
+            self.kv_offload_seconds.labels(direction=direction).inc(grown(f"{direction}_seconds"))
 
     def on_request_added(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
@@ -299,6 +345,11 @@ class Metrics:
 
     def on_core_restart(self) -> None:
         self.core_restarts.inc()
+
+    def on_sleep_state(self, asleep: set[str]) -> None:
+        state = SLEEP_STATES[2 if "weights" in asleep else 1 if asleep else 0]
+        for name, series in self.sleep_states.items():
+            series.set(int(name == state))
 
     def on_request_finished(self, finish_reason: str, metrics: RequestMetrics,
                             tokens_per_sample: float) -> None:

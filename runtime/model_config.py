@@ -44,6 +44,8 @@ class ModelConfig:
     sliding_window: int | None
     layer_types: tuple[str, ...]  # per layer: "full_attention" or "sliding_attention"
     choice: ModelChoice  # the implementation that runs it (native or transformers), and why
+    # whether its attention has sinks (gpt-oss), as its model class declares
+    attention_sinks: bool = False
 
     @classmethod
     def from_hf(cls, hf_config, choice: ModelChoice, dtype: torch.dtype | None,
@@ -82,6 +84,7 @@ class ModelConfig:
             sliding_window=window,
             layer_types=tuple(layer_types),
             choice=choice,
+            attention_sinks=getattr(choice.model_class, "attention_sinks", False),
         )
 
     def kv_bytes_per_block(self, block_size: int, kv_dtype: torch.dtype, tp_size: int = 1) -> int:

@@ -42,10 +42,12 @@ class Request:
                  parent_id: str | None = None, sample_index: int = 0,
                  leader_id: str | None = None, lora_request: LoRARequest | None = None,
                  pooling_params: PoolingParams | None = None,
+                 output_token_ids: list[int] | None = None,
                  mm_features: list[MultiModalFeature] | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self.all_token_ids = list(prompt_token_ids)
+        # a request re-admitted onto a fresh engine core arrives with what it had generated
+        self.all_token_ids = list(prompt_token_ids) + list(output_token_ids or ())
         self.params = params
         self.max_tokens = max_tokens
         self.priority = priority

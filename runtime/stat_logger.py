@@ -46,3 +46,6 @@ class StatLogger:
 
     def on_core_restart(self) -> None:
         self.inner.on_core_restart()
+
+    def on_sleep_state(self, asleep: set[str]) -> None:
+        self.inner.on_sleep_state(asleep)

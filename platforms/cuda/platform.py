@@ -121,6 +121,9 @@ class CudaPlatform(Platform):
     def synchronize(self) -> None:
         self.accel.synchronize()
 
+    def empty_cache(self) -> None:
+        self.accel.empty_cache()
+
     def set_memory_utilization(self, fraction: float | None) -> None:
         if fraction is not None:
             if not 0 < fraction <= 1:

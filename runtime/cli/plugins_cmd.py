@@ -107,6 +107,7 @@ def hook_answer_rows(answers: PlatformAnswers) -> list[dict[str, Any]]:
         _asked(lambda: answers.custom_op(name))
     _asked(answers.logits_processors)
     _asked(answers.registered_models)
+    _asked(answers.registered_kv_connectors)
     rows = [{"hook": r.hook, "op": r.about, "answer": r.answer, "answered_by": r.answered_by}
             for r in answers.records.values()]
     if not any(r.hook == "runtime_communicator" for r in answers.records.values()):

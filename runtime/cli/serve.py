@@ -149,6 +149,7 @@ def serve_command(args: argparse.Namespace) -> int:
         from runtime.entrypoints.chat import load_chat_template
         from runtime.lora.adapter import load_adapter
         from runtime.lora.request import parse_lora_modules
+        from runtime.entrypoints.dev_api import DEV_MODE_ENV
         from runtime.entrypoints.server import (CORS, TLS, Limits, bind_socket, create_app,
                                                 run_server)
         from runtime.metrics import Metrics
@@ -201,7 +202,7 @@ def serve_command(args: argparse.Namespace) -> int:
                             header_timeout=args.header_timeout,
                             body_timeout=args.body_timeout),
                      url=server_url(sock, tls is not None, args.root_path),
-                     grpc_server=grpc_server)
+                     grpc_server=grpc_server, dev_mode=os.environ.get(DEV_MODE_ENV) == "1")
     return run_server(app, sock, args.shutdown_timeout, tls, args.root_path,
                       args.uvicorn_log_level)
 

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 from runtime.attention_backends.base import KV_CACHE_DTYPES
+from runtime.config.kv_transfer import KVTransferConfig, offloading_config
 from runtime.config.speculative import SpeculativeConfig
 from runtime.config.structured_outputs import StructuredOutputsConfig
 
@@ -54,6 +55,7 @@ def parse_size(value: int | str | None, name: str = "kv_cache_memory") -> int | 
 ENGINE = "engine"
 LORA = "LoRA adapters (see docs/lora.md)"
 PARALLEL = "parallelism (see docs/distributed.md)"
+KV_TRANSFER = "KV connectors and offloading (see docs/kv_connectors.md)"
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,14 @@ class EngineConfig:
                 "max_new_tokens) from the model's generation_config.json; 'vllm': none, "
                 "SamplingParams' own; or a folder holding a generation_config.json "
                 "(default: auto)")
+    engine_stall_timeout: float = option(
+        60.0, "seconds a server's engine core with requests in flight may go without stepping "
+              "before it counts as dead: it is killed and restarted, and its requests go on "
+              "on the new core (0: no watchdog)")
+    enable_sleep_mode: bool = option(
+        False, "allow sleep(level) / the server's /sleep: free the KV cache (level 1), and the "
+               "weights too (level 2, read again from the model on wake-up) until woken (see "
+               "docs/sleep.md)", store_true=True)
     disable_log_stats: bool = option(
         False, "no periodic throughput and KV-cache usage lines in the log", store_true=True)
     quantization: str | None = option(
@@ -191,6 +201,19 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig | dict | str | None = option(
         None, 'structured outputs, as JSON: {"backend": "auto" | "xgrammar" | "guidance"} '
               '(auto: xgrammar; guidance: llguidance; see docs/structured_outputs.md)')
+    # KV connectors (runtime.kv_transfer): a KVTransferConfig, or its dict / JSON text; None: off
+    kv_transfer_config: KVTransferConfig | dict | str | None = option(
+        None, 'a KV connector, as JSON: {"kv_connector": NAME, "kv_role": "kv_both", '
+              '"kv_connector_extra_config": {...}} (`runtime plugins` lists the connectors)',
+        group=KV_TRANSFER)
+    kv_offloading_size: float | None = option(
+        None, "GiB of host memory for blocks evicted from the prefix cache (the "
+              "OffloadingConnector); a hit loads them back", type=float, group=KV_TRANSFER)
+    kv_offloading_disk_path: str | None = option(
+        None, "a folder for the offload tier's disk level: blocks leaving host memory go there, "
+              "and the prefix cache survives a restart", group=KV_TRANSFER)
+    kv_offloading_disk_size: float | None = option(
+        None, "GiB the disk level may hold (default 16)", type=float, group=KV_TRANSFER)
     # multi-LoRA (runtime.lora): adapters in max_loras device slots, max_cpu_loras in host memory
     enable_lora: bool = option(
         False, "serve PEFT LoRA adapters on top of the model, mixed in one batch",
@@ -225,8 +248,31 @@ class EngineConfig:
         None, "an existing Ray cluster for --distributed-executor-backend ray (default: "
               "RAY_ADDRESS, else a new local Ray instance)", group=PARALLEL)
 
+    def _check_kv_transfer(self) -> None:
+        if not self.enable_prefix_caching:
+            raise ValueError("a KV connector moves prefix-cache blocks: it needs prefix caching "
+                             "(drop --no-prefix-caching)")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError("a KV connector moves the target model's KV only: the draft "
+                             "model's would be missing for loaded blocks; use the ngram method")
+        if self.calculate_kv_scales and \
+                self.kv_transfer_config.kv_connector_extra_config.get("disk_path"):
+            raise ValueError("--calculate-kv-scales sets new FP8 scales at each start, so blocks "
+                             "saved to disk by an earlier start would be read with other scales")
+
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        offloading = offloading_config(self.kv_offloading_size, self.kv_offloading_disk_path,
+                                       self.kv_offloading_disk_size)
+        if offloading is not None:
+            if self.kv_transfer_config is not None:
+                raise ValueError("--kv-offloading-size / --kv-offloading-disk-path set their own "
+                                 "kv_transfer_config: pass one or the other")
+            self.kv_transfer_config = offloading
+        if self.kv_transfer_config is not None:
+            self._check_kv_transfer()
         self.structured_outputs_config = StructuredOutputsConfig.parse(
             self.structured_outputs_config)
         if self.speculative_config is not None and self.pipeline_parallel_size > 1:
@@ -253,6 +299,9 @@ class EngineConfig:
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the most the "
                              f"sampler returns), got {self.max_logprobs}")
+        if self.engine_stall_timeout < 0:
+            raise ValueError("engine_stall_timeout must be >= 0 (0: no watchdog), got "
+                             f"{self.engine_stall_timeout}")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         if self.enable_lora:  # a captured graph would not see each step's adapter slots

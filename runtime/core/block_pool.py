@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from array import array
+from collections import OrderedDict
+from typing import Callable
 
 
 def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...],
@@ -42,6 +43,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
+        # called with (block id, hash) for each cached block handed out again (a KV connector
+        # saves its contents before this step's forward writes over them)
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -55,6 +59,11 @@ class BlockPool:
         if n > len(self.free):
             raise RuntimeError(f"asked for {n} blocks, {len(self.free)} free")
         ids = [self.free.popitem(last=False)[0] for _ in range(n)]
+        if self.on_evict is not None:
+            for block_id in ids:
+                block = self.blocks[block_id]
+                if block.block_hash is not None and self.cached.get(block.block_hash) == block_id:
+                    self.on_evict(block_id, block.block_hash)
         self.uncache(ids)
         for block_id in ids:
             self.blocks[block_id].ref_count = 1

@@ -108,6 +108,21 @@ class KVCacheManager:
             request.num_indexed_blocks = max(request.num_indexed_blocks, num_full)
         return True
 
+    def defer_indexing(self, request: Request, first_block: int) -> None:
+        """Take the request's blocks from `first_block` on out of the prefix-cache index until
+        they hold their KV (a KV connector loads them this step; `index_loaded` puts back those
+        that arrived)."""
+        self.pool.uncache(request.block_ids[first_block:request.num_indexed_blocks])
+        request.num_indexed_blocks = min(request.num_indexed_blocks, first_block)
+
+    def index_loaded(self, request: Request, first_block: int, num_blocks: int) -> None:
+        """`num_blocks` blocks from `first_block` were loaded: they count as computed and
+        join the prefix-cache index."""
+        request.num_computed_tokens = (first_block + num_blocks) * self.block_size
+        for i in range(first_block, first_block + num_blocks):
+            self.pool.cache(request.block_ids[i], request.block_hashes[i])
+        request.num_indexed_blocks = first_block + num_blocks
+
     def trim(self, request: Request) -> None:
         """Free the blocks past the request's tokens, after a speculative step rolled back its
         rejected proposals. They hold no accepted token, so nothing is lost: they go to the

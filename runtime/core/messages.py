@@ -8,12 +8,14 @@ scheduled, never with how long they have run. Each worker keeps the requests in 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from runtime.lora.request import LoRARequest
 from runtime.multimodal.inputs import MultiModalFeature
+from runtime.plugins.kv_connector import KVConnectorOutput
 from runtime.pooling.params import PoolingParams
 from runtime.sampling_params import SamplingParams
 
@@ -66,6 +68,10 @@ class StepInput:
     # (a request verifying k proposals has k + 1 rows, in order).
     grammar_bitmask: np.ndarray | None = None
     grammar_rows: dict[str, int] = field(default_factory=dict)
+    # A KV connector's orders for the step (its `build_connector_meta()`), and the blocks they
+    # load into (the workers prepare those before the connector writes them)
+    kv_connector_meta: Any = None
+    kv_load_block_ids: list[int] = field(default_factory=list)
     # Encoder-cache entries the scheduler evicted: the workers drop their embeddings.
     evicted_encoder_ids: list[str] = field(default_factory=list)
 
@@ -114,3 +120,5 @@ class StepOutput:
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
     # request id -> why it ends here with an error (its LoRA adapter could not be read)
     failed: dict[str, str] = field(default_factory=dict)
+    # what the KV connector did on this rank (every rank's, merged by the executor)
+    kv_connector_output: KVConnectorOutput | None = None

@@ -35,6 +35,7 @@ from runtime.core.encoder_cache import EncoderCacheManager
 from runtime.core.kv_cache_manager import KVCacheManager
 from runtime.request import Request, RequestStatus
 from runtime.core.spec_stats import SpecDecodeStats
+from runtime.plugins.kv_connector import KVConnectorOutput, KVConnectorScheduler
 
 
 @dataclass
@@ -44,11 +45,14 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # admitted requests whose next blocks a KV connector loads this step: (request, index of
+    # the first loaded block, how many); they compute from the next step on
+    loading: list[tuple[Request, int, int]] = field(default_factory=list)
     evicted_encoder_ids: list[str] = field(default_factory=list)  # the workers drop these
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.loading
 
 
 class WaitingQueue:
@@ -92,9 +96,12 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
-                 encoder_only: bool = False) -> None:
+                 encoder_only: bool = False,
+                 connector: KVConnectorScheduler | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.connector: KVConnectorScheduler | None = None
+        self.set_connector(connector)
         self.max_model_len = max_model_len
         self.encoder_only = encoder_only
         self.waiting = WaitingQueue(config.scheduling_policy)
@@ -110,6 +117,11 @@ class Scheduler:
         self.spec = config.speculative_config
         self.spec_stats = SpecDecodeStats()
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
+
+    def set_connector(self, connector: KVConnectorScheduler | None) -> None:
+        """Use this KV connector's scheduler side (--kv-transfer-config) from now on."""
+        self.connector = connector
+        self.kv.pool.on_evict = None if connector is None else connector.on_evict
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -140,6 +152,33 @@ class Scheduler:
                 leader.num_computed_tokens >= request.num_prompt_tokens:
             return leader.block_ids[:(request.num_prompt_tokens - 1) // self.kv.block_size]
         return self.kv.find_cached_blocks(request)
+
+    def _admit_loading(self, request: Request, cached: list[int], num_computed: int,
+                       out: SchedulerOutput) -> bool:
+        """Admit `request` to have the blocks past its `num_computed` tokens that the KV
+        connector holds loaded this step, with no compute; False when it has none or no room."""
+        if self.connector is None or self.requests.get(request.leader_id) is not None:
+            return False
+        num_external = self.connector.get_num_new_matched_tokens(request, num_computed)
+        if num_external == 0 or not self.kv.allocate_slots(request, num_external, cached):
+            return False
+        first = num_computed // self.kv.block_size
+        self.kv.defer_indexing(request, first)
+        num_blocks = num_external // self.kv.block_size
+        self.connector.update_state_after_alloc(request, request.block_ids, first, num_blocks)
+        out.loading.append((request, first, num_blocks))
+        return True
+
+    def _finish_loads(self, out: SchedulerOutput, output: KVConnectorOutput | None) -> None:
+        """The loads of the step are done: each request counts what arrived as computed (a
+        block that failed, on any rank, and those after it are computed again)."""
+        output = output or KVConnectorOutput()
+        self.connector.update_connector_output(output)
+        for request, first, num_blocks in out.loading:
+            failed = output.failed_loads.get(request.request_id)
+            arrived = num_blocks if failed is None else max(0, failed - first)
+            self.kv.index_loaded(request, first, arrived)
+            request.num_cached_tokens = request.num_computed_tokens
 
     def _lora_fits(self, request: Request) -> bool:
         """Running requests use at most max_loras adapters, so every step fits the slots."""
@@ -267,6 +306,12 @@ class Scheduler:
             cached = self._shared_or_cached_blocks(request)
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_computed
+            if self._admit_loading(request, cached, num_computed, out):
+                self.waiting.pop()
+                request.status = RequestStatus.RUNNING
+                request.first_scheduled_time = time.monotonic()
+                self.running.append(request)
+                continue
             if self.encoder_only:
                 if num_new > budget and out.scheduled:
                     break  # it runs whole, alone, next step
@@ -299,16 +344,20 @@ class Scheduler:
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]],
-               drafts: dict[str, list[int]] | None = None) -> list[Request]:
+               drafts: dict[str, list[int]] | None = None,
+               kv_connector_output: KVConnectorOutput | None = None) -> list[Request]:
         """Advance computed counts, append the sampled tokens, and retire finished requests.
 
         `sampled` maps a request id to the tokens it produced this step (none for a request
         whose prompt chunk did not reach its end): with speculative decoding, its accepted
         proposals and then one token of the target's. The rejected proposals are rolled back
         (computed count, blocks past the new end), and the tokens after one that finished its
-        request are cut from `sampled`. `drafts` are the next step's proposals. Returns the
-        requests that finished.
+        request are cut from `sampled`. `drafts` are the next step's proposals.
+        `kv_connector_output` (with a KV connector) says which of the step's loads arrived.
+        Returns the requests that finished.
         """
+        if self.connector is not None:
+            self._finish_loads(out, kv_connector_output)
         finished = []
         for request, num_new in out.scheduled:
             request.num_computed_tokens += num_new

@@ -4,9 +4,10 @@ matcher per constrained sequence, and the step's token bitmask.
 A constrained request waits here (not in the scheduler) until its grammar is compiled, so it
 never holds the batch. Each sequence (each sample of an n > 1 request) gets its own matcher,
 advanced with the tokens the sequence accepts; matchers live in the core with the tokens, so a
-preempted request resumes with its matcher as it was. Speculative proposals are cut to the
-prefix the matcher accepts before they are scheduled, so each proposal row's mask is the
-matcher's state after the proposals before it. A sampled token the matcher refuses (the
+preempted request resumes with its matcher as it was, and one re-admitted with its generated
+tokens (its engine core died) gets a fresh matcher advanced over them. Speculative proposals
+are cut to the prefix the matcher accepts before they are scheduled, so each proposal row's
+mask is the matcher's state after the proposals before it. A sampled token the matcher refuses (the
 request's other controls left no token its grammar allows) is never accepted: the request ends
 there with an error.
 """
@@ -35,8 +36,9 @@ MAX_CACHE_BYTES = 256 * 2**20
 
 class StructuredOutputManager:
     """`make_compiler` builds the vocabulary's compiler (`backends.make_compiler`: xgrammar's
-    or llguidance's); it is called once, on the first constrained request, in a pool thread.
-    Compiled grammars are cached by their constraint up to `max_cache_bytes` (LRU; a running
+    or llguidance's); it is called once: by `build_compiler` (the core calls it at start-up
+    when the configuration names a backend), else by the first constrained request's compile,
+    in a pool thread. Compiled grammars are cached by their constraint up to `max_cache_bytes` (LRU; a running
     request's matcher keeps its grammar alive without the cache)."""
 
     def __init__(self, make_compiler: Callable[[], Any], max_workers: int = 2,
@@ -75,10 +77,15 @@ class StructuredOutputManager:
             self.num_cache_hits += 1
         self.waiting[request.request_id] = (request, future)
 
-    def _compile(self, params) -> Any:
+    def build_compiler(self) -> None:
+        """Build the vocabulary's compiler now, if not yet (it is otherwise built by the first
+        constrained request's compile, in a pool thread that contends with the step loop)."""
         with self._compiler_lock:
             if self._compiler is None:
                 self._compiler = self._make_compiler()
+
+    def _compile(self, params) -> Any:
+        self.build_compiler()
         start = time.perf_counter()
         compiled = self._compiler.compile(params)
         seconds = time.perf_counter() - start
@@ -102,10 +109,27 @@ class StructuredOutputManager:
                     del self._grammars[key]
                 failed.append((request, future.exception()))
                 continue
-            self.matchers[request_id] = self._compiler.matcher(future.result())
+            matcher = self._compiler.matcher(future.result())
             self._count(key, future)
+            refused = self._replay(matcher, request.output_token_ids)
+            if refused is not None:
+                failed.append((request, ValueError(refused)))
+                continue
+            self.matchers[request_id] = matcher
             ready.append(request)
         return ready, failed
+
+    def _replay(self, matcher: Any, token_ids: list[int]) -> str | None:
+        """Advance a fresh matcher over the tokens a re-admitted request had generated
+        (under this grammar, on a core that died); returns why it refused one, if it did."""
+        stop = self._compiler.stop_token_ids
+        for i, token_id in enumerate(token_ids):
+            if matcher.is_terminated() and token_id in stop:
+                continue
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                return (f"generated token {i} ({token_id}) does not follow the request's "
+                        "structured_outputs grammar on re-admission")
+        return None
 
     def _count(self, key: tuple, future: Future) -> None:
         """Count a compiled grammar in the cache once, then drop the least recently used

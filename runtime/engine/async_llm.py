@@ -1,20 +1,31 @@
 """`AsyncLLM`: the engine for servers. The cores step in their own processes (a ReplicaPool,
 one per data-parallel replica, supervised and restarted there); this process tokenizes,
-validates, detokenizes and hands each request's outputs to whoever awaits them."""
+validates, detokenizes and hands each request's outputs to whoever awaits them.
+
+It also keeps what each request in flight was admitted with (its core requests) and, in the
+output processor, the tokens each sample has generated, so that when a core dies its requests
+are re-admitted on a live one with their tokens so far and their streams go on: the sampler's
+seeded generators depend only on the seed and the output position (runtime.sampling.generators),
+so greedy and seeded requests end with the tokens of an undisturbed run. A request in flight at
+two deaths in a row is the likely culprit: alone, it fails; with others, those run one at a
+time (isolated), and the one running when a core dies again fails."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any, Protocol
 
+import msgspec
 import torch
 
 from runtime.config import EngineConfig
 from runtime.engine.core_client import EngineDeadError
-from runtime.engine.core_proc import (AddRequests, CoreRequest, CoreStats, FinishRequests,
-                                      FromCore, Outputs, Ready, RequestsFailed)
+from runtime.engine.core import EngineBusyError
+from runtime.engine.core_proc import (AddRequests, Control, CoreRequest, CoreStats,
+                                      FinishRequests, FromCore, Outputs, Ready, RequestsFailed,
+                                      Sleep, UpdateWeights, WakeUp)
 from runtime.engine.input_processor import PromptType
 from runtime.engine.output_processor import OutputKind
 from runtime.engine.pooling_engine import by_length, pooling_config, pooling_request
@@ -29,12 +40,17 @@ from runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineRestartingError", "QueueFullError",
-           "RequestFailedError", "RequestStream"]
+__all__ = ["AsyncLLM", "EngineBusyError", "EngineDeadError", "EngineRestartingError",
+           "EngineSleepingError", "QueueFullError", "RequestFailedError", "RequestStream"]
 
 
 class RequestFailedError(RuntimeError):
     """The core raised on this request (or its core died under it); other requests go on."""
+
+
+class EngineSleepingError(EngineRestartingError):
+    """The engine is asleep (sleep mode), or going to sleep, waking up or loading weights:
+    nothing runs until it is awake again."""
 
 
 class StatsListener(Protocol):
@@ -50,6 +66,9 @@ class StatsListener(Protocol):
                             tokens_per_sample: float) -> None: ...
 
     def on_core_restart(self) -> None: ...
+
+    def on_sleep_state(self, asleep: set[str]) -> None:
+        """What sleep mode has freed now ("weights", "kv_cache"; empty: awake)."""
 
 
 class RequestStream:
@@ -120,8 +139,17 @@ class AsyncLLM:
         self.pooling: PoolingProcessor | None = None
         self.streams: dict[str, RequestStream] = {}
         self.pooled: dict[str, asyncio.Future] = {}  # pooling request id -> its result
+        # what each request in flight was admitted with, to re-admit it if its core dies
+        self.admitted: dict[str, list[CoreRequest]] = {}
+        self.deaths: dict[str, int] = {}  # request id -> core deaths it was in flight for
+        self.orphans: dict[str, None] = {}  # lost with their core, waiting for a live one
+        self.suspects: deque[str] = deque()  # in flight at two deaths, waiting to run alone
+        self.isolated: str | None = None  # the suspect now running
         self.num_blocks = 0
         self.cores = ReplicaPool(self.config, self.spec, self, max_core_restarts)
+        self.asleep: set[str] = set()  # what sleep freed, on any replica
+        self.weights_path = self.source.path  # the checkpoint whose weights are served
+        self._control_lock = asyncio.Lock()  # held while a sleep-mode or weight call runs
 
     @property
     def tokenizer(self) -> Any:
@@ -137,11 +165,16 @@ class AsyncLLM:
 
     @property
     def dead_reason(self) -> str | None:
-        return self.cores.dead_reason
+        """Why no request can be served now: dead for good, or restarting (None: serving)."""
+        return self.cores.down_reason
 
     @property
     def is_healthy(self) -> bool:
         return self.cores.is_alive
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep)
 
     async def start(self) -> None:
         """Spawn the core processes and wait until their models are loaded (raises if one
@@ -164,14 +197,14 @@ class AsyncLLM:
         """Validate and queue a request; its outputs are deltas if `stream`, else one final
         output. Raises ValueError (bad input), QueueFullError, EngineRestartingError or
         EngineDeadError."""
+        self._check_awake()
         self.cores.check_admission(params.num_samples, self.max_queue_len)
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
         requests = self.processor.add_request(prompt, params, request_id, priority, kind,
                                               lora_request)
         handle = RequestStream(self, request_id, requests[0].num_prompt_tokens, params.n)
         self.streams[request_id] = handle
-        replica = self.cores.route(request_id, requests[0].prompt_token_ids, len(requests))
-        self.cores.add(replica, AddRequests([CoreRequest.of(r) for r in requests]))
+        self._admit(request_id, [CoreRequest.of(r) for r in requests])
         if self.listener is not None:
             self.listener.on_request_added(handle.num_prompt_tokens)
         return handle
@@ -180,13 +213,16 @@ class AsyncLLM:
         """Pool `inputs` (from `self.pooling`): each is a request of the cores, scheduled with
         whatever else they run; returns their results in order. Raises as `add_request` does,
         or the error of a request that failed; leaving early aborts those still running."""
+        self._check_awake()
         self.cores.check_admission(len(inputs), self.max_queue_len)
         loop, arrival = asyncio.get_running_loop(), time.monotonic()
         batches = defaultdict(list)
         for item in by_length(inputs):
             replica = self.cores.route(item.request_id, item.prompt_token_ids, 1)
             self.pooled[item.request_id] = loop.create_future()
-            batches[replica].append(CoreRequest.of(pooling_request(item, priority)))
+            request = CoreRequest.of(pooling_request(item, priority))
+            self.admitted[item.request_id] = [request]
+            batches[replica].append(request)
         futures = [self.pooled[item.request_id] for item in inputs]
         for replica, requests in batches.items():
             self.cores.add(replica, AddRequests(requests))
@@ -205,10 +241,59 @@ class AsyncLLM:
                 if item.request_id in self.pooled:
                     self.abort(item.request_id)
 
+    def _check_awake(self) -> None:
+        if self._control_lock.locked():
+            raise EngineSleepingError("the engine is going to sleep, waking up or loading "
+                                      "weights")
+        if self.asleep:
+            raise EngineSleepingError("the engine is asleep (sleep mode) until woken up")
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free every replica's KV cache (level 1), and the weights too (level 2); until
+        `wake_up` new requests get EngineSleepingError. Raises EngineBusyError while requests
+        are in flight (they are not waited for), ValueError on bad input."""
+        await self._control(Sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what `tags` ("weights", "kv_cache"; None: both) name on every replica."""
+        await self._control(WakeUp(tags))
+
+    async def update_weights(self, model_path: str) -> None:
+        """Serve the weights of `model_path` (same architecture and config) on every replica;
+        raises as `sleep` does. A replica that cannot load them keeps the old weights, and
+        the others go back to them, so all replicas serve one checkpoint."""
+        await self._control(UpdateWeights(model_path), rollback=True)
+        self.weights_path = model_path
+
+    async def _control(self, message: Control, rollback: bool = False) -> None:
+        """Send `message` to every replica; raises the first refusal (after putting the
+        replicas that took new weights back on the old ones, with `rollback`)."""
+        async with self._control_lock:
+            busy = len(self.streams) + len(self.pooled)
+            if busy:
+                raise EngineBusyError(f"{busy} requests are in flight: let them finish or "
+                                      "abort them first (POST /abort_requests)")
+            answers = await self.cores.control(message)
+            self.asleep = set().union(*(a.asleep for a in answers.values()))
+            if self.listener is not None:
+                self.listener.on_sleep_state(self.asleep)
+            refused = [a for a in answers.values() if a.error is not None]
+            if not refused:
+                return
+            took = [i for i, a in answers.items() if a.error is None]
+            if rollback and took:
+                await self.cores.control(UpdateWeights(self.weights_path), took)
+            error = refused[0]
+            raise (EngineBusyError if error.error_type == "EngineBusyError" else
+                   ValueError)(error.error)
+
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks in the core (a no-op once it has finished)."""
         handle = self.streams.pop(request_id, None)
+        self._forget(request_id)
         sample_ids, output = self.processor.abort_request(request_id)
+        if handle is not None and output is not None:  # a caller still iterating ends here
+            handle.put(output)
         if self.pooled.pop(request_id, None) is not None:
             sample_ids = [request_id]
         self.cores.finish(request_id, FinishRequests(
@@ -242,6 +327,7 @@ class AsyncLLM:
             if future is not None:
                 future.set_result(out.pooling_output.tensor())
                 self.cores.release(out.request_id)
+                self._forget(out.request_id)
         results, stopped = self.processor.process_outputs(message.outputs)
         if stopped:
             self.cores.send(replica, FinishRequests(
@@ -260,6 +346,7 @@ class AsyncLLM:
             if output.finished:
                 del self.streams[output.request_id]
                 self.cores.release(output.request_id)
+                self._forget(output.request_id)
                 if listener is not None:
                     listener.on_request_finished(output.outputs[-1].finish_reason,
                                                  output.metrics, handle.tokens_per_sample)
@@ -274,7 +361,77 @@ class AsyncLLM:
             future.set_exception(error)
         self.abort(request_id)
 
+    def on_requests_lost(self, request_ids: list[str], reason: str) -> None:
+        """A core died under these requests: re-admit them on a live core (now, or when the
+        restarted one is up), failing the one that killed cores twice in a row."""
+        if self.isolated in request_ids:  # it ran alone among the suspects: the culprit
+            culprits, self.isolated = [self.isolated], None
+        else:
+            for request_id in request_ids:
+                self.deaths[request_id] = self.deaths.get(request_id, 0) + 1
+            culprits = [r for r in request_ids if self.deaths[r] >= 2]
+            if len(culprits) > 1:
+                logger.warning("%d requests were in flight at two core deaths in a row: they "
+                               "run one at a time to find the one to blame", len(culprits))
+                self.suspects.extend(reversed(culprits))  # the newest first
+                culprits = []
+        for request_id in culprits:
+            self.on_request_failed(request_id, RequestFailedError(
+                f"the engine core died twice in a row while running this request ({reason})"))
+        for request_id in request_ids:
+            if request_id in self.admitted and request_id not in self.suspects:
+                self.orphans[request_id] = None
+        self._readmit()
+
+    def on_engine_dead(self, reason: str) -> None:
+        self.orphans.clear()
+        self.suspects.clear()
+        self.fail_all(reason)
+
     def on_replica_restarted(self, ready: Ready) -> None:
         self.processor.inputs.max_model_len = min(self.max_model_len, ready.max_model_len)
         if self.listener is not None:
             self.listener.on_core_restart()
+        self._readmit()
+
+    def _admit(self, request_id: str, requests: list[CoreRequest]) -> None:
+        self.admitted[request_id] = requests
+        replica = self.cores.route(request_id, requests[0].prompt_token_ids, len(requests))
+        self.cores.add(replica, AddRequests(requests))
+
+    def _readmit(self) -> None:
+        """Send the lost requests to a live core, each with the tokens it has so far, and the
+        next suspect if none runs."""
+        if not self.cores.is_alive:
+            return
+        orphans, self.orphans = list(self.orphans), {}
+        for request_id in orphans:
+            self._resume(request_id)
+        while self.isolated is None and self.suspects:
+            self.isolated = self.suspects.popleft()
+            self._resume(self.isolated)
+
+    def _resume(self, request_id: str) -> None:
+        requests = self.admitted.get(request_id)
+        if requests is None:  # it ended meanwhile
+            return
+        state = self.processor.outputs.requests.get(request_id)
+        if state is not None:  # generating: each unfinished sample goes on from its tokens
+            requests = [msgspec.structs.replace(
+                r, output_token_ids=list(state.samples[r.request_id].token_ids))
+                for r in requests if state.samples[r.request_id].finish_reason is None]
+        logger.info("request %s re-admitted%s", request_id, "" if state is None else
+                    f" with {sum(len(r.output_token_ids) for r in requests)} tokens generated")
+        replica = self.cores.route(request_id, requests[0].prompt_token_ids, len(requests))
+        self.cores.add(replica, AddRequests(requests))
+
+    def _forget(self, request_id: str) -> None:
+        """A request ended: drop what re-admitting it would need."""
+        self.admitted.pop(request_id, None)
+        self.deaths.pop(request_id, None)
+        self.orphans.pop(request_id, None)
+        if request_id in self.suspects:
+            self.suspects.remove(request_id)
+        if self.isolated == request_id:
+            self.isolated = None
+            self._readmit()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import torch
@@ -15,14 +16,31 @@ from runtime.core.scheduler import Scheduler
 from runtime.core.step_input import StepInputBuilder
 from runtime.engine.step_stats import StepTokens
 from runtime.executor import build_executor
+from runtime.kv_transfer.registry import build_scheduler_side
 from runtime.model_config import ModelConfig
-from runtime.model_loader.source import ModelSource
+from runtime.model_loader.source import ModelSource, load_config, resolve_model
 from runtime.pooling.models import is_encoder_only
 from runtime.request import Request, RequestStatus
 from runtime.core.structured_output import StructuredOutputManager
 from runtime.core.messages import TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+SLEEP_TAGS = ("weights", "kv_cache")  # what wake_up can bring back, in the order it does
+# config fields a new checkpoint may change (its weights must fit the model as it is built)
+FREE_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype",
+                              "_commit_hash", "_attn_implementation_autoset"})
+
+
+class EngineBusyError(RuntimeError):
+    """Sleep or a weight reload was asked while requests are in flight."""
+
+
+def config_differences(old: Any, new: Any) -> list[str]:
+    """The config keys in which checkpoint `new` differs from the `old` one it is to replace
+    (beyond names, versions and the stored dtype)."""
+    a, b = old.to_dict(), new.to_dict()
+    return sorted(k for k in set(a) | set(b) if k not in FREE_CONFIG_KEYS and a.get(k) != b.get(k))
 
 
 class PooledTensor(msgspec.Struct, array_like=True):
@@ -65,7 +83,8 @@ class EngineCore:
             raise ValueError(f"data_parallel_size {config.data_parallel_size} runs engine "
                              "replicas behind the server (runtime serve --data-parallel-size "
                              "N); one engine core, like the offline LLM, is one replica")
-        self.source = source
+        self.source = source  # the tokenizer's, for grammars
+        self.weights_source = source  # the weights served (update_weights changes them)
         # An encoder's pooling requests keep no KV: one block, never handed out, keeps the
         # block pool well-formed.
         self.encoder_only = is_encoder_only(config, model_config)  # refuses what pooling lacks
@@ -90,17 +109,26 @@ class EngineCore:
                                         "one step without chunked prefill",
                                         "raise --max-num-batched-tokens")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_connector = build_scheduler_side(config, model_config, source, num_blocks)
         self.scheduler = Scheduler(config, self.kv, model_config.max_model_len,
-                                   self.encoder_only)
+                                   self.encoder_only, self.kv_connector)
         spec = config.speculative_config
         self.step_inputs = StepInputBuilder(self.kv, model_config.max_model_len,
                                             spec is not None and spec.needs_lookahead)
         # constrained requests' grammars and matchers; the grammar backend (xgrammar takes
-        # seconds to import) is made on the first request with structured_outputs
+        # seconds to import) is made on the first request with structured_outputs, unless
+        # structured_outputs_config names it
         self.structured = StructuredOutputManager(self._grammar_compiler)
-        # the requests the last step ended with an error (finish_reason "abort"), with it
+        if config.structured_outputs_config.backend != "auto":
+            # a backend chosen by name will be used: build its vocabulary's tables (seconds
+            # for llguidance) before serving, not beside the first constrained request's steps
+            self.structured.build_compiler()
+        # the requests the last step could not serve (an adapter that could not be read, a
+        # grammar that failed to compile), with why: the server fails them (a request whose
+        # grammar its own controls left no token ends with finish_reason "abort" instead)
         self.failed: list[tuple[Request, str]] = []
         self.step_tokens = StepTokens()  # tokens scheduled per step, for /metrics
+        self.asleep: set[str] = set()  # what sleep freed, of SLEEP_TAGS
 
     def _fit_max_model_len(self, tokens: int, where: str, fix: str) -> None:
         """Every request must fit the cache alone, or preemption could never make room for it;
@@ -121,15 +149,91 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         self.structured.shutdown()
         self.executor.shutdown()
 
     def add_request(self, request: Request) -> None:
         """Queue a request; one with structured_outputs first waits for its grammar."""
+        if self.asleep:
+            raise ValueError("the engine is asleep: wake it up first")
         if request.params.structured_outputs is None:
             self.scheduler.add_request(request)
         else:
             self.structured.add_request(request)
+
+    def _check_idle(self, what: str) -> None:
+        if self.has_unfinished():
+            n = self.scheduler.num_waiting() + len(self.scheduler.running) + \
+                len(self.structured.waiting)
+            raise EngineBusyError(f"{what} needs an idle engine, and {n} requests are in "
+                                  "flight: let them finish or abort them first")
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache of every rank (level 1), and the weights too (level 2); the
+        prefix cache is dropped. Raises EngineBusyError while requests are in flight."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the engine with enable_sleep_mode=True "
+                             "(runtime serve --enable-sleep-mode)")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (free the KV cache) or 2 (the weights "
+                             f"too), got {level!r}")
+        self._check_idle("sleep")
+        self.executor.sleep(level)
+        self.kv.pool.reset_prefix_cache()
+        self._new_kv_connector()
+        self.asleep |= {"kv_cache", "weights"} if level == 2 else {"kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what `tags` name of SLEEP_TAGS (None: all), weights first."""
+        tags = list(SLEEP_TAGS) if tags is None else tags
+        unknown = [t for t in tags if t not in SLEEP_TAGS]
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {unknown}; known: {', '.join(SLEEP_TAGS)}")
+        if "kv_cache" in tags and "weights" in self.asleep and "weights" not in tags:
+            raise ValueError("the KV cache lives in the model's layers: wake the weights "
+                             "first, or both together")
+        self.executor.wake_up(tags)
+        self.asleep -= set(tags)
+
+    def update_weights(self, model_path: str) -> None:
+        """Serve the weights of `model_path` (a folder or .gguf of the same architecture and
+        config) on every rank from now on, with the prefix cache dropped; the old weights
+        stay when it cannot be loaded (ValueError). Raises EngineBusyError while requests
+        are in flight."""
+        if "weights" in self.asleep:
+            raise ValueError("the weights are asleep: wake them up first")
+        self._check_idle("a weight update")
+        source = resolve_model(model_path, download_dir=self.config.download_dir)
+        differ = config_differences(self.model_config.hf_config,
+                                    load_config(source, self.config.trust_remote_code))
+        if differ:
+            raise ValueError(f"{model_path} is not a checkpoint of the served model's "
+                             f"architecture: its config differs in {differ}")
+        errors = self.executor.reload_weights(source)
+        failed = [f"rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None]
+        if failed and len(failed) < len(errors):  # the other ranks took the new weights
+            self.executor.reload_weights(self.weights_source)
+        self.kv.pool.reset_prefix_cache()
+        if not failed:
+            self.weights_source = source
+        self._new_kv_connector()
+        if failed:
+            raise ValueError(f"the weights of {model_path} could not be loaded (the old ones "
+                             f"are served): {'; '.join(failed)}")
+        logger.info("serving the weights of %s", model_path)
+
+    def _new_kv_connector(self) -> None:
+        """A KV connector's scheduler side anew, as each worker's is when its cache is
+        allocated again: the host level is gone with it, and the disk level is the served
+        weights' namespace."""
+        if self.kv_connector is None:
+            return
+        self.kv_connector.shutdown()
+        self.kv_connector = build_scheduler_side(self.config, self.model_config,
+                                                 self.weights_source, self.num_blocks)
+        self.scheduler.set_connector(self.kv_connector)
 
     def _grammar_compiler(self):
         from runtime.engine.input_processor import eos_token_ids
@@ -178,18 +282,25 @@ class EngineCore:
         step_input = self.step_inputs.build(sched)
         step_input.grammar_bitmask, step_input.grammar_rows = \
             self.structured.bitmask(sched.scheduled)
+        if self.kv_connector is not None:
+            step_input.kv_connector_meta = self.kv_connector.build_connector_meta()
+            step_input.kv_load_block_ids = [
+                b for r, first, n in sched.loading for b in r.block_ids[first:first + n]]
         result = self.executor.execute(step_input)
-        refused = dict(result.failed)  # e.g. a LoRA adapter that could not be read
-        # a sampled token the grammar refuses ends its request
-        refused.update(self.structured.accept(sched.scheduled, result.sampled))
-        finished = self.scheduler.update(sched, result.sampled, result.draft_token_ids)
+        failed = dict(result.failed)  # e.g. a LoRA adapter that could not be read
+        # a sampled token the grammar refuses ends its request: finish_reason "abort", and why
+        dead_ends = self.structured.accept(sched.scheduled, result.sampled)
+        refused = {**failed, **dead_ends}
+        finished = self.scheduler.update(sched, result.sampled, result.draft_token_ids,
+                                         result.kv_connector_output)
         for request_id, error in refused.items():
             logger.error("request %s: %s", request_id, error)
             request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED,
                                                     error)
             if request is not None:
                 finished.append(request)
-                self.failed.append((request, error))
+                if request_id in failed:
+                    self.failed.append((request, error))
         self.step_inputs.finished(r.request_id for r in finished)
         self.structured.advance(sched.scheduled)
         for r, _ in sched.scheduled:

@@ -3,12 +3,19 @@
 The API process binds two ZeroMQ sockets on Unix-domain (ipc) paths and spawns the core process,
 which connects to both:
 
-    API process  --PUSH-->  core process   AddRequests | FinishRequests | Shutdown
-    API process  <--PUSH--  core process   Ready | Outputs | RequestsFailed | Failed
+    API process  --PUSH-->  core process   AddRequests | FinishRequests | Sleep | WakeUp |
+                                           UpdateWeights | Shutdown
+    API process  <--PUSH--  core process   Ready | Outputs | RequestsFailed | Controlled |
+                                           Failed
 
 Messages are msgspec Structs, msgpack-encoded, one message per frame. The core loop drains its
 input between steps, so a request added over the wire joins the running batch at the next step;
 it blocks on the socket only when it has nothing to run, and exits when its parent is gone.
+While it has work it sends something at least every HEARTBEAT_S, so that the API process can
+tell a core that stopped stepping (frozen, or stuck in native code) from one that is busy.
+
+Sleep, WakeUp and UpdateWeights (sleep mode and weight reload, runtime.engine.core) are each
+answered by one `Controlled`, in the order they came.
 
 A request that makes the core raise (in `add_request`, or in a step it took part in) is finished
 in the core and reported in `RequestsFailed`; the core keeps stepping the others. Only an error
@@ -20,13 +27,14 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from typing import ClassVar, Union
 
 import msgspec
 import zmq
 
 from runtime.config import EngineConfig
-from runtime.engine.core import CoreOutput, EngineCore
+from runtime.engine.core import CoreOutput, EngineBusyError, EngineCore
 from runtime.lora.request import LoRARequest
 from runtime.multimodal.inputs import MultiModalFeature
 from runtime.model_spec import ModelSpec
@@ -37,6 +45,12 @@ from runtime.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is still alive
+# A core with work says it is stepping at least this often (an empty Outputs when its steps
+# produced nothing, e.g. chunks of a long prefill): the API process's stall watchdog reads it.
+HEARTBEAT_S = 0.5
+# Test-only fault injection, off unless the core's environment names a token id: the core
+# kills itself (SIGKILL) on receiving a request whose prompt holds that token.
+KILL_ON_TOKEN_ENV = "RUNTIME_TEST_KILL_CORE_ON_TOKEN"
 
 
 class CoreRequest(msgspec.Struct, array_like=True):
@@ -53,19 +67,20 @@ class CoreRequest(msgspec.Struct, array_like=True):
     leader_id: Union[str, None]
     lora_request: Union[LoRARequest, None] = None
     pooling_params: Union[PoolingParams, None] = None
+    output_token_ids: list[int] = []  # generated on a core that died: it goes on from there
     mm_features: list[MultiModalFeature] = []
 
     @classmethod
     def of(cls, r: Request) -> "CoreRequest":
         return cls(r.request_id, r.prompt_token_ids, r.params, r.max_tokens, r.priority,
                    r.arrival_time, r.parent_id, r.sample_index, r.leader_id, r.lora_request,
-                   r.pooling_params, r.mm_features)
+                   r.pooling_params, r.output_token_ids, r.mm_features)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.params, self.max_tokens,
                        self.priority, self.arrival_time, self.parent_id, self.sample_index,
                        self.leader_id, self.lora_request, self.pooling_params,
-                       self.mm_features)
+                       self.output_token_ids, self.mm_features)
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
@@ -82,6 +97,28 @@ class FinishRequests(msgspec.Struct, tag=True, array_like=True):
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
+
+
+class Sleep(msgspec.Struct, tag=True, array_like=True):
+    level: int
+
+
+class WakeUp(msgspec.Struct, tag=True, array_like=True):
+    tags: Union[list[str], None]  # None: everything asleep
+
+
+class UpdateWeights(msgspec.Struct, tag=True, array_like=True):
+    model_path: str
+
+
+class Controlled(msgspec.Struct, tag=True, array_like=True):
+    """The answer to a Sleep, WakeUp or UpdateWeights: done (`error` None), or refused with
+    the error's class name ("EngineBusyError", "ValueError") and message; and what is asleep
+    after it."""
+
+    error_type: Union[str, None]
+    error: Union[str, None]
+    asleep: list[str]
 
 
 class CoreStats(msgspec.Struct, array_like=True, kw_only=True):
@@ -118,12 +155,16 @@ class CoreStats(msgspec.Struct, array_like=True, kw_only=True):
     # with LoRA: the adapters (by name) of the running and of the waiting requests
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
+    # with a KV connector: its cumulative counters (KVConnectorScheduler.stats)
+    kv_connector: dict[str, float] = {}
 
     # the fields that are a share, averaged over replicas; every other number is summed
     SHARES: ClassVar[tuple[str, ...]] = ("kv_cache_usage", "prefix_cache_hit_rate")
     # per-bucket counts, summed bucket by bucket; names, joined
     BUCKETS: ClassVar[tuple[str, ...]] = ("grammar_compile_counts", "step_token_counts")
     NAMES: ClassVar[tuple[str, ...]] = ("running_lora_adapters", "waiting_lora_adapters")
+    # counters by name, summed name by name
+    MAPS: ClassVar[tuple[str, ...]] = ("kv_connector",)
 
     @classmethod
     def merge(cls, replicas: list["CoreStats"]) -> "CoreStats":
@@ -135,6 +176,9 @@ class CoreStats(msgspec.Struct, array_like=True, kw_only=True):
             values = [getattr(s, name) for s in replicas]
             if name in cls.NAMES:
                 merged[name] = sorted(set().union(*values))
+            elif name in cls.MAPS:
+                merged[name] = {k: sum(v.get(k, 0) for v in values)
+                                for k in sorted(set().union(*values))}
             elif name in cls.BUCKETS:
                 merged[name] = [sum(c) for c in zip(*(v for v in values if v))]
             elif name in cls.SHARES:
@@ -165,8 +209,9 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
     error: str
 
 
-ToCore = Union[AddRequests, FinishRequests, Shutdown]
-FromCore = Union[Ready, Outputs, RequestsFailed, Failed]
+Control = Union[Sleep, WakeUp, UpdateWeights]
+ToCore = Union[AddRequests, FinishRequests, Sleep, WakeUp, UpdateWeights, Shutdown]
+FromCore = Union[Ready, Outputs, RequestsFailed, Controlled, Failed]
 
 
 def run_core_process(config: EngineConfig, spec: ModelSpec, input_path: str, output_path: str,
@@ -216,6 +261,9 @@ class CoreLoop:
         self.parent = parent  # the API process: when it is gone, so is our reason to run
         self.num_received = 0
         self.running = True
+        self.last_sent = time.monotonic()
+        fault = os.environ.get(KILL_ON_TOKEN_ENV)
+        self.kill_on_token = int(fault) if fault else None
 
     def run(self) -> None:
         while self.running:
@@ -235,8 +283,12 @@ class CoreLoop:
                 outputs, changed = [], True
             if self.core.failed:
                 outputs = self._fail_requests(outputs)
-            if outputs or changed:
-                self.outbox.send(self.encoder.encode(Outputs(outputs, self._stats())))
+            if outputs or changed or time.monotonic() - self.last_sent > HEARTBEAT_S:
+                self._send(Outputs(outputs, self._stats()))
+
+    def _send(self, message: Outputs | RequestsFailed) -> None:
+        self.outbox.send(self.encoder.encode(message))
+        self.last_sent = time.monotonic()
 
     def _fail_running(self, error: Exception) -> None:
         """A step raised: finish the requests of the running batch, which it was stepping, and
@@ -259,8 +311,7 @@ class CoreLoop:
         return [o for o in outputs if o.request_id not in ids]
 
     def _report(self, request_ids: set[str], error: Exception) -> None:
-        self.outbox.send(self.encoder.encode(
-            RequestsFailed(sorted(request_ids), f"{type(error).__name__}: {error}")))
+        self._send(RequestsFailed(sorted(request_ids), f"{type(error).__name__}: {error}"))
 
     def _drain(self, block: bool) -> bool:
         """Apply every waiting message (waiting up to IDLE_POLL_MS for one if `block`);
@@ -275,6 +326,10 @@ class CoreLoop:
     def _apply(self, message: ToCore) -> None:
         if isinstance(message, AddRequests):
             for r in message.requests:
+                if self.kill_on_token is not None and self.kill_on_token in r.prompt_token_ids:
+                    logger.error("%s: killing the engine core (test fault injection)",
+                                 KILL_ON_TOKEN_ENV)
+                    os.kill(os.getpid(), signal.SIGKILL)
                 try:
                     self.core.add_request(r.to_request())
                 except Exception as e:
@@ -286,8 +341,24 @@ class CoreLoop:
         elif isinstance(message, FinishRequests):
             for request_id, stop in zip(message.request_ids, message.stop_reasons):
                 self.core.finish_request(request_id, message.status, stop)
+        elif isinstance(message, (Sleep, WakeUp, UpdateWeights)):
+            self.outbox.send(self.encoder.encode(self._control(message)))
         else:
             self.running = False
+
+    def _control(self, message: Control) -> Controlled:
+        """Apply a sleep-mode or weight message; a refusal is answered, a worker's failure
+        raises (the core process fails and is restarted)."""
+        try:
+            if isinstance(message, Sleep):
+                self.core.sleep(message.level)
+            elif isinstance(message, WakeUp):
+                self.core.wake_up(message.tags)
+            else:
+                self.core.update_weights(message.model_path)
+        except (EngineBusyError, ValueError) as e:
+            return Controlled(type(e).__name__, str(e), sorted(self.core.asleep))
+        return Controlled(None, None, sorted(self.core.asleep))
 
     def _stats(self) -> CoreStats:
         scheduler, kv = self.core.scheduler, self.core.kv
@@ -303,7 +374,8 @@ class CoreLoop:
             num_encoder_cache_queries=scheduler.encoder_cache.num_queries,
             num_encoder_cache_hits=scheduler.encoder_cache.num_hits,
             step_token_counts=list(self.core.step_tokens.counts),
-            num_step_tokens=self.core.step_tokens.total)
+            num_step_tokens=self.core.step_tokens.total,
+            kv_connector=self.core.kv_connector.stats() if self.core.kv_connector else {})
         if grammars:
             stats.num_grammar_compiles = grammars.num_compiles
             stats.grammar_compile_seconds = grammars.compile_seconds

@@ -10,11 +10,11 @@ from fastapi.responses import StreamingResponse
 
 from runtime.engine.async_llm import RequestStream
 from runtime.entrypoints.chat import ChatMedia, render_chat, text_of
-from runtime.entrypoints.protocol import MessagesRequest
+from runtime.entrypoints.protocol import CountTokensRequest, MessagesRequest
 from runtime.entrypoints.tool_parsers import Delta, ToolChoice
 from runtime.entrypoints.tool_parsers.anthropic import (anthropic_messages,
                                                         anthropic_tool_choice, content_blocks)
-from runtime.entrypoints.serving import (check_model, final_outputs, new_id,
+from runtime.entrypoints.serving import (ServerState, check_model, final_outputs, new_id,
                                          open_streams, sse, state_of, stream_error,
                                          unless_disconnected)
 from runtime.outputs import CompletionOutput
@@ -26,18 +26,11 @@ router = APIRouter()
 async def create_message(body: MessagesRequest, raw: Request) -> Any:
     state = state_of(raw)
     model = check_model(state, body.model)  # an adapter's name picks that adapter
-    messages = []
-    if body.system is not None:
-        messages.append({"role": "system", "content": text_of(body.system)})
-    media = ChatMedia(state.engine.processor.multimodal)
-    messages += anthropic_messages(body.messages, media.text_of)
-    tools = anthropic_tool_choice(body, state.tool_call_parser, state.enable_auto_tool_choice)
-    prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
-                                  state.chat_template, True, tools.tools)
+    prompt, tools = await rendered(state, body)
     params = tools.constrain(body.sampling_params(state.engine.processor.sampling_defaults),
                              "tool_choice")
     message_id = new_id("msg")
-    streams = await open_streams(state, message_id, [media.prompt(prompt)], params,
+    streams = await open_streams(state, message_id, [prompt], params,
                                  body.stream, model=model, raw=raw, constraint_param="tools")
     if body.stream:
         blocks = partial(_tool_blocks, streams[0], tools) if tools.reads_calls \
@@ -49,12 +42,40 @@ async def create_message(body: MessagesRequest, raw: Request) -> Any:
                                      streams)
 
 
+async def rendered(state: ServerState, body: MessagesRequest | CountTokensRequest
+                   ) -> tuple[dict[str, Any], ToolChoice]:
+    """The engine prompt of a Messages request (system, messages and tools through the chat
+    template, off the event loop; its images as multi_modal_data), and its tool choice."""
+    messages = []
+    if body.system is not None:
+        messages.append({"role": "system", "content": text_of(body.system)})
+    media = ChatMedia(state.engine.processor.multimodal)
+    messages += anthropic_messages(body.messages, media.text_of)
+    tools = anthropic_tool_choice(body, state.tool_call_parser, state.enable_auto_tool_choice)
+    prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
+                                  state.chat_template, True, tools.tools)
+    return media.prompt(prompt), tools
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, raw: Request) -> dict:
+    """Anthropic's token count: the prompt /v1/messages would run for the same messages."""
+    state = state_of(raw)
+    check_model(state, body.model)
+    prompt, _ = await rendered(state, body)
+    if "multi_modal_data" in prompt:  # each image's placeholders expanded, as /v1/messages runs it
+        prompt = (await state.off_loop(state.engine.processor.prepare, prompt))[1]
+    else:
+        prompt = prompt["prompt_token_ids"]
+    return {"input_tokens": len(prompt)}
+
+
 def _stop(sample: CompletionOutput) -> tuple[str, str | None]:
     """Anthropic's stop_reason and stop_sequence for a finished sample."""
     if sample.finish_reason == "length":
         return "max_tokens", None
-    if isinstance(sample.stop_reason, str):
-        return "stop_sequence", sample.stop_reason
+    if sample.finish_reason == "stop" and isinstance(sample.stop_reason, str):
+        return "stop_sequence", sample.stop_reason  # not an abort's reason
     return "end_turn", None
 
 

@@ -163,8 +163,10 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 def _finish_reason(sample: CompletionOutput) -> str | None:
-    return None if sample.finish_reason is None else \
-        "length" if sample.finish_reason == "length" else "stop"
+    """Chat's finish_reason; "abort" (with the reason in stop_reason) as vLLM sends it."""
+    if sample.finish_reason in (None, "length", "abort"):
+        return sample.finish_reason
+    return "stop"
 
 
 class Reply:

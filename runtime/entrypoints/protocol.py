@@ -345,3 +345,22 @@ def make_sampling_params(**fields: Any) -> SamplingParams:
         return SamplingParams(**fields)
     except ValueError as e:
         raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+class CountTokensRequest(RequestBody):
+    """Anthropic's /v1/messages/count_tokens: the prompt fields of a Messages request."""
+
+    model: str
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    system: Union[str, list[dict[str, Any]], None] = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    # official fields this server does not honour: a 400 names them
+    thinking: only({"type": "disabled"}) = None
+    cache_control: only() = None
+    context_management: only() = None
+    mcp_servers: only() = None
+    output_config: only() = None
+    speed: only() = None
+    user_profile_id: only() = None
+    workspace_id: only() = None

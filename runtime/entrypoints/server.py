@@ -20,8 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from runtime.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
-from runtime.entrypoints import (anthropic_api, lora_api, openai_api, pooling_api,
-                                 responses_api)
+from runtime.entrypoints import (anthropic_api, dev_api, lora_api, openai_api, pooling_api,
+                                 responses_api, tokens_api)
 from runtime.entrypoints.chat import render_chat, text_of
 from runtime.entrypoints.connection import HEADER_TIMEOUT_S, GuardedH11Protocol
 from runtime.entrypoints.grpc.server import GrpcServer
@@ -75,11 +75,13 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
                lora_modules: dict[str, LoRARequest] | None = None,
                enable_runtime_lora_updating: bool = False,
                limits: Limits | None = None, url: str = "",
-               grpc_server: GrpcServer | None = None) -> FastAPI:
+               grpc_server: GrpcServer | None = None, dev_mode: bool = False) -> FastAPI:
     """The server's app; starting it (its lifespan) starts the engine, stopping it stops it,
     and once it is up logs that `model_names[0]` is served at `url`.
     If the engine dies for good, the app asks the server to stop (`app.state.stop_server`) and
-    sets `app.state.exit_code` to 1. A `grpc_server` serves the same engine while the app runs."""
+    sets `app.state.exit_code` to 1. A `grpc_server` serves the same engine while the app runs.
+    `dev_mode` (RUNTIME_SERVER_DEV_MODE=1) mounts the development routes (runtime.entrypoints.
+    dev_api: sleep mode, weight reload)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -122,6 +124,9 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
     app.include_router(openai_api.router, dependencies=generating)
     app.include_router(anthropic_api.router, dependencies=generating)
     app.include_router(responses_api.router, dependencies=generating)
+    app.include_router(tokens_api.router, dependencies=generating)
+    if dev_mode:
+        app.include_router(dev_api.router)
     if enable_runtime_lora_updating:
         app.include_router(lora_api.router, dependencies=generating)
     app.include_router(pooling_api.router)

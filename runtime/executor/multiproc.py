@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 from runtime.plugins.interfaces import Platform
 from runtime.config import EngineConfig
 from runtime.distributed.layout import ParallelLayout
-from runtime.executor.base import Executor, WorkerError
+from runtime.executor.base import Executor, WorkerError, step_output, worker_reply
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource
 from runtime.core.messages import StepInput, StepOutput
@@ -68,13 +68,13 @@ class MultiprocExecutor(Executor):
         self._gather()  # each worker says it has loaded its part of the model
 
     def determine_num_blocks(self) -> int:
-        return min(self._call("determine_num_blocks"))
+        return min(self.collective_rpc("determine_num_blocks"))
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self._call("init_kv_cache", num_blocks)
+        self.collective_rpc("init_kv_cache", num_blocks)
 
     def execute(self, step: StepInput) -> StepOutput:
-        return self._call("execute", step)[self.layout.output_rank]
+        return step_output(self.collective_rpc("execute", step), self.layout.output_rank)
 
     def check_health(self) -> None:
         if self.dead_reason is not None:
@@ -88,7 +88,7 @@ class MultiprocExecutor(Executor):
             self.dead_reason = "the executor has shut down"
         self._finalizer()
 
-    def _call(self, method: str, *args: Any) -> list[Any]:
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         if self.dead_reason is not None:
             raise WorkerError(self.dead_reason)
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
@@ -180,7 +180,7 @@ def worker_main(config: EngineConfig, platform_name: str, source: ModelSource,
             if method == "shutdown":
                 return
             result = getattr(worker, method)(*args)
-            conn.send(("ok", result if keeps_output or method != "execute" else None))
+            conn.send(("ok", worker_reply(method, result, keeps_output)))
     except (EOFError, BrokenPipeError):
         return  # the engine closed its end
     except Exception as e:

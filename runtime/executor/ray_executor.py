@@ -13,7 +13,7 @@ from typing import Any
 from runtime.plugins.interfaces import Platform
 from runtime.config import EngineConfig
 from runtime.distributed.layout import ParallelLayout
-from runtime.executor.base import Executor, WorkerError
+from runtime.executor.base import Executor, WorkerError, step_output, worker_reply
 from runtime.executor.multiproc import free_port
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource
@@ -44,7 +44,7 @@ class RayWorker:
 
     def call(self, method: str, *args: Any) -> Any:
         result = getattr(self.worker, method)(*args)
-        return result if self.keeps_output or method != "execute" else None
+        return worker_reply(method, result, self.keeps_output)
 
 
 def import_ray() -> Any:
@@ -101,13 +101,14 @@ class RayExecutor(Executor):
                     layout.tp_size, layout.pp_size, len({n for n, _ in nodes}))
 
     def determine_num_blocks(self) -> int:
-        return min(self._call("determine_num_blocks"))
+        return min(self.collective_rpc("determine_num_blocks"))
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self._call("init_kv_cache", num_blocks)
+        self.collective_rpc("init_kv_cache", num_blocks)
 
     def execute(self, step: StepInput) -> StepOutput:
-        return self._call("execute", self.ray.put(step))[self.layout.output_rank]
+        return step_output(self.collective_rpc("execute", self.ray.put(step)),
+                           self.layout.output_rank)
 
     def check_health(self) -> None:
         """Only what is known: an actor that died while idle fails the next step."""
@@ -119,7 +120,7 @@ class RayExecutor(Executor):
             self.dead_reason = "the executor has shut down"
         self._stop()
 
-    def _call(self, method: str, *args: Any) -> list[Any]:
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         if self.dead_reason is not None:
             raise WorkerError(self.dead_reason)
         return self._get([a.call.remote(method, *args) for a in self.actors])

@@ -1,6 +1,8 @@
 """One worker, in the engine's own process."""
 from __future__ import annotations
 
+from typing import Any
+
 from runtime.executor.base import Executor
 from runtime.core.messages import StepInput, StepOutput
 from runtime.worker.worker import Worker
@@ -19,3 +21,6 @@ class UniprocExecutor(Executor):
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.worker.execute(step)
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]

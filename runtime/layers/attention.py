@@ -10,21 +10,33 @@ from torch import nn
 
 from runtime.forward_context import get_forward_context
 from runtime.layers.build_context import BuildContext
+from runtime.plugins.kv_connector import KVCacheLayer
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  ctx: BuildContext, sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None, encoder: bool = False) -> None:
-        """`encoder`: a vision encoder's layer, run in prefill-only steps of its own with the
-        context's `encoder_attention_backend`; it keeps no KV cache."""
+                 logits_soft_cap: float | None = None, sinks: bool = False,
+                 encoder: bool = False) -> None:
+        """`num_heads`/`num_kv_heads` are this rank's. With `sinks`, the layer holds the
+        parameter `sinks` [num_heads] float32 (gpt-oss's attention sinks; this rank's heads of
+        the checkpoint's) and hands it to the backend. `encoder`: a vision encoder's layer, run
+        in prefill-only steps of its own with the context's `encoder_attention_backend`; it
+        keeps no KV cache."""
         super().__init__()
         self.encoder = encoder
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.sliding_window = sliding_window
+        self.sinks = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32),
+                                      requires_grad=False)
+            first = ctx.tp_rank * num_heads
+            self.sinks.weight_loader = lambda param, loaded: param.data.copy_(
+                loaded[first:first + num_heads])
         backend = ctx.encoder_attention_backend if encoder else ctx.attention_backend
-        self.impl = backend(num_heads, head_size, scale, num_kv_heads,
-                                          sliding_window, logits_soft_cap)
+        self.impl = backend(num_heads, head_size, scale, num_kv_heads, sliding_window,
+                            logits_soft_cap, self.sinks)
         self.kv_cache = torch.empty(0)  # bound by the model runner once the cache is allocated
         # set by the worker for --calculate-kv-scales: the next forward sets the FP8 scales
         self.calculate_kv_scales = False
@@ -68,10 +80,22 @@ class PagedKVCache:
         for layer in self.layers:
             layer.kv_cache = torch.empty(0)
 
+    def connector_layers(self) -> list[KVCacheLayer]:
+        """The layers' caches as a KV connector addresses them."""
+        return [KVCacheLayer(f"layer.{i}", layer.kv_cache, layer.impl.kv_cache_block_dim)
+                for i, layer in enumerate(self.layers)]
+
     def zero_new_blocks(self, reqs: Iterable[Any]) -> None:
         """Zero the blocks `reqs` (a step's requests, each with its `block_ids`) reach beyond
         those already zeroed."""
-        top = max(max(r.block_ids) for r in reqs) + 1
+        self.prepare_blocks([max(r.block_ids) for r in reqs])
+
+    def prepare_blocks(self, block_ids: list[int]) -> None:
+        """Zero the never-used blocks up to the highest of `block_ids` (before something other
+        than attention writes into them: a KV connector's loads)."""
+        if not block_ids:
+            return
+        top = max(block_ids) + 1
         if top <= self.num_zeroed_blocks:
             return
         start = self.num_zeroed_blocks

@@ -32,6 +32,7 @@ def layer_sliding_window(config, layer_idx: int) -> int | None:
 class LlamaAttention(nn.Module):
     qkv_bias = False  # Qwen2 turns this on
     qk_norm = False  # Qwen3 and Gemma 3 turn this on
+    attention_sinks = False  # gpt-oss turns this on
     norm_cls = RMSNorm
 
     def __init__(self, config, layer_idx: int, ctx: BuildContext, prefix: str) -> None:
@@ -54,7 +55,8 @@ class LlamaAttention(nn.Module):
         self.rotary_op = ctx.custom_op("rotary_embedding") or rotary_embedding
         self.attn = Attention(self.num_heads, self.head_size, self.attention_scale(config),
                               self.num_kv_heads, ctx, layer_sliding_window(config, layer_idx),
-                              getattr(config, "attn_logit_softcapping", None))
+                              getattr(config, "attn_logit_softcapping", None),
+                              self.attention_sinks)
         if self.qk_norm:
             self.q_norm = self.norm_cls(self.head_size, config.rms_norm_eps, ctx)
             self.k_norm = self.norm_cls(self.head_size, config.rms_norm_eps, ctx)

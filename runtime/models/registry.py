@@ -20,6 +20,7 @@ _BUILTIN: dict[str, str] = {
     "MixtralForCausalLM": "runtime.models.moe:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "runtime.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "runtime.models.moe:Qwen3MoeForCausalLM",
+    "GptOssForCausalLM": "runtime.models.gpt_oss:GptOssForCausalLM",
     # vision-language models (runtime.multimodal processes their images)
     "LlavaForConditionalGeneration": "runtime.models.llava:LlavaForConditionalGeneration",
     # pooling models (runner="pooling"): encoders and classifiers

@@ -7,8 +7,8 @@ and a first-step prefill together, reading the context back from the cache. Each
 compared per kind of row and per query head with the attention of the very same (rounded) inputs
 in float32. On a mismatch the check runs cheap diagnoses (was the cache written at the step's
 slots? does the output match attention over one position fewer or more, over another KV-head
-mapping, at the default scale, without the soft-cap, with a window one wider or narrower?) and
-names the one that matches.
+mapping, at the default scale, without the soft-cap or the attention sinks, with a window one
+wider or narrower?) and names the one that matches.
 
 Half-precision tolerances are derived, not flat: the reference is also computed as a correct
 half-precision kernel rounds (probabilities and output rounded to the dtype, sums in float32), and
@@ -46,22 +46,36 @@ class AttentionCase:
     scale: float | None = None
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
+    sinks: tuple[float, ...] | None = None  # one attention-sink logit per query head
 
     @property
     def softmax_scale(self) -> float:
         return HEAD_SIZE ** -0.5 if self.scale is None else self.scale
 
     def describe(self, dtype: torch.dtype) -> str:
+        sinks = "" if self.sinks is None else f", sinks {list(self.sinks)}"
         return (f"{str(dtype).removeprefix('torch.')}, scale {self.softmax_scale:.4g}, "
                 f"sliding_window {self.sliding_window}, logits_soft_cap "
-                f"{self.logits_soft_cap}, {NUM_HEADS} query heads over {NUM_KV_HEADS} KV heads")
+                f"{self.logits_soft_cap}{sinks}, {NUM_HEADS} query heads over {NUM_KV_HEADS} "
+                f"KV heads")
+
+    def sink_tensor(self, device: str | torch.device) -> torch.Tensor | None:
+        return None if self.sinks is None else torch.tensor(self.sinks, device=device)
+
+
+# Sink logits of the size of the scores (about 3 at scale 0.37): some heads' sinks take most of
+# the weight, others little, and no two heads share one, so a sink read from the wrong head shows
+SINKS = (-1.5, 0.0, 1.0, 2.0, 2.5, 3.0, 4.0, 5.0)
 
 
 # what the conformance suite checks, each for every dtype the platform declares: never the
 # default scale head_size ** -0.5, so a hard-coded one shows
 CASES = {"scale": AttentionCase(scale=0.37),
          "sliding-window": AttentionCase(scale=0.2, sliding_window=12),
-         "soft-cap": AttentionCase(scale=0.37, logits_soft_cap=1.5)}
+         "soft-cap": AttentionCase(scale=0.37, logits_soft_cap=1.5),
+         "sinks": AttentionCase(scale=0.37, sinks=SINKS),
+         "sinks-sliding-window": AttentionCase(scale=0.2, sliding_window=12,
+                                               sinks=tuple(x / 2 for x in SINKS))}
 
 
 @dataclass(frozen=True)
@@ -115,7 +129,12 @@ def reference(qkv: list[torch.Tensor], rows: list[Rows], how: Attention) -> torc
         mask = k_pos <= q_pos + how.span
         if case.sliding_window is not None:
             mask &= k_pos > q_pos - case.sliding_window
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if case.sinks is None:
+            probs = scores.softmax(-1).nan_to_num(0.0)
+        else:
+            sink = torch.tensor(case.sinks).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+            probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
         if how.rounding is not None:
             probs = probs.to(how.rounding).float()
         out = torch.einsum("hqk,khd->qhd", probs, v)
@@ -164,7 +183,7 @@ def run_steps(backend: type, qkv: list[torch.Tensor], tables: list[list[int]],
     head_size] and the cache after it as [2, slots, kv_heads, head_size] (None when the
     backend's layout cannot be read back), on the CPU in float32."""
     impl = backend(NUM_HEADS, HEAD_SIZE, case.softmax_scale, NUM_KV_HEADS, case.sliding_window,
-                   case.logits_soft_cap)
+                   case.logits_soft_cap, case.sink_tensor(device))
     num_blocks = sum(map(len, tables)) + 2
     cache = torch.zeros(backend.kv_cache_shape(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE),
                         dtype=dtype, device=device)
@@ -205,7 +224,8 @@ def check_attention(backend: type, dtype: torch.dtype, device: str | torch.devic
                 f"in {STEPS[step]}, {case.describe(dtype)}:\n" + "\n".join(lines) + "\n"
                 + "\n".join(f"  diagnosis: {d}" for d in found or [
                     "none of the known bugs matches (cache write, seq_len off by one, KV-head "
-                    "mapping, scale, soft-cap, window): compare the worst row above by hand"]))
+                    "mapping, scale, soft-cap, sinks, window): compare the worst row above by "
+                    "hand"]))
 
 
 def rounding_error(rounded: torch.Tensor, exact: torch.Tensor, rows: list[Rows],
@@ -348,6 +368,11 @@ def variants(case: AttentionCase) -> list[tuple[Attention, str]]:
         found.append((Attention(dataclasses.replace(case, logits_soft_cap=None)),
                       f"apply no logit soft-cap: scores must become cap · tanh(scores / cap) "
                       f"with cap {case.logits_soft_cap:g}"))
+    if case.sinks is not None:
+        found.append((Attention(dataclasses.replace(case, sinks=None)),
+                      "have no attention sinks applied: each head's sink logit must join its "
+                      "softmax's denominator (weights summing to less than one), adding no "
+                      "value"))
     if case.sliding_window is not None:
         w = case.sliding_window
         found += [(Attention(dataclasses.replace(case, sliding_window=None)),

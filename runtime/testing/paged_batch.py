@@ -71,14 +71,15 @@ def build_layer(backend_cls, device: str | torch.device, *args, **kwargs):
         return backend_cls(*args, **kwargs)
 
 
-def run_backend(backend_cls, batch, sliding_window: int | None = None) -> tuple[torch.Tensor,
-                                                                                 torch.Tensor]:
+def run_backend(backend_cls, batch, sliding_window: int | None = None,
+                sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's forward on a copy of the batch's cache (in the backend's layout), the layer
-    built on the batch's device; returns (output, cache after, token-major)."""
+    built on the batch's device (with attention `sinks` [num_heads], if given); returns
+    (output, cache after, token-major)."""
     query, key, value, kv_cache, metadata = batch
     num_heads, head_size = query.shape[1:]
     impl = build_layer(backend_cls, query.device, num_heads, head_size, head_size ** -0.5,
-                       key.shape[1], sliding_window)
+                       key.shape[1], sliding_window, None, sinks)
     cache = in_layout(backend_cls, kv_cache)
     return impl.forward(query, key, value, cache, metadata), token_major(backend_cls, cache)
 

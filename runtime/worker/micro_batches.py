@@ -28,5 +28,6 @@ def merge_outputs(outputs: list[StepOutput]) -> StepOutput:
     merged = StepOutput()
     for out in outputs:
         for f in fields(StepOutput):
-            getattr(merged, f.name).update(getattr(out, f.name))
+            if isinstance(getattr(merged, f.name), dict):  # per request: each part has its own
+                getattr(merged, f.name).update(getattr(out, f.name))
     return merged

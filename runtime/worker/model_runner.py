@@ -68,6 +68,12 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
 
+    def release_kv_cache(self) -> None:
+        """Free the caches `allocate_kv_cache` gave (the draft model's: a cache of no blocks)."""
+        self.kv_cache.release()
+        if self.proposer is not None:
+            self.proposer.allocate_kv_cache(0)
+
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_reqs: int, dtype: torch.dtype) -> None:
         """The largest step the scheduler can form, run once to measure its memory peak.
@@ -125,7 +131,8 @@ class ModelRunner:
         return None
 
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
-        return self.generators.get(r.request_id, r.params, r.sample_index)
+        return self.generators.at(r.request_id, r.params, r.sample_index,
+                                  len(r.all_token_ids) - r.num_prompt_tokens)
 
     def update_states(self, step: StepInput) -> list[ScheduledRequest]:
         """Apply the step's message to the request table; the step's requests, in schedule

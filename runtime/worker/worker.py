@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 
@@ -13,6 +14,7 @@ from runtime.core.messages import StepInput, StepOutput
 from runtime.distributed.groups import init_groups
 from runtime.distributed.layout import ParallelLayout, host_share
 from runtime.distributed.pipeline import PipelineStage
+from runtime.kv_transfer.registry import build_worker_side
 from runtime.forward_context import forward_context, get_forward_context
 from runtime.layers.build_context import BuildContext
 from runtime.model_config import ModelConfig
@@ -53,6 +55,9 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.lora = None  # the LoRAManager, with --enable-lora
         self.num_blocks = 0
+        # a KV connector's worker side (--kv-transfer-config), once the cache exists
+        self.kv_connector = None
+        self.asleep: set[str] = set()  # what sleep freed: "weights", "kv_cache"
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -83,33 +88,44 @@ class Worker:
                             max_model_len=self.model_config.max_model_len)
 
     def load_model(self) -> None:
-        mc, cfg = self.model_config, self.config
+        """Join the parallel groups, then build this rank's model and runner from `source`."""
         info = self.model_info()
-        backend = self.answers.attention_backend(info)
-        self.attention_backend = backend
+        self.attention_backend = self.answers.attention_backend(info)
         from runtime.quantization.registry import build_quant_config
-        quant_config = build_quant_config(cfg.quantization, mc.hf_config,
+        quant_config = build_quant_config(self.config.quantization, self.model_config.hf_config,
                                           self.answers.quantization_kernel)
-        ctx = self._build_context(backend, quant_config)
-        vision = getattr(mc.hf_config, "vision_config", None)
+        self.ctx = self._build_context(self.attention_backend, quant_config)
+        vision = getattr(self.model_config.hf_config, "vision_config", None)
         if vision is not None:  # the vision tower's bidirectional attention, no KV cache
             heads = vision.num_attention_heads
-            ctx.encoder_attention_backend = self.answers.attention_backend(dataclasses.replace(
-                info, head_size=vision.hidden_size // heads, num_heads=heads,
-                num_kv_heads=heads, sliding_window=None, pooling=True), about="vision encoder")
-        raw_gguf = bool(getattr(quant_config, "raw_gguf_weights", False))
-        if raw_gguf and self.source.format != "gguf":
-            raise ValueError(f"--quantization {quant_config.name} needs a .gguf model, "
-                             f"got {self.source.path}")
+            self.ctx.encoder_attention_backend = self.answers.attention_backend(
+                dataclasses.replace(info, head_size=vision.hidden_size // heads,
+                                    num_heads=heads, num_kv_heads=heads, sliding_window=None,
+                                    pooling=True), about="vision encoder")
+        self._build_runner(self.source)
+        logger.info("loaded %s (%s, %.1f MiB) with attention backend %s, %s execution",
+                    self.model_config.architecture,
+                    str(self.model_config.dtype).replace("torch.", ""), self.model_bytes / 2**20,
+                    self.attention_backend.name, self.runner.graph_runner.name)
+
+    def _build_runner(self, source: ModelSource) -> None:
+        """The model with `source`'s weights and the runner around it (in the parallel groups
+        joined once, in `load_model`); sleep level 2 and a weight reload come back here."""
+        mc, cfg, ctx = self.model_config, self.config, self.ctx
+        raw_gguf = bool(getattr(ctx.quant_config, "raw_gguf_weights", False))
+        if raw_gguf and source.format != "gguf":
+            raise ValueError(f"--quantization {ctx.quant_config.name} needs a .gguf model, "
+                             f"got {source.path}")
         model_class = mc.choice.model_class
         if cfg.runner == "pooling":
             model_class = pooling_model_class(model_class)
-        model = build_model(model_class, mc.hf_config, ctx, self.source, raw_gguf)
+        model = build_model(model_class, mc.hf_config, ctx, source, raw_gguf)
+        info = self.model_info()
         graph_runner = self.answers.graph_runner(info, info.enforce_eager)
         pooling = lora = proposer = None
         if cfg.runner == "pooling":
             pooling = PoolingRunner(model, load_pooler_config(
-                self.source.path if os.path.isdir(self.source.path) else None,
+                source.path if os.path.isdir(source.path) else None,
                 model_class.encoder_only), model_class.encoder_only, self.device)
         if cfg.enable_lora:
             from runtime.lora.manager import LoRAManager
@@ -139,9 +155,6 @@ class Worker:
             logger.warning("FP8 KV cache with scales 1.0 (the checkpoint has none): K and V "
                            "below %g lose precision; --calculate-kv-scales sets the scales "
                            "from the first batch", torch.finfo(self.kv_cache_dtype).smallest_normal)
-        logger.info("loaded %s (%s, %.1f MiB) with attention backend %s, %s execution",
-                    mc.architecture, str(mc.dtype).replace("torch.", ""), self.model_bytes / 2**20,
-                    backend.name, self.runner.graph_runner.name)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit in this device's KV-cache budget.
@@ -167,6 +180,9 @@ class Worker:
         self.runner.allocate_kv_cache(num_blocks, self.kv_cache_dtype)
         self.num_blocks = num_blocks
         cfg = self.config
+        self.kv_connector = build_worker_side(cfg, self.model_config, self.source, self.rank)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.runner.kv_cache.connector_layers())
         self.runner.graph_runner.capture(self.runner.model.forward, CaptureSpec(
             forward_context=forward_context, current_metadata=get_forward_context,
             attention_backend=self.attention_backend, device=self.device,
@@ -177,13 +193,65 @@ class Worker:
             for layer in self.runner.kv_cache.layers:
                 layer.calculate_kv_scales = True
 
+    def sleep(self, level: int) -> None:
+        """Free the KV cache and the recorded graphs over it (level 1), and the model too
+        (level 2: rebuilt from `source` on wake-up). The engine calls it with no request in
+        flight; a deeper sleep than the current one frees what is still held."""
+        if "kv_cache" not in self.asleep:
+            self.runner.release_kv_cache()
+            self.kv_connector = None  # it holds the cache too; a new one comes with the next
+            info = self.model_info()
+            self.runner.graph_runner = self.answers.graph_runner(info, info.enforce_eager)
+            self.asleep.add("kv_cache")
+        if level == 2 and "weights" not in self.asleep:
+            self.runner = self.lora = None
+            self.asleep.add("weights")
+        gc.collect()
+        self.platform.empty_cache()
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Bring back what `tags` name ("weights", "kv_cache") of what sleep freed: the weights
+        from `source`, then the KV cache (empty: the engine dropped its prefix cache)."""
+        if "weights" in tags and "weights" in self.asleep:
+            self._build_runner(self.source)
+            self.asleep.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self.asleep:  # the engine woke the weights
+            self.init_kv_cache(self.num_blocks)
+            self.asleep.discard("kv_cache")
+
+    def reload_weights(self, source: ModelSource) -> str | None:
+        """Serve `source`'s weights (a checkpoint the engine checked has this architecture and
+        shapes) from now on; returns None, or why they could not be loaded (the old weights
+        are loaded again: a failed reload leaves the engine serving). The old model is freed
+        first, so the peak is one model."""
+        self.runner = self.lora = None
+        gc.collect()
+        error = None
+        try:
+            self._build_runner(source)
+            self.source = source
+        except Exception as e:
+            logger.exception("the weights of %s could not be loaded", source.path)
+            error = f"{type(e).__name__}: {e}"
+            self._build_runner(self.source)
+        if "kv_cache" not in self.asleep:
+            self.init_kv_cache(self.num_blocks)
+        self.platform.empty_cache()
+        return error
+
     def execute(self, step: StepInput) -> StepOutput:
+        if self.kv_connector is not None:  # before the step's requests touch their blocks
+            self.runner.kv_cache.prepare_blocks(step.kv_load_block_ids)
+            self.kv_connector.start_load_kv(step.kv_connector_meta)
         reqs = self.runner.update_states(step)
         if self.layout.pp_size == 1:
-            return self.runner.execute(reqs)
-        # Micro-batches: the stages work on different parts of the step at the same time.
-        return merge_outputs([self.runner.execute(part)
-                              for part in micro_batches(reqs, self.layout.pp_size)])
+            out = self.runner.execute(reqs)
+        else:  # micro-batches: the stages work on different parts of the step at the same time
+            out = merge_outputs([self.runner.execute(part)
+                                 for part in micro_batches(reqs, self.layout.pp_size)])
+        if self.kv_connector is not None:
+            out.kv_connector_output = self.kv_connector.get_finished()
+        return out
 
 
 def start_worker(config: EngineConfig, platform_name: str, source: ModelSource,

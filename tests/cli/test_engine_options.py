@@ -53,7 +53,9 @@ VALUES = {
     "trust_remote_code": ("--trust-remote-code", True),
     "max_logprobs": ("--max-logprobs 5", 5),
     "generation_config": ("--generation-config vllm", "vllm"),
+    "engine_stall_timeout": ("--engine-stall-timeout 5", 5.0),
     "disable_log_stats": ("--disable-log-stats", True),
+    "enable_sleep_mode": ("--enable-sleep-mode", True),
     "quantization": ("-q int8", "int8"),
     "speculative_config": ('--speculative-config {"method":"ngram","num_speculative_tokens":2}',
                            '{"method":"ngram","num_speculative_tokens":2}'),
@@ -69,17 +71,23 @@ VALUES = {
     "data_parallel_size": ("-dp 2", 2),
     "distributed_executor_backend": ("--distributed-executor-backend uniproc", "uniproc"),
     "ray_address": ("--ray-address auto", "auto"),
+    "kv_transfer_config": ('--kv-transfer-config {"kv_connector":"OffloadingConnector"}',
+                           '{"kv_connector":"OffloadingConnector"}'),
+    "kv_offloading_size": ("--kv-offloading-size 0.5", 0.5),
+    "kv_offloading_disk_path": ("--kv-offloading-disk-path /tmp/kv", "/tmp/kv"),
+    "kv_offloading_disk_size": ("--kv-offloading-disk-size 2", 2.0),
 }
 # Options that need another one set with them.
-TOGETHER = {"max_long_partial_prefills": {"max_num_partial_prefills": 2}}
+TOGETHER = {"max_long_partial_prefills": {"max_num_partial_prefills": 2},
+            "kv_offloading_disk_size": {"kv_offloading_disk_path": "/tmp/kv"}}
 # The values above that one CPU engine runs with, all at once.
 RUNNABLE = ("tokenizer", "model_impl", "runner", "device", "dtype", "kv_cache_memory",
             "gpu_memory_utilization", "block_size", "max_num_seqs", "max_num_batched_tokens",
             "max_model_len", "enable_prefix_caching", "enable_chunked_prefill",
             "scheduling_policy", "attention_backend", "enforce_eager", "num_threads", "seed",
             "download_dir", "trust_remote_code", "max_logprobs", "generation_config",
-            "disable_log_stats", "speculative_config", "structured_outputs_config",
-            "distributed_executor_backend", "ray_address")
+            "engine_stall_timeout", "disable_log_stats", "enable_sleep_mode", "speculative_config",
+            "structured_outputs_config", "distributed_executor_backend", "ray_address")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -79,6 +79,14 @@ class NoSoftCap(AcmePagedAttention):
         self.logits_soft_cap = None
 
 
+class NoSinks(AcmePagedAttention):
+    """Declares attention sinks, then drops them."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.sinks = None
+
+
 class DocsDeviceType(AcmePlatform):
     """Copies the docs' old example: the platform's name where torch's device type belongs."""
 
@@ -123,6 +131,11 @@ PLANTED = {
         "keep 13 positions in the sliding window, one too many"),
     "no soft-cap": (with_backend(NoSoftCap), attention("float32", "soft-cap"),
                     "apply no logit soft-cap"),
+    "no attention sinks": (with_backend(NoSinks), attention("float32", "sinks"),
+                           "no attention sinks applied"),
+    "no attention sinks beside a sliding window": (
+        with_backend(NoSinks), attention("bfloat16", "sinks-sliding-window"),
+        "no attention sinks applied"),
     "the docs' device type in offer_backend": (
         DocsDeviceType(), lambda p: suite.test_backend_candidates_explain_the_choice(
             p, suite_model_info(torch.float32)), "device_type 'acme' is not a torch device type"),
@@ -151,7 +164,8 @@ def test_the_two_decode_bugs_read_differently(bug):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("case", ["scale", "sliding-window", "soft-cap"])
+@pytest.mark.parametrize("case", ["scale", "sliding-window", "soft-cap", "sinks",
+                                  "sinks-sliding-window"])
 def test_the_example_backend_passes(dtype, case):
     attention(dtype, case)(AcmePlatform())
 

@@ -40,9 +40,9 @@ def fresh_plugins(monkeypatch):
 
 
 def model(dtype=torch.bfloat16, head_size=128, block_size=16, window=None,
-          eager=False) -> ModelInfo:
+          eager=False, sinks=False) -> ModelInfo:
     return ModelInfo("LlamaForCausalLM", dtype, dtype, head_size, 32, 8, window, block_size,
-                     enforce_eager=eager)
+                     enforce_eager=eager, attention_sinks=sinks)
 
 
 def choose(platform, requested=None, **kw):
@@ -106,6 +106,20 @@ def test_hopper_with_every_library(monkeypatch):
     # FlashInfer's head sizes: 96 is not one of them
     assert "head size 96 is not 64, 128 or 256" in reasons(cuda, head_size=96,
                                                              eager=True)["flashinfer"]
+
+
+def test_attention_sinks_pass_over_flash_attn_and_flashinfer(monkeypatch):
+    """gpt-oss's sinks: the FlashAttention 2 and FlashInfer calls take none, Triton applies
+    them."""
+    fake_gpus(monkeypatch, [H100])
+    fake_libraries(monkeypatch, installed=GPU_LIBS)
+    cuda = select_platform()
+    assert choose(cuda, block_size=256, eager=True, sinks=True) is TritonPagedAttention
+    why = reasons(cuda, block_size=256, eager=True, sinks=True)
+    for name in ("flash_attn", "flashinfer"):
+        assert "no attention sinks (a learned logit per head in the softmax)" in why[name]
+    with pytest.raises(ValueError, match="flash_attn has no attention sinks"):
+        FlashAttentionBackend(8, 64, 0.125, 2, None, None, torch.zeros(8))
 
 
 def test_turing_with_triton_only(monkeypatch):

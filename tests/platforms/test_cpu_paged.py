@@ -35,6 +35,30 @@ def test_matches_the_portable_backend(dtype, tol, heads, window, head_size):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("head_size", [128, 40])
+def test_sinks_match_the_portable_backend(dtype, tol, window, head_size):
+    """Attention sinks in the head-size paths of the decode kernel the conformance suite (head
+    size 64) does not reach, GQA 4 over 2."""
+    batch = make_batch(QUERY_LENS, SEQ_LENS, 16, 4, 2, head_size, dtype, seed=3)
+    sinks = torch.tensor([-2.0, 0.5, 1.5, 3.0])
+    got, _ = run_backend(CpuPagedAttention, batch, window, sinks)
+    want, _ = run_backend(TorchPagedAttention, batch, window, sinks)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    plain, _ = run_backend(TorchPagedAttention, batch, window)
+    assert not torch.allclose(want.float(), plain.float(), atol=10 * tol)
+
+
+def test_sinks_must_be_float32_per_query_head():
+    q = torch.zeros(1, 2, 16)
+    cache = torch.zeros(2, 16, 2, 16)
+    with pytest.raises(RuntimeError, match="sinks must be contiguous float32"):
+        torch.ops.runtime_cpu.paged_attention_decode(
+            q.clone(), q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32), 1.0, -1, 1.0, 1.0, torch.zeros(3))
+
+
 def test_head_size_must_be_a_multiple_of_eight():
     ok, why = CpuPagedAttention.supports(20, torch.float32, torch.float32, None, "cpu")
     assert not ok and "multiple of 8" in why

@@ -14,7 +14,10 @@ if DEVICE == "cpu" and not triton.knobs.runtime.interpret:
                 allow_module_level=True)
 
 from runtime.attention_backends.torch_paged import TorchPagedAttention  # noqa: E402
+from runtime.attention_backends.triton_ops import (INTERPRETER_LIMITS,  # noqa: E402
+                                                   decode_splits)
 from runtime.attention_backends.triton_paged import TritonPagedAttention  # noqa: E402
+from runtime.testing.attention_check import CASES, check_attention  # noqa: E402
 from runtime.testing.paged_batch import make_batch, run_backend  # noqa: E402
 
 # (query_lens, seq_lens): decodes first, then prefill chunks with and without earlier context.
@@ -63,6 +66,29 @@ def test_head_size_not_a_power_of_two():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision(dtype):
     _check(*MIXED, 16, heads=8, kv_heads=2, head_size=64, dtype=dtype, atol=2e-2)
+
+
+@pytest.mark.parametrize("case", ["sinks", "sinks-sliding-window"])
+def test_sinks_pass_the_attention_check(case):
+    """The conformance suite's sink cases: decodes, prefill chunks and first-step prefills."""
+    check_attention(TritonPagedAttention, torch.float32, DEVICE, CASES[case])
+
+
+@pytest.mark.parametrize("window", [None, 300], ids=["full", "sliding"])
+def test_sinks_in_a_split_decode(window):
+    """Decodes long enough to be split along the context (flash-decoding), with attention sinks:
+    the sink joins the first piece only, so the merge counts it once."""
+    query_lens, seq_lens = [1, 1], [700, 530]
+    assert decode_splits(2, 2, max(seq_lens), INTERPRETER_LIMITS[1])[0] > 1
+    batch = make_batch(query_lens, seq_lens, 16, 4, 2, 16, device=DEVICE)
+    ref_batch = tuple(t.float().cpu() if isinstance(t, torch.Tensor) else t for t in batch[:4])
+    ref_md = make_batch(query_lens, seq_lens, 16, 4, 2, 16)[4]
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0])
+    expected, _ = run_backend(TorchPagedAttention, (*ref_batch, ref_md), window, sinks)
+    plain, _ = run_backend(TorchPagedAttention, (*ref_batch, ref_md), window)
+    out, _ = run_backend(TritonPagedAttention, batch, window, sinks.to(DEVICE))
+    torch.testing.assert_close(out.float().cpu(), expected, atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(expected, plain, atol=1e-3)
 
 
 def test_padding_slots_are_not_written():

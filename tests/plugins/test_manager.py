@@ -33,5 +33,5 @@ def test_every_hook_spec_is_registered():
     hook = get_plugin_manager().hook
     for name in ("runtime_detect_platforms", "runtime_attention_backend", "runtime_graph_runner",
                  "runtime_communicator", "runtime_quantization_kernel", "runtime_custom_op",
-                 "runtime_register_models"):
+                 "runtime_register_models", "runtime_register_kv_connectors"):
         assert getattr(hook, name).has_spec()

@@ -67,3 +67,4 @@ def test_every_hook_says_who_answered(capsys):
     assert who["runtime_detect_platforms"] == "cpu"
     assert who["runtime_communicator"] == "cpu platform"  # who implements it: one rank asks none
     assert who["runtime_register_models"] is None and who["runtime_logits_processors"] is None
+    assert who["runtime_register_kv_connectors"] is None

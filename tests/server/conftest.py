@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,9 +28,11 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m runtime.cli.main serve ARGS` on 127.0.0.1, its log in `log_path`."""
+    """`python -m runtime.cli.main serve ARGS` on 127.0.0.1, its log in `log_path`, with `env`
+    added to the environment."""
 
-    def __init__(self, args: list[str], log_path: str) -> None:
+    def __init__(self, args: list[str], log_path: str, env: dict[str, str] | None = None
+                 ) -> None:
         self.port = free_port()
         scheme = "https" if "--ssl-certfile" in args else "http"
         self.url = f"{scheme}://127.0.0.1:{self.port}"
@@ -39,7 +42,8 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "runtime.cli.main", "--log-level", "INFO", "serve",
              "--host", "127.0.0.1", "--port", str(self.port), *args],
-            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
+            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})})
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -65,10 +69,16 @@ class Server:
         return pid
 
     def live_core_pid(self) -> int | None:
-        """The running (not zombie) engine core's pid, if there is one."""
+        """The running (not zombie) engine core's pid, if there is one: the last core the log
+        says was started, among the server's children that multiprocessing spawned (grammar
+        check workers are spawned too)."""
+        with open(self.log_path) as f:
+            started = [int(p) for p in re.findall(r": process (\d+) starting", f.read())]
         with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
-            children = [int(p) for p in f.read().split()]
-        for pid in children:
+            children = {int(p) for p in f.read().split()}
+        for pid in reversed(started):
+            if pid not in children:
+                continue
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     if b"spawn_main" in f.read():

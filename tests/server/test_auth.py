@@ -18,7 +18,7 @@ def app_with_key(scope: str):
     # No engine: the key is checked before any route runs, and the lifespan (which starts the
     # engine) is not entered.
     return create_app(None, None, ["tiny"], None, KEY, scope, 1 << 20, CORS(["*"], ["*"], ["*"]),
-                      False, enable_runtime_lora_updating=True)
+                      False, enable_runtime_lora_updating=True, dev_mode=True)
 
 
 def operations(routes) -> list[tuple[str, str]]:
@@ -40,7 +40,8 @@ def test_every_route_needs_the_key(scope):
     app = app_with_key(scope)
     client = TestClient(app, raise_server_exceptions=False)
     ops = operations(app.routes)
-    assert {("POST", p) for p in ("/score", "/rerank", "/v2/rerank", "/classify")} <= set(ops)
+    assert {("POST", p) for p in ("/score", "/rerank", "/v2/rerank", "/classify", "/sleep",
+                                  "/update_weights", "/inference/v1/generate")} <= set(ops)
     open_paths = OPEN_PATHS if scope == "all" else OPEN_PATHS + UTILITY_PATHS
     for method, path in ops:
         if path in open_paths:

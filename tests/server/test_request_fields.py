@@ -7,14 +7,14 @@ import httpx
 import openai
 import pydantic
 import pytest
-from anthropic.types import message_create_params
+from anthropic.types import message_count_tokens_params, message_create_params
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
 from pydantic import BeforeValidator
 
 from runtime.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
-                                          MessagesRequest)
+                                          CountTokensRequest, MessagesRequest)
 from runtime.entrypoints.responses_protocol import ResponsesRequest
 from tests.server.conftest import API_KEY
 
@@ -25,11 +25,14 @@ APIS = {
                     {"prompt": "hi"}),
     "messages": (message_create_params.MessageCreateParamsBase, MessagesRequest,
                  {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+    "count_tokens": (message_count_tokens_params.MessageCountTokensParams, CountTokensRequest,
+                     {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
     "responses": (response_create_params.ResponseCreateParamsBase, ResponsesRequest,
                   {"input": "hi"}),
 }
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
-          "messages": "/v1/messages", "responses": "/v1/responses"}
+          "messages": "/v1/messages", "responses": "/v1/responses",
+          "count_tokens": "/v1/messages/count_tokens"}
 
 
 def refused(model: type[pydantic.BaseModel], name: str) -> bool:
@@ -75,9 +78,9 @@ def test_the_server_refuses_each_field_it_does_not_honour(api, tiny_server):
     names = [n for n in sdk.__annotations__ if refused(model, n)]
     with httpx.Client(base_url=tiny_server.url, timeout=30,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        limit = {"max_tokens": 2} if "max_tokens" in model.model_fields else {}
         for name in names:
-            reply = http.post(ROUTES[api], json={**minimal, "max_tokens": 2,
-                                                 name: "unsupported-value"})
+            reply = http.post(ROUTES[api], json={**minimal, **limit, name: "unsupported-value"})
             assert reply.status_code == 400, (name, reply.text)
             error = reply.json()["error"]
             assert error.get("param", name) == name and name in error["message"], error
@@ -101,6 +104,7 @@ def test_vllms_extras_this_server_does_not_honour_are_refused(api):
 
 BODIES = {"/v1/chat/completions": APIS["chat"][2], "/v1/completions": APIS["completions"][2],
           "/v1/messages": APIS["messages"][2], "/v1/responses": APIS["responses"][2],
+          "/v1/messages/count_tokens": APIS["count_tokens"][2],
           "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1]}}
 
 

@@ -59,17 +59,20 @@ def test_logit_bias_allowed_token_ids_and_bad_words(client, tiny_tokenizer):
     assert banned.choices[0].text.strip() != word
 
 
-def test_a_grammar_left_no_token_is_an_error_not_garbage(client, tiny_tokenizer):
-    """allowed_token_ids leave nothing the regex allows: the request fails with the reason (no
-    200 with tokens the grammar refuses), streamed or not, and the next request is served."""
+def test_a_grammar_left_no_token_ends_with_abort_and_the_reason(client, tiny_tokenizer):
+    """allowed_token_ids leave nothing the regex allows: the request ends with finish_reason
+    "abort" and the reason in stop_reason (no 500, no token the grammar refuses), streamed or
+    not, and the next request is served."""
     letter = tiny_tokenizer.encode("a", add_special_tokens=False)[0]
     extra = {"guided_regex": "[0-9]+", "allowed_token_ids": [letter]}
-    with pytest.raises(openai.InternalServerError, match="structured_outputs grammar"):
-        chat(client, **extra)
-    with pytest.raises(openai.APIError, match="structured_outputs grammar"):
-        for _ in client.completions.create(model="tiny", prompt="x", max_tokens=5, stream=True,
-                                           extra_body=extra):
-            pass
+    choice = chat(client, **extra).choices[0]
+    assert choice.finish_reason == "abort" and choice.message.content == "", choice
+    assert "structured_outputs grammar" in choice.stop_reason, choice
+    chunks = list(client.completions.create(model="tiny", prompt="x", max_tokens=5, stream=True,
+                                            extra_body=extra))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ""
+    last = [c.choices[0] for c in chunks if c.choices][-1]
+    assert last.finish_reason == "abort" and "structured_outputs grammar" in last.stop_reason
     assert chat(client, guided_choice=["yes", "no"]).choices[0].message.content in ("yes", "no")
 
 

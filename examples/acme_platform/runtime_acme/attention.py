@@ -9,6 +9,7 @@ from runtime.attention_backends.base import AttentionBackend, AttentionMetadata
 class AcmePagedAttention(AttentionBackend):
     name = "acme_paged"
     supports_logits_soft_cap = True
+    supports_attention_sinks = True
 
     @classmethod
     def supports(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
@@ -65,9 +66,15 @@ class AcmePagedAttention(AttentionBackend):
 
     def softmax_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           mask: torch.Tensor) -> torch.Tensor:
-        """Scores, softmax and P·V in float32, whatever the input dtype."""
+        """Scores, softmax and P·V in float32, whatever the input dtype; a head's sink logit is
+        one more column of its softmax, with no value."""
         scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * self.scale
         if self.logits_soft_cap is not None:
             scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if self.sinks is None:
+            probs = scores.softmax(dim=-1)
+        else:
+            sink = self.sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
         return torch.einsum("hqk,khd->qhd", probs, v.float())

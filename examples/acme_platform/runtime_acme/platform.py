@@ -49,7 +49,8 @@ class AcmePlatform(Platform):
 
     def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
         """A hand-built list checks what `offer_backend` would: the KV-cache dtype, the layer
-        shape on acme's torch device type, and prefill-only attention for a pooling model."""
+        shape on acme's torch device type, prefill-only attention for a pooling model and
+        attention sinks for a model that has them."""
         backend = self.attention_backend
         ok, why = backend.supports_kv_cache_dtype(model.dtype, model.kv_cache_dtype)
         if ok:
@@ -57,6 +58,8 @@ class AcmePlatform(Platform):
                                        model.sliding_window, self.device_type)
         if ok and model.pooling and not backend.supports_encoder_attention:
             ok, why = False, "no prefill-only attention, which pooling models need"
+        if ok and model.attention_sinks and not backend.supports_attention_sinks:
+            ok, why = False, "no attention sinks, which this model needs"
         return [BackendCandidate(backend.name, backend if ok else None, 10, why, plugin="acme")]
 
     def communicator(self, spec: CommunicatorSpec) -> Communicator:

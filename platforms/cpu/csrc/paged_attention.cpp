@@ -6,6 +6,9 @@
 // The cache is in the query's dtype, or in FP8 (e4m3fn or e5m2) holding K / k_scale and
 // V / v_scale: FP8 rows are widened to float32 eight at a time in registers, k_scale is folded
 // into the scaled query and v_scale into the softmax normaliser.
+//
+// Attention sinks (gpt-oss), when given, are one float32 logit per query head that joins the
+// softmax's denominator and adds no value.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -151,7 +154,8 @@ inline v16f dot16_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t s
 template <typename T, typename C, int HEAD>
 void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-            double scale, int64_t sliding_window, double k_scale, double v_scale) {
+            double scale, int64_t sliding_window, double k_scale, double v_scale,
+            const float* sinks) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   const int64_t head_size = HEAD > 0 ? HEAD : query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -213,7 +217,9 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
           for (int64_t g = 0; g < group; ++g)
             scores[g * n + (t - first)] = dot(q.data() + g * head_size, k, head_size);
       }
-      for (int64_t g = 0; g < group; ++g) sums[g] = softmax_numerator(scores.data() + g * n, n);
+      for (int64_t g = 0; g < group; ++g)
+        sums[g] = sinks ? softmax_numerator(scores.data() + g * n, n, sinks[kvh * group + g])
+                        : softmax_numerator(scores.data() + g * n, n);
       for (int64_t g = 0; g < group; ++g) {
         // The weighted sum of V rows, in registers when the head size is known.
         using V = CacheVec<C>;
@@ -251,14 +257,14 @@ template <typename T, typename C>
 void decode_any_head(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, double scale, int64_t sliding_window,
-                     double k_scale, double v_scale) {
+                     double k_scale, double v_scale, const float* sinks) {
   switch (query.size(2)) {
     case 64: return decode<T, C, 64>(out, query, k_cache, v_cache, block_tables, seq_lens,
-                                     scale, sliding_window, k_scale, v_scale);
+                                     scale, sliding_window, k_scale, v_scale, sinks);
     case 128: return decode<T, C, 128>(out, query, k_cache, v_cache, block_tables, seq_lens,
-                                       scale, sliding_window, k_scale, v_scale);
+                                       scale, sliding_window, k_scale, v_scale, sinks);
     default: return decode<T, C, 0>(out, query, k_cache, v_cache, block_tables, seq_lens,
-                                    scale, sliding_window, k_scale, v_scale);
+                                    scale, sliding_window, k_scale, v_scale, sinks);
   }
 }
 
@@ -267,26 +273,27 @@ template <typename T>
 void decode_any_cache(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, double scale, int64_t sliding_window,
-                      double k_scale, double v_scale) {
+                      double k_scale, double v_scale, const float* sinks) {
   switch (k_cache.scalar_type()) {
     case at::kFloat8_e4m3fn:
       return decode_any_head<T, c10::Float8_e4m3fn>(out, query, k_cache, v_cache, block_tables,
                                                     seq_lens, scale, sliding_window, k_scale,
-                                                    v_scale);
+                                                    v_scale, sinks);
     case at::kFloat8_e5m2:
       return decode_any_head<T, c10::Float8_e5m2>(out, query, k_cache, v_cache, block_tables,
                                                   seq_lens, scale, sliding_window, k_scale,
-                                                  v_scale);
+                                                  v_scale, sinks);
     default:
       return decode_any_head<T, T>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
-                                   sliding_window, k_scale, v_scale);
+                                   sliding_window, k_scale, v_scale, sinks);
   }
 }
 
 void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, int64_t sliding_window,
-                            double k_scale, double v_scale) {
+                            double k_scale, double v_scale,
+                            const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
               "query and out must be [num_seqs, num_heads, head_size]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
@@ -306,9 +313,13 @@ void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   seq_lens.is_contiguous() && block_tables.stride(1) == 1,
               "block_tables and seq_lens must be int32 with contiguous rows");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                         sinks->dim() == 1 && sinks->size(0) == query.size(1)),
+              "sinks must be contiguous float32, one per query head");
+  const float* sink_ptr = sinks ? sinks->data_ptr<float>() : nullptr;
   RUNTIME_CPU_DISPATCH(query.scalar_type(), "paged_attention_decode", [&] {
     decode_any_cache<scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
-                               sliding_window, k_scale, v_scale);
+                               sliding_window, k_scale, v_scale, sink_ptr);
   });
 }
 
@@ -367,7 +378,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
 TORCH_LIBRARY(runtime_cpu, m) {
   m.def("paged_attention_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, "
-        "float k_scale=1.0, float v_scale=1.0) -> ()");
+        "float k_scale=1.0, float v_scale=1.0, Tensor? sinks=None) -> ()");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
 }

@@ -106,8 +106,10 @@ inline V exp_poly(V x) {
 
 inline v8f exp8(v8f x) { return exp_poly<v8f, v8i>(x); }
 
-// In place: row <- exp(row - max(row)); returns the sum.
-inline float softmax_numerator(float* row, int64_t n) {
+// In place: row <- exp(row - m), m = max(row, sink); returns the sum plus exp(sink - m). A
+// finite sink is an attention sink: one more logit in the denominator, with no value.
+inline float softmax_numerator(float* row, int64_t n,
+                               float sink = -std::numeric_limits<float>::infinity()) {
   // The maximum eight lanes at a time: a scalar max is a chain of dependent instructions
   // (it was 14 % of a decode attention call).
   v8f mx8 = v8f{} - std::numeric_limits<float>::infinity();
@@ -116,7 +118,7 @@ inline float softmax_numerator(float* row, int64_t n) {
     const v8f x = load8(row + i);
     mx8 = mx8 > x ? mx8 : x;
   }
-  float mx = -std::numeric_limits<float>::infinity();
+  float mx = sink;
   for (int j = 0; j < 8; ++j) mx = std::max(mx, mx8[j]);
   for (; i < n; ++i) mx = std::max(mx, row[i]);
   v8f sum8 = {};
@@ -131,7 +133,7 @@ inline float softmax_numerator(float* row, int64_t n) {
     row[i] = std::exp(row[i] - mx);
     sum += row[i];
   }
-  return sum;
+  return sink == -std::numeric_limits<float>::infinity() ? sum : sum + std::exp(sink - mx);
 }
 
 // 16 floats: one AVX-512 register (the kernels use them only there, see `vecf`); bf16 and fp16

@@ -34,10 +34,6 @@ STATUS_OF_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NO
 ROUTER_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-class AbortedByClient(Exception):
-    """Put in a request's stream by the Abort RPC, to end its Generate call."""
-
-
 class Refused(Exception):
     """A request answered with a gRPC status instead of outputs."""
 
@@ -88,6 +84,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         try:
             async for output in stream:
                 for sample in output.outputs:
+                    if sample.index in done:  # an abort's final output repeats finished ones
+                        continue
                     first = sample.index not in num_tokens
                     num_tokens[sample.index] = num_tokens.get(sample.index, 0) + \
                         len(sample.token_ids)
@@ -97,11 +95,6 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                         done.add(sample.index)
                         yield self._complete(output, sample, params, not request.stream,
                                              num_tokens[sample.index])
-        except AbortedByClient:
-            for index in sorted(set(range(params.n)) - done):
-                yield pb.GenerateResponse(complete=pb.GenerateComplete(
-                    finish_reason="abort", prompt_tokens=stream.num_prompt_tokens,
-                    completion_tokens=num_tokens.get(index, 0), index=index))
         except BaseException as e:
             await _abort(context, e)
         finally:
@@ -187,10 +180,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     async def Abort(self, request: pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         for request_id in request.request_ids:
-            stream = self.running.get(request_id)
-            if stream is not None:
+            if request_id in self.running:  # its stream ends with the aborted output
                 self.engine.abort(request_id)
-                stream.put(AbortedByClient())
         return pb.AbortResponse()
 
     async def Embed(self, request: pb.EmbedRequest,

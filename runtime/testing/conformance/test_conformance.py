@@ -60,13 +60,23 @@ def test_attention_matches_the_reference(platform, model_info, dtype, case):
     dtype = DTYPES[dtype]
     if dtype not in platform.supported_dtypes():
         pytest.skip(f"{platform.name} does not declare {dtype}")
+    sinks = CASES[case].sinks is not None
     info = dataclasses.replace(model_info, dtype=dtype, kv_cache_dtype=dtype,
-                               sliding_window=CASES[case].sliding_window)
-    backend, who = hook_answer("runtime_attention_backend", platform=platform, model=info,
-                               requested=None)
+                               sliding_window=CASES[case].sliding_window, attention_sinks=sinks)
+    try:
+        backend, who = hook_answer("runtime_attention_backend", platform=platform, model=info,
+                                   requested=None)
+    except HookAnswerError as e:
+        if sinks and isinstance(e.__cause__, AttentionBackendError):
+            pytest.skip(f"models with attention sinks are refused on {platform.name}: {e}")
+        raise
     assert backend is not None, f"no plugin supplies attention for {platform.name} in {dtype}"
     if CASES[case].logits_soft_cap is not None and not backend.supports_logits_soft_cap:
         pytest.skip(f"{backend.name} declares no logit soft-capping (it refuses such models)")
+    assert not sinks or backend.supports_attention_sinks, (
+        f"{backend.name} ({who}) is chosen for a model with attention sinks but declares no "
+        f"supports_attention_sinks: the candidate list must refuse it when "
+        f"model.attention_sinks is set (runtime.platforms.common.offer_backend does)")
     check_attention(backend, dtype, platform.device(0), CASES[case],
                     label=f"{backend.name} (answered by {who})")
 
