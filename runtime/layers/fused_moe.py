@@ -106,6 +106,17 @@ class FusedMoE(nn.Module):
             offset = 0 if part == "gate" else self.shard
             param.data[local, offset:offset + self.shard].copy_(loaded[lo:lo + self.shard])
 
+    def load_stacked(self, loaded: torch.Tensor, part: str) -> None:
+        """Every expert's tensor at once, as transformers 5 stacks them: part "gate_up"
+        ([E, 2I, H], gate then up) into w13, "down" ([E, H, I]) into w2."""
+        for expert in range(loaded.size(0)):
+            if part == "down":
+                self.load_expert(self.w2_weight, loaded[expert], expert, "down")
+            else:
+                gate, up = loaded[expert].chunk(2, dim=0)
+                self.load_expert(self.w13_weight, gate, expert, "gate")
+                self.load_expert(self.w13_weight, up, expert, "up")
+
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.renormalize)
         if self.expert_map is not None:

@@ -16,6 +16,8 @@ _BUILTIN: dict[str, str] = {
     "Qwen3ForCausalLM": "runtime.models.qwen:Qwen3ForCausalLM",
     "Gemma2ForCausalLM": "runtime.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "runtime.models.gemma:Gemma3ForCausalLM",
+    "GraniteForCausalLM": "runtime.models.granite:GraniteForCausalLM",
+    "GraniteMoeForCausalLM": "runtime.models.granite:GraniteMoeForCausalLM",
     "Phi3ForCausalLM": "runtime.models.phi3:Phi3ForCausalLM",
     "MixtralForCausalLM": "runtime.models.moe:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "runtime.models.moe:Qwen2MoeForCausalLM",

@@ -93,10 +93,11 @@ def _kv_bytes(config) -> int:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fallback_matches_transformers(case, fallback_model):
     path, hf = fallback_model(case)
-    assert choose_model(hf.config.architectures).impl == "transformers"
+    assert choose_model(hf.config.architectures, "transformers").impl == "transformers"
     references = [hf_greedy(hf, p, MAX_NEW) for p in FALLBACK_PROMPTS]
+    # model_impl="transformers": Granite has a native class too
     llm = LLM(path, dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=_kv_bytes(hf.config),
-              max_num_batched_tokens=32, max_model_len=128)
+              max_num_batched_tokens=32, max_model_len=128, model_impl="transformers")
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     assert_matches_hf(llm.generate(FALLBACK_PROMPTS, params), references)
     core = llm.engine.core
