@@ -108,6 +108,8 @@ class AttentionBackend(ABC):
     supports_logits_soft_cap: bool = False
     # Whether the backend runs pooling steps: `AttentionMetadata.prefill_only`, causal or not.
     supports_encoder_attention: bool = False
+    # Whether the backend applies `attention_chunk_size` (Llama 4's chunked attention).
+    supports_chunked_attention: bool = False
 
     @classmethod
     def supports_kv_cache_dtype(cls, dtype: torch.dtype,
@@ -135,18 +137,27 @@ class AttentionBackend(ABC):
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 attention_chunk_size: int | None = None) -> None:
         """`logits_soft_cap`: scores become `cap * tanh(scores / cap)` before the softmax
-        (Gemma 2); a backend without `supports_logits_soft_cap` refuses it."""
+        (Gemma 2); a backend without `supports_logits_soft_cap` refuses it.
+        `attention_chunk_size` C: the sequence is cut into chunks of C positions and a token
+        at position p sees only keys in [p - p % C, p] (Llama 4's chunked layers); a backend
+        without `supports_chunked_attention` refuses it."""
         if logits_soft_cap is not None and not self.supports_logits_soft_cap:
             raise ValueError(f"attention backend {self.name} has no logit soft-capping, which "
                              f"this model needs; torch_paged and cpu_paged have it")
+        if attention_chunk_size is not None and not self.supports_chunked_attention:
+            raise ValueError(f"attention backend {self.name} has no chunked attention "
+                             f"(attention_chunk_size), which this model needs; torch_paged "
+                             f"and cpu_paged have it")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.attention_chunk_size = attention_chunk_size
         # float32 scalars on the default device, which is the layer's: the engine (and
         # `runtime.testing.paged_batch`) build layers under `torch.device(device)`. Updated in
         # place, so a recorded device graph reads the current values.
@@ -177,7 +188,8 @@ class AttentionBackend(ABC):
 
         query [num_tokens, num_heads, head_size]; key/value [num_tokens, num_kv_heads, head_size].
         Each token attends causally to its own request's context (and only the last
-        `sliding_window` positions, when set); a `prefill_only` step leaves the cache untouched,
+        `sliding_window` positions, or only its own chunk of `attention_chunk_size` positions,
+        when set); a `prefill_only` step leaves the cache untouched,
         and with `causal` False each token attends to every token of its request.
         Returns [num_tokens, num_heads, head_size].
         """

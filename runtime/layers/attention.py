@@ -15,12 +15,17 @@ from runtime.layers.build_context import BuildContext
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  ctx: BuildContext, sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None,
+                 attention_chunk_size: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.sliding_window = sliding_window
+        # passed only when set: a plugin backend written before chunked attention need not
+        # take it
+        chunked = {} if attention_chunk_size is None else {
+            "attention_chunk_size": attention_chunk_size}
         self.impl = ctx.attention_backend(num_heads, head_size, scale, num_kv_heads,
-                                          sliding_window, logits_soft_cap)
+                                          sliding_window, logits_soft_cap, **chunked)
         self.kv_cache = torch.empty(0)  # bound by the model runner once the cache is allocated
         # set by the worker for --calculate-kv-scales: the next forward sets the FP8 scales
         self.calculate_kv_scales = False

@@ -25,10 +25,17 @@ from runtime.layers.linear import divide
 from runtime.plugins.ops import fused_moe
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          scoring: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the experts (float32), the top-k of them, optionally renormalised to sum
-    to 1: (weights [T, k] float32, expert ids [T, k])."""
+    to 1: (weights [T, k] float32, expert ids [T, k]). `scoring` "sigmoid" (Llama 4): the
+    top-k logits instead, each through a sigmoid."""
+    if scoring == "sigmoid":
+        logits, ids = torch.topk(router_logits.float(), top_k, dim=-1)
+        return torch.sigmoid(logits), ids
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -62,12 +69,21 @@ def moe_op(ctx: BuildContext):
 
 
 class FusedMoE(nn.Module):
-    """Experts only; the router (a linear layer of the model) hands in its logits."""
+    """Experts only; the router (a linear layer of the model) hands in its logits.
+
+    `scoring`: how the logits become weights (`route`). `apply_router_weight_on_input`
+    (Llama 4): each token enters each chosen expert scaled by that expert's weight, and the
+    experts' outputs are summed unweighted, instead of weighting the outputs."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, ctx: BuildContext) -> None:
+                 renormalize: bool, ctx: BuildContext, scoring: str = "softmax",
+                 apply_router_weight_on_input: bool = False) -> None:
         super().__init__()
+        if scoring not in SCORING_FUNCS:
+            raise ValueError(f"MoE scoring {scoring!r} is not supported; supported: "
+                             f"{', '.join(SCORING_FUNCS)}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.scoring, self.apply_router_weight_on_input = scoring, apply_router_weight_on_input
         self.tp_rank, self.tp_size, self.tp_group = ctx.tp_rank, ctx.tp_size, ctx.tp_group
         expert_map = None  # global expert id -> local id, -1 where another rank holds it
         if ctx.ep_size > 1:
@@ -90,6 +106,16 @@ class FusedMoE(nn.Module):
             torch.empty(self.num_local_experts, hidden_size, self.shard, dtype=ctx.dtype),
             requires_grad=False)
         self.op = moe_op(ctx)
+
+    def _weighted_inputs(self, hidden: torch.Tensor, weights: torch.Tensor,
+                         ids: torch.Tensor) -> torch.Tensor:
+        """Every (token, chosen expert) pair as its own row, the token scaled by the weight,
+        through the op with weight 1; then each token's rows summed."""
+        t, k = ids.shape
+        rows = hidden.repeat_interleave(k, dim=0) * weights.reshape(-1, 1).to(hidden.dtype)
+        ones = torch.ones(t * k, 1, dtype=weights.dtype, device=weights.device)
+        out = self.op(rows, self.w13_weight, self.w2_weight, ones, ids.reshape(-1, 1))
+        return out.view(t, k, -1).sum(dim=1)
 
     def load_expert(self, param: nn.Parameter, loaded: torch.Tensor, expert: int,
                     part: str) -> None:
@@ -118,10 +144,13 @@ class FusedMoE(nn.Module):
                 self.load_expert(self.w13_weight, up, expert, "up")
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(router_logits, self.top_k, self.renormalize)
+        weights, ids = route(router_logits, self.top_k, self.renormalize, self.scoring)
         if self.expert_map is not None:
             ids = self.expert_map[ids]
-        out = self.op(hidden, self.w13_weight, self.w2_weight, weights, ids)
+        if self.apply_router_weight_on_input:
+            out = self._weighted_inputs(hidden, weights, ids)
+        else:
+            out = self.op(hidden, self.w13_weight, self.w2_weight, weights, ids)
         if self.tp_size > 1:
             out = self.tp_group.all_reduce(out)
         return out

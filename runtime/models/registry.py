@@ -18,6 +18,7 @@ _BUILTIN: dict[str, str] = {
     "Gemma3ForCausalLM": "runtime.models.gemma:Gemma3ForCausalLM",
     "GraniteForCausalLM": "runtime.models.granite:GraniteForCausalLM",
     "GraniteMoeForCausalLM": "runtime.models.granite:GraniteMoeForCausalLM",
+    "Llama4ForCausalLM": "runtime.models.llama4:Llama4ForCausalLM",
     "Phi3ForCausalLM": "runtime.models.phi3:Phi3ForCausalLM",
     "MixtralForCausalLM": "runtime.models.moe:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "runtime.models.moe:Qwen2MoeForCausalLM",

@@ -28,6 +28,13 @@ CASES = {
     "granite": ("GraniteForCausalLM", GRANITE),
     "granite-moe": ("GraniteMoeForCausalLM", dict(GRANITE, num_local_experts=4,
                                                   num_experts_per_tok=2)),
+    # layer 0: rope, L2 q/k norm, chunks of 8 positions, dense MLP; layer 1: NoPE with
+    # temperature tuning (floor_scale 4: the scale grows within the prompts), full attention,
+    # two of four sigmoid-routed experts and the shared expert
+    "llama4": ("Llama4ForCausalLM", dict(
+        head_dim=16, intermediate_size=32, intermediate_size_mlp=128, no_rope_layers=[1, 0],
+        moe_layers=[1], attention_chunk_size=8, floor_scale=4, attn_scale=0.5,
+        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
 }
 
 
@@ -98,6 +105,8 @@ def split_experts(src: str, dst: str, stacked: dict[str, tuple[str, bool]]) -> N
 
 
 PER_EXPERT = {
+    "llama4": {"feed_forward.experts.gate_up_proj": ("feed_forward.experts", True),
+               "feed_forward.experts.down_proj": ("feed_forward.experts", True)},
     "granite-moe": {"block_sparse_moe.input_linear.weight": ("block_sparse_moe.experts", False),
                     "block_sparse_moe.output_linear.weight": ("block_sparse_moe.experts", False)},
 }

@@ -51,6 +51,13 @@ CASES = {
                                            num_key_value_heads=2, max_position_embeddings=256,
                                            logits_scaling=8.0, residual_multiplier=0.5,
                                            embedding_multiplier=2.0, attention_multiplier=0.1)),
+    # rope on every layer, no chunks: nothing reads the cache length (the NoPE layers'
+    # temperature tuning does)
+    "llama4-rope-only": ("Llama4ForCausalLM", dict(
+        hidden_size=64, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        no_rope_layers=[1, 1], attention_chunk_size=None, moe_layers=[1], num_local_experts=4,
+        num_experts_per_tok=1)),
     "starcoder2-sliding": ("Starcoder2ForCausalLM", dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, sliding_window=16)),
@@ -162,7 +169,6 @@ REFUSALS = {
     "DeepseekV3ForCausalLM": (lambda: transformers.DeepseekV3Config(**SMALL),
                               "multi-head latent attention"),
     "Gemma4ForCausalLM": (lambda: transformers.Gemma4TextConfig(**SMALL), "per-layer head sizes"),
-    "Llama4ForCausalLM": (lambda: transformers.Llama4TextConfig(**SMALL), "chunked attention"),
     "Gemma3ForConditionalGeneration": (lambda: transformers.Gemma3Config(),
                                        "a vision-language model: not supported yet"),
     "DiffLlamaForCausalLM": (lambda: transformers.DiffLlamaConfig(**SMALL),
@@ -173,6 +179,25 @@ REFUSALS = {
                                                         num_attention_heads=4),
                         "attends both ways"),
 }
+
+
+def test_llama4_refusals_name_what_the_config_uses():
+    """The fallback refuses Llama 4 for chunked attention, and for NoPE temperature tuning
+    (positions read from the cache length) only where a layer has it."""
+    def refusal(**overrides) -> str:
+        config = transformers.Llama4TextConfig(**SMALL, head_dim=16, **overrides)
+        with pytest.raises(ValueError) as info:
+            choose_model(["Llama4ForCausalLM"], "transformers", config)
+        return str(info.value)
+
+    assert "chunked attention" in refusal(no_rope_layers=[1, 0])
+    assert "reads token positions from its cache" in refusal(
+        no_rope_layers=[1, 0], attention_chunk_size=None,
+        layer_types=["full_attention", "full_attention"])
+    config = transformers.Llama4TextConfig(**SMALL, head_dim=16, no_rope_layers=[1, 0],
+                                           attention_chunk_size=None, attn_temperature_tuning=False,
+                                           layer_types=["full_attention", "full_attention"])
+    assert choose_model(["Llama4ForCausalLM"], "transformers", config).impl == "transformers"
 
 
 @pytest.mark.parametrize("architecture", sorted(REFUSALS))
