@@ -20,9 +20,17 @@ class ModelChoice:
     reason: str
 
 
-def attention_heads(text_config: Any) -> tuple[int, int, int]:
+def attention_heads(text_config: Any, layer_idx: int | None = None) -> tuple[int, int, int]:
     """(query heads, KV heads, head size) of a Hugging Face text config: the one place they are
-    derived, for `ModelConfig` and for the models' attention layers alike."""
+    derived, for `ModelConfig` and for the models' attention layers alike. A heterogeneous
+    config (Gemma 4: global layers have `global_head_dim` and their own KV heads) answers per
+    layer `layer_idx`, and without one for its widest layer."""
+    if getattr(text_config, "is_heterogeneous", False):
+        if layer_idx is None:
+            return max((attention_heads(text_config, i)
+                        for i in range(text_config.num_hidden_layers)),
+                       key=lambda heads: heads[1] * heads[2])
+        text_config = text_config.per_layer_config[layer_idx]
     num_heads = text_config.num_attention_heads
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
     head_size = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads

@@ -14,7 +14,9 @@ MoE blocks: the unfused baseline of `docs/benchmarks.md`.
 """
 from __future__ import annotations
 
+import functools
 import os
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +46,10 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 def naive_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> torch.Tensor:
     """As `runtime.plugins.ops.fused_moe`, the unfused way: for each expert, find its tokens,
-    then gate, up and down as three GEMMs."""
+    then gate, up and down as three GEMMs; `act` on the gate (silu unless given)."""
     out = torch.zeros_like(hidden)
     inter = w2.size(2)
     for expert in range(w13.size(0)):
@@ -54,17 +57,27 @@ def naive_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if token.numel():
             x = hidden[token]
             gate, up = w13[expert, :inter], w13[expert, inter:]
-            y = (F.silu(x @ gate.t()) * (x @ up.t())) @ w2[expert].t()
+            y = (act(x @ gate.t()) * (x @ up.t())) @ w2[expert].t()
             out.index_add_(0, token, y * topk_weights[token, slot, None].to(y.dtype))
     return out
 
 
-def moe_op(ctx: BuildContext):
+# expert activations other than silu, which the `fused_moe` op does not take: they run
+# `naive_moe` with the activation on the gate
+EXPERT_ACTIVATIONS = {"gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def moe_op(ctx: BuildContext, activation: str = "silu"):
     """The experts' op: the platform's `fused_moe`, else the portable one; `naive_moe` under
-    RUNTIME_MOE_IMPL=naive."""
+    RUNTIME_MOE_IMPL=naive, and for an `activation` other than silu."""
     impl = os.environ.get("RUNTIME_MOE_IMPL", "fused")
     if impl not in ("fused", "naive"):
         raise ValueError(f"RUNTIME_MOE_IMPL must be 'fused' or 'naive', got {impl!r}")
+    if activation != "silu":
+        if activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"MoE expert activation {activation!r} is not supported; "
+                             f"supported: silu, {', '.join(EXPERT_ACTIVATIONS)}")
+        return functools.partial(naive_moe, act=EXPERT_ACTIVATIONS[activation])
     return naive_moe if impl == "naive" else ctx.custom_op("fused_moe") or fused_moe
 
 
@@ -73,11 +86,12 @@ class FusedMoE(nn.Module):
 
     `scoring`: how the logits become weights (`route`). `apply_router_weight_on_input`
     (Llama 4): each token enters each chosen expert scaled by that expert's weight, and the
-    experts' outputs are summed unweighted, instead of weighting the outputs."""
+    experts' outputs are summed unweighted, instead of weighting the outputs. `activation`:
+    the gate's (`EXPERT_ACTIVATIONS` besides silu)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, ctx: BuildContext, scoring: str = "softmax",
-                 apply_router_weight_on_input: bool = False) -> None:
+                 apply_router_weight_on_input: bool = False, activation: str = "silu") -> None:
         super().__init__()
         if scoring not in SCORING_FUNCS:
             raise ValueError(f"MoE scoring {scoring!r} is not supported; supported: "
@@ -105,7 +119,7 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(
             torch.empty(self.num_local_experts, hidden_size, self.shard, dtype=ctx.dtype),
             requires_grad=False)
-        self.op = moe_op(ctx)
+        self.op = moe_op(ctx, activation)
 
     def _weighted_inputs(self, hidden: torch.Tensor, weights: torch.Tensor,
                          ids: torch.Tensor) -> torch.Tensor:
@@ -145,6 +159,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.renormalize, self.scoring)
+        return self.run(hidden, weights, ids)
+
+    def run(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+            ) -> torch.Tensor:
+        """The experts on routing a model made itself: weights and global expert ids [T, k]."""
         if self.expert_map is not None:
             ids = self.expert_map[ids]
         if self.apply_router_weight_on_input:

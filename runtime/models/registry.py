@@ -16,6 +16,7 @@ _BUILTIN: dict[str, str] = {
     "Qwen3ForCausalLM": "runtime.models.qwen:Qwen3ForCausalLM",
     "Gemma2ForCausalLM": "runtime.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "runtime.models.gemma:Gemma3ForCausalLM",
+    "Gemma4ForCausalLM": "runtime.models.gemma4:Gemma4ForCausalLM",
     "GraniteForCausalLM": "runtime.models.granite:GraniteForCausalLM",
     "GraniteMoeForCausalLM": "runtime.models.granite:GraniteMoeForCausalLM",
     "Llama4ForCausalLM": "runtime.models.llama4:Llama4ForCausalLM",

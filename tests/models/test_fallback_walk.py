@@ -1,8 +1,9 @@
 """Every architecture of transformers' causal-LM mapping, as a tiny random model, through the
 transformers fallback: refused with a reason, or accepted and then the same greedy tokens and
 logprobs as transformers (chunked prefill in play). An accepted architecture that diverges
-fails. docs/models.md's lists of what the fallback runs and refuses are this walk's outcome
-(`RUNTIME_UPDATE_DOCS=1` rewrites them)."""
+fails; one it refuses that a native class runs is skipped as native. docs/models.md's lists
+of what the fallback runs and refuses are this walk's outcome (`RUNTIME_UPDATE_DOCS=1`
+rewrites them)."""
 from __future__ import annotations
 
 import functools
@@ -105,7 +106,13 @@ def outcome(architecture: str, root: str, tokenizer_dir: str) -> tuple[str, str]
         choose_model(config.architectures, "transformers", config)
     except ValueError as e:
         why = " ".join(str(e).split("cannot run it: ", 1)[-1].split())
-        return ("skipped" if why.startswith("transformers cannot build") else "refused"), why
+        if why.startswith("transformers cannot build"):
+            return "skipped", why
+        try:  # a native class is what users get; its own parity tests cover it
+            native = choose_model(config.architectures, "native")
+        except ValueError:
+            return "refused", why
+        return "skipped", f"runs natively (`{native.model_class.__module__}`)"
     if getattr(config.get_text_config(), "hidden_size", 0) > SIZES["hidden_size"]:
         return "skipped", "the tiny sizes do not reach its text config"
     torch.manual_seed(0)

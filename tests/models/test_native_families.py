@@ -13,6 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from runtime import LLM, SamplingParams
+from runtime.model_config import attention_heads
 from runtime.models.registry import choose_model
 from tests.parity import PROMPTS, assert_matches_hf, hf_greedy
 
@@ -25,6 +26,22 @@ GRANITE = dict(embedding_multiplier=6.0, attention_multiplier=0.2, residual_mult
                logits_scaling=4.0, tie_word_embeddings=False)
 
 CASES = {
+    # sliding (8) and global layers, global ones with twice the head size, one KV head whose
+    # values are its keys; the last two layers read the first two's KV (with a double-wide
+    # MLP); per-layer embeddings; proportional rope on the global layers; logit soft-cap
+    "gemma4": ("Gemma4ForCausalLM", dict(
+        head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        num_hidden_layers=4, sliding_window=8, num_kv_shared_layers=2, use_double_wide_mlp=True,
+        layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=49152, final_logit_softcapping=10.0,
+        tie_word_embeddings=False)),
+    # the same with two of four experts beside every layer's MLP
+    "gemma4-moe": ("Gemma4ForCausalLM", dict(
+        head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        num_hidden_layers=4, sliding_window=8, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=49152, enable_moe_block=True, num_experts=4,
+        top_k_experts=2, moe_intermediate_size=32, tie_word_embeddings=False)),
     "granite": ("GraniteForCausalLM", GRANITE),
     "granite-moe": ("GraniteMoeForCausalLM", dict(GRANITE, num_local_experts=4,
                                                   num_experts_per_tok=2)),
@@ -39,11 +56,15 @@ CASES = {
 
 
 def kv_cache_bytes(llm_config) -> int:
-    """NUM_BLOCKS blocks of BLOCK_SIZE float32 tokens over every layer's K and V."""
+    """NUM_BLOCKS blocks of BLOCK_SIZE float32 tokens over the K and V of every layer that
+    keeps its own (Gemma 4's KV-shared layers do not), each with its own head size."""
     text = llm_config.get_text_config()
-    heads = text.num_key_value_heads * (getattr(text, "head_dim", None)
-                                        or text.hidden_size // text.num_attention_heads)
-    return NUM_BLOCKS * BLOCK_SIZE * 2 * text.num_hidden_layers * heads * 4
+    modes = getattr(text, "kv_sharing_modes", None) or [None] * text.num_hidden_layers
+    widths = [kv_heads * head_size
+              for i, (_, kv_heads, head_size) in enumerate(
+                  attention_heads(text, i) for i in range(text.num_hidden_layers))
+              if modes[i] != "reuse"]
+    return NUM_BLOCKS * BLOCK_SIZE * 2 * sum(widths) * 4
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +126,8 @@ def split_experts(src: str, dst: str, stacked: dict[str, tuple[str, bool]]) -> N
 
 
 PER_EXPERT = {
+    "gemma4-moe": {"experts.gate_up_proj": ("experts", False),
+                   "experts.down_proj": ("experts", False)},
     "llama4": {"feed_forward.experts.gate_up_proj": ("feed_forward.experts", True),
                "feed_forward.experts.down_proj": ("feed_forward.experts", True)},
     "granite-moe": {"block_sparse_moe.input_linear.weight": ("block_sparse_moe.experts", False),

@@ -168,7 +168,6 @@ REFUSALS = {
                           r"attention sinks \(`s_aux`\)"),
     "DeepseekV3ForCausalLM": (lambda: transformers.DeepseekV3Config(**SMALL),
                               "multi-head latent attention"),
-    "Gemma4ForCausalLM": (lambda: transformers.Gemma4TextConfig(**SMALL), "per-layer head sizes"),
     "Gemma3ForConditionalGeneration": (lambda: transformers.Gemma3Config(),
                                        "a vision-language model: not supported yet"),
     "DiffLlamaForCausalLM": (lambda: transformers.DiffLlamaConfig(**SMALL),
@@ -179,6 +178,15 @@ REFUSALS = {
                                                         num_attention_heads=4),
                         "attends both ways"),
 }
+
+
+def test_gemma4_is_refused_by_the_fallback_for_its_head_sizes():
+    """Gemma 4 runs natively; forced through the fallback, it is refused for its per-layer
+    head sizes."""
+    config = transformers.Gemma4TextConfig(**SMALL)
+    with pytest.raises(ValueError, match="cannot run it: .*per-layer head sizes"):
+        choose_model(["Gemma4ForCausalLM"], "transformers", config)
+    assert choose_model(["Gemma4ForCausalLM"], "auto", config).impl == "native"
 
 
 def test_llama4_refusals_name_what_the_config_uses():
