@@ -10,7 +10,8 @@ partial outputs are summed over the tensor-parallel group, as the dense MLP does
 
 `RUNTIME_MOE_IMPL=naive` (read when the layer is built; default `fused`) swaps the op for
 `naive_moe`, a per-expert loop of three separate GEMMs in the style of transformers' eager
-MoE blocks: the unfused baseline of `docs/benchmarks.md`.
+MoE blocks: the unfused baseline of `docs/benchmarks.md`. Experts gated by another activation
+(Gemma 4's gelu-tanh) always run `naive_moe` with it: the `fused_moe` op is silu-only.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from runtime.layers.build_context import BuildContext
 from runtime.layers.embedding import VocabParallelEmbedding
 from runtime.layers.fused_moe import FusedMoE
 from runtime.layers.linear import (ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
-                                   RowParallelLinear)
+                                   RowParallelLinear, divide)
 from runtime.layers.rotary import get_rope
 from runtime.model_config import attention_heads
 from runtime.models.gemma import Gemma2ForCausalLM
@@ -79,8 +79,8 @@ class Gemma4Attention(nn.Module):
         if self.shares_kv:
             self.q_proj = ColumnParallelLinear(hidden, num_heads * self.head_size, bias, ctx,
                                                f"{prefix}.q_proj")
-            self.num_heads = num_heads // ctx.tp_size
-            self.num_kv_heads = max(1, num_kv_heads // ctx.tp_size)
+            self.num_heads = divide(num_heads, ctx.tp_size)
+            self.num_kv_heads = max(1, num_kv_heads // ctx.tp_size)  # as the target's QKV
         else:
             self.qkv_proj = QKVParallelLinear(hidden, self.head_size, num_heads, num_kv_heads,
                                               bias, ctx, f"{prefix}.qkv_proj")
@@ -114,6 +114,7 @@ class Gemma4Attention(nn.Module):
         cache = self.rotary_emb.cos_sin_cache
         if self.shares_kv:
             q = self._heads(self.q_proj(hidden), self.q_norm)
+            # the portable op with no keys: a platform's op may rotate q and k in place
             q, _ = rotary_embedding(positions, q, q[:, :0], cache, self.head_size)
             k, v = shared_kv[self.layer_type]
         else:

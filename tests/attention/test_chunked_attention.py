@@ -27,7 +27,8 @@ def dense_reference(batch, chunk: int) -> torch.Tensor:
     block_size = kv_cache.size(2)
     out = torch.empty_like(query)
     for i in range(md.num_reqs):
-        lo, hi, seq_len = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1], md.seq_lens_cpu[i]
+        lo, hi = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
+        seq_len = md.seq_lens_cpu[i]
         context = seq_len - (hi - lo)
         slots = [int(md.block_tables[i, p // block_size]) * block_size + p % block_size
                  for p in range(context)]
