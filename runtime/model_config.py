@@ -93,6 +93,13 @@ class ModelConfig:
         )
 
     def kv_bytes_per_block(self, block_size: int, kv_dtype: torch.dtype, tp_size: int = 1) -> int:
-        heads = max(1, self.num_kv_heads // tp_size)
+        """Over the layers that keep a cache (not Gemma 4's KV-shared ones), each its own
+        shape."""
+        text = self.hf_config.get_text_config()
+        sharing = getattr(text, "kv_sharing_modes", None) or [None] * self.num_layers
+        width = sum(max(1, kv_heads // tp_size) * head_size
+                    for i, (_, kv_heads, head_size) in enumerate(
+                        attention_heads(text, i) for i in range(self.num_layers))
+                    if sharing[i] != "reuse")
         itemsize = torch.empty(0, dtype=kv_dtype).element_size()
-        return 2 * self.num_layers * block_size * heads * self.head_size * itemsize
+        return 2 * block_size * width * itemsize

@@ -96,6 +96,10 @@ def test_native_matches_transformers(case, parity_model):
     llm, outputs = generate(path, kv_cache_bytes(config))
     assert_matches_hf(outputs, references)
     core = llm.engine.core
+    # every layer's cache sized with its own heads, the KV-shared ones holding none
+    assert core.executor.worker.kv_bytes_per_block == core.model_config.kv_bytes_per_block(
+        BLOCK_SIZE, torch.float32)
+    assert core.num_blocks == NUM_BLOCKS
     assert core.scheduler.num_preemptions > 0, "the cache was meant to be too small"
     assert core.kv.num_cache_hits > 0, "the shared prefix was meant to hit"
 
