@@ -112,6 +112,8 @@ class AttentionBackend(ABC):
     # (gpt-oss). `runtime.platforms.common.offer_backend` refuses a backend without it for a
     # model whose `ModelInfo.attention_sinks` is set.
     supports_attention_sinks: bool = False
+    # Whether the backend applies `attention_chunk_size` (Llama 4's chunked attention).
+    supports_chunked_attention: bool = False
 
     @classmethod
     def supports_kv_cache_dtype(cls, dtype: torch.dtype,
@@ -140,14 +142,22 @@ class AttentionBackend(ABC):
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 sinks: torch.Tensor | None = None) -> None:
+                 sinks: torch.Tensor | None = None,
+                 attention_chunk_size: int | None = None) -> None:
         """`logits_soft_cap`: scores become `cap * tanh(scores / cap)` before the softmax
         (Gemma 2); a backend without `supports_logits_soft_cap` refuses it.
 
         `sinks` [num_heads] float32, on the layer's device: attention sinks (gpt-oss), one
         learned logit per query head that joins every softmax's denominator and adds no value,
         so each row's weights sum to less than one. The layer owns the tensor and loads it in
-        place; a backend without `supports_attention_sinks` refuses it."""
+        place; a backend without `supports_attention_sinks` refuses it.
+
+        `attention_chunk_size` C: the sequence is cut into chunks of C positions and a token
+        at position p sees only keys in [p - p % C, p] (Llama 4's chunked layers); a backend
+        without `supports_chunked_attention` refuses it.
+
+        The layer passes `sinks` and `attention_chunk_size` only when set, so a backend written
+        before them need not take them."""
         if logits_soft_cap is not None and not self.supports_logits_soft_cap:
             raise ValueError(f"attention backend {self.name} has no logit soft-capping, which "
                              f"this model needs; torch_paged and cpu_paged have it")
@@ -155,6 +165,10 @@ class AttentionBackend(ABC):
             raise ValueError(f"attention backend {self.name} has no attention sinks, which "
                              f"this model needs; torch_paged, cpu_paged and triton_paged have "
                              f"them")
+        if attention_chunk_size is not None and not self.supports_chunked_attention:
+            raise ValueError(f"attention backend {self.name} has no chunked attention "
+                             f"(attention_chunk_size), which this model needs; torch_paged "
+                             f"and cpu_paged have it")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
@@ -162,6 +176,7 @@ class AttentionBackend(ABC):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.sinks = sinks
+        self.attention_chunk_size = attention_chunk_size
         # float32 scalars on the default device, which is the layer's: the engine (and
         # `runtime.testing.paged_batch`) build layers under `torch.device(device)`. Updated in
         # place, so a recorded device graph reads the current values.
@@ -192,8 +207,9 @@ class AttentionBackend(ABC):
 
         query [num_tokens, num_heads, head_size]; key/value [num_tokens, num_kv_heads, head_size].
         Each token attends causally to its own request's context (and only the last
-        `sliding_window` positions, when set; with `sinks`, each head's sink logit joins the
-        softmax); a `prefill_only` step leaves the cache untouched,
+        `sliding_window` positions, or only its own chunk of `attention_chunk_size` positions,
+        when set; with `sinks`, each head's sink logit joins the softmax); a `prefill_only` step
+        leaves the cache untouched,
         and with `causal` False each token attends to every token of its request.
         Returns [num_tokens, num_heads, head_size].
         """

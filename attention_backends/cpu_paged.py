@@ -23,10 +23,23 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ENCODER_HEAD_SIZES = (16, 32, 64, 128)
 
 
+def chunk_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, chunk: int,
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block tables and lengths of each sequence's last chunk alone (`chunk` a multiple of
+    `block_size`): what a decode token of a chunked-attention layer sees, for a kernel that
+    reads whole contexts."""
+    first = (seq_lens - 1) // chunk * (chunk // block_size)  # each sequence's first block
+    width = block_tables.size(1)
+    index = (torch.arange(width, device=first.device) + first.unsqueeze(1)).clamp(max=width - 1)
+    return block_tables.gather(1, index.long()), seq_lens - first * block_size
+
+
 class CpuPagedAttention(TorchPagedAttention):
     """Soft-capped layers (Gemma 2) decode and encode through the portable path: the kernels
-    have no cap; so do prefill-only steps of sliding-window layers, of layers with sinks and of
-    head sizes other than 16, 32, 64 and 128."""
+    have no cap; so do prefill-only steps of sliding-window and chunked layers and of layers with
+    sinks, chunks that are not a whole number of blocks, and head sizes other than 16, 32, 64
+    and 128. Chunked layers decode in the kernel over each sequence's last chunk
+    (`chunk_tables`)."""
 
     name = "cpu_paged"
     supports_attention_sinks = True
@@ -68,7 +81,8 @@ class CpuPagedAttention(TorchPagedAttention):
     def _encode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         if (self.logits_soft_cap is not None or self.sliding_window is not None
-                or self.sinks is not None or self.head_size not in ENCODER_HEAD_SIZES):
+                or self.sinks is not None or self.attention_chunk_size is not None
+                or self.head_size not in ENCODER_HEAD_SIZES):
             return super()._encode(query, key, value, metadata)
         return torch.ops.runtime_cpu.encoder_attention(
             query, key, value, metadata.query_start_loc, metadata.max_seq_len, self.scale,
@@ -76,12 +90,16 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, nd: int, block_size: int) -> torch.Tensor:
-        if self.logits_soft_cap is not None:
+        chunk = self.attention_chunk_size
+        if self.logits_soft_cap is not None or (chunk is not None and chunk % block_size):
             return super()._decode(q, k_cache, v_cache, metadata, nd, block_size)
+        tables, lens = metadata.block_tables[:nd], metadata.seq_lens[:nd]
+        if chunk is not None:
+            tables, lens = chunk_tables(tables, lens, chunk, block_size)
         out = torch.empty_like(q)
         scales = ((self.k_scale.item(), self.v_scale.item()) if is_fp8(k_cache.dtype)
                   else (1.0, 1.0))  # a checkpoint's scales mean nothing to an unquantized cache
         torch.ops.runtime_cpu.paged_attention_decode(
-            out, q, k_cache, v_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd],
-            self.scale, self.sliding_window or -1, *scales, self.sinks)
+            out, q, k_cache, v_cache, tables, lens, self.scale, self.sliding_window or -1, *scales,
+            self.sinks)
         return out

@@ -71,6 +71,17 @@ class TorchPagedAttention(AttentionBackend):
     supports_logits_soft_cap = True
     supports_encoder_attention = True
     supports_attention_sinks = True
+    supports_chunked_attention = True
+
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Which keys (positions `k_pos`) the queries at `q_pos` see, broadcast: causal, within
+        the sliding window and within the query's chunk, where those are set."""
+        mask = k_pos <= q_pos
+        if self.sliding_window is not None:
+            mask &= k_pos > q_pos - self.sliding_window
+        if self.attention_chunk_size is not None:
+            mask &= k_pos >= q_pos - q_pos % self.attention_chunk_size
+        return mask
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -131,8 +142,8 @@ class TorchPagedAttention(AttentionBackend):
 
         mask = (pos < lens.unsqueeze(1))[:, None, None, :]  # [B, 1, 1, width]: real keys
         if metadata.causal:
-            mask = mask & (pos[None, :] <= pos[:, None])
-        if self.sliding_window is not None:
+            mask = mask & self.visible(pos[:, None], pos[None, :])
+        elif self.sliding_window is not None:
             mask = mask & (pos[None, :] > pos[:, None] - self.sliding_window)
         o = attend(padded(query), padded(key), padded(value), self.scale, mask,
                    self.logits_soft_cap, self.sinks)
@@ -142,15 +153,13 @@ class TorchPagedAttention(AttentionBackend):
                  seq_len: int) -> torch.Tensor:
         q_len = q.size(0)
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k.to(q.dtype), v.to(q.dtype)))
-        if q_len == seq_len and self.sliding_window is None:
+        if q_len == seq_len and self.sliding_window is None and self.attention_chunk_size is None:
             o = attend(q, k, v, self.scale, None, self.logits_soft_cap, self.sinks)
         else:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
             k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-            mask = k_pos <= q_pos
-            if self.sliding_window is not None:
-                mask &= k_pos > q_pos - self.sliding_window
-            o = attend(q, k, v, self.scale, mask, self.logits_soft_cap, self.sinks)
+            o = attend(q, k, v, self.scale, self.visible(q_pos, k_pos), self.logits_soft_cap,
+                       self.sinks)
         return o.squeeze(0).transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -161,11 +170,9 @@ class TorchPagedAttention(AttentionBackend):
         # [nd, num_blocks, block_size, Hkv, D] -> [nd, Hkv, L, D]
         k = read_kv(k_cache[blocks].flatten(1, 2).transpose(1, 2), self.k_scale, q.dtype)
         v = read_kv(v_cache[blocks].flatten(1, 2).transpose(1, 2), self.v_scale, q.dtype)
-        seq_lens = metadata.seq_lens[:nd].unsqueeze(1)
+        q_pos = metadata.seq_lens[:nd].unsqueeze(1) - 1
         k_pos = torch.arange(num_blocks * block_size, device=q.device).unsqueeze(0)
-        mask = k_pos < seq_lens
-        if self.sliding_window is not None:
-            mask &= k_pos >= seq_lens - self.sliding_window
+        mask = self.visible(q_pos, k_pos)
         o = attend(q.unsqueeze(2), k, v, self.scale, mask[:, None, None, :],
                    self.logits_soft_cap, self.sinks)
         return o.squeeze(2)

@@ -179,7 +179,8 @@ def _paged_attention_kernel(
         stride_bt, NUM_HEADS: tl.constexpr,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr, CHUNK: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
         FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_SUBNORMAL: tl.constexpr,
         SPLIT: tl.constexpr, SINKS: tl.constexpr):
     req = tl.program_id(0)
@@ -225,6 +226,9 @@ def _paged_attention_kernel(
     if SLIDING_WINDOW > 0:
         first = tl.maximum(context_len + tile * BLOCK_M - SLIDING_WINDOW + 1, 0)
         kv_start = (first // BLOCK_N) * BLOCK_N
+    if CHUNK > 0:  # the chunk of the tile's first row starts it
+        first_pos = context_len + tile * BLOCK_M
+        kv_start = ((first_pos - first_pos % CHUNK) // BLOCK_N) * BLOCK_N
     if SPLIT:
         kv_start = tl.maximum(kv_start, split * split_len)
         kv_end = tl.minimum(kv_end, (split + 1) * split_len)
@@ -242,6 +246,8 @@ def _paged_attention_kernel(
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING_WINDOW > 0:
             visible = visible & (pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+        if CHUNK > 0:
+            visible = visible & (pos[None, :] >= q_pos[:, None] - q_pos[:, None] % CHUNK)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
@@ -318,9 +324,11 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
                     sliding_window: int | None, k_scale: torch.Tensor,
-                    v_scale: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
+                    v_scale: torch.Tensor, sinks: torch.Tensor | None = None,
+                    attention_chunk_size: int | None = None) -> None:
     """Attend query [T, H, D] over the paged cache into `out` [T, H, D] (see the module doc);
-    `sinks` [H] float32, when given, are the heads' attention-sink logits."""
+    `sinks` [H] float32, when given, are the heads' attention-sink logits; with
+    `attention_chunk_size` C, a token at position p sees keys [p - p % C, p] only."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = k_cache.size(2)
     group = num_heads // num_kv_heads
@@ -349,8 +357,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_P2=group_p2, BLOCK_SIZE=k_cache.size(1),
         HEAD_SIZE=head_size, HEAD_P2=head_p2, BLOCK_M=block_m, BLOCK_N=kv_tile,
-        SLIDING_WINDOW=sliding_window or 0, FP8_MANT=fp8["FP8_MANT"], FP8_BIAS=fp8["FP8_BIAS"],
-        FP8_SUBNORMAL=fp8["FP8_SUBNORMAL"],
+        SLIDING_WINDOW=sliding_window or 0, CHUNK=attention_chunk_size or 0,
+        FP8_MANT=fp8["FP8_MANT"], FP8_BIAS=fp8["FP8_BIAS"], FP8_SUBNORMAL=fp8["FP8_SUBNORMAL"],
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # "tf32" fails on AMD
         SPLIT=splits > 1, SINKS=sinks is not None)
     if splits > 1:

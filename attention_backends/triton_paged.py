@@ -22,6 +22,7 @@ class TritonPagedAttention(AttentionBackend):
     graph_capturable = True
     fp8_kv_cache = True
     supports_attention_sinks = True
+    supports_chunked_attention = True
 
     @classmethod
     def supports(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
@@ -39,5 +40,5 @@ class TritonPagedAttention(AttentionBackend):
         write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
         out = torch.empty_like(query)
         paged_attention(out, query, k_cache, v_cache, metadata, self.scale, self.sliding_window,
-                        self.k_scale, self.v_scale, self.sinks)
+                        self.k_scale, self.v_scale, self.sinks, self.attention_chunk_size)
         return out

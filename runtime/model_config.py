@@ -20,9 +20,17 @@ class ModelChoice:
     reason: str
 
 
-def attention_heads(text_config: Any) -> tuple[int, int, int]:
+def attention_heads(text_config: Any, layer_idx: int | None = None) -> tuple[int, int, int]:
     """(query heads, KV heads, head size) of a Hugging Face text config: the one place they are
-    derived, for `ModelConfig` and for the models' attention layers alike."""
+    derived, for `ModelConfig` and for the models' attention layers alike. A heterogeneous
+    config (Gemma 4: global layers have `global_head_dim` and their own KV heads) answers per
+    layer `layer_idx`, and without one for its widest layer."""
+    if getattr(text_config, "is_heterogeneous", False):
+        if layer_idx is None:
+            return max((attention_heads(text_config, i)
+                        for i in range(text_config.num_hidden_layers)),
+                       key=lambda heads: heads[1] * heads[2])
+        text_config = text_config.per_layer_config[layer_idx]
     num_heads = text_config.num_attention_heads
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
     head_size = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
@@ -88,6 +96,13 @@ class ModelConfig:
         )
 
     def kv_bytes_per_block(self, block_size: int, kv_dtype: torch.dtype, tp_size: int = 1) -> int:
-        heads = max(1, self.num_kv_heads // tp_size)
+        """Over the layers that keep a cache (not Gemma 4's KV-shared ones), each its own
+        shape."""
+        text = self.hf_config.get_text_config()
+        sharing = getattr(text, "kv_sharing_modes", None) or [None] * self.num_layers
+        width = sum(max(1, kv_heads // tp_size) * head_size
+                    for i, (_, kv_heads, head_size) in enumerate(
+                        attention_heads(text, i) for i in range(self.num_layers))
+                    if sharing[i] != "reuse")
         itemsize = torch.empty(0, dtype=kv_dtype).element_size()
-        return 2 * self.num_layers * block_size * heads * self.head_size * itemsize
+        return 2 * block_size * width * itemsize

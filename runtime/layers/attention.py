@@ -17,26 +17,39 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  ctx: BuildContext, sliding_window: int | None = None,
                  logits_soft_cap: float | None = None, sinks: bool = False,
-                 encoder: bool = False) -> None:
+                 attention_chunk_size: int | None = None,
+                 kv_sharing_target: str | None = None, encoder: bool = False) -> None:
         """`num_heads`/`num_kv_heads` are this rank's. With `sinks`, the layer holds the
         parameter `sinks` [num_heads] float32 (gpt-oss's attention sinks; this rank's heads of
-        the checkpoint's) and hands it to the backend. `encoder`: a vision encoder's layer, run
-        in prefill-only steps of its own with the context's `encoder_attention_backend`; it
-        keeps no KV cache."""
+        the checkpoint's) and hands it to the backend.
+
+        `kv_sharing_target`: the module name of an earlier layer's `Attention` whose cache
+        this one reads instead of keeping its own (Gemma 4's KV-shared layers); it is handed
+        that layer's K and V, and writing them again leaves the cache as it was.
+
+        `encoder`: a vision encoder's layer, run in prefill-only steps of its own with the
+        context's `encoder_attention_backend`; it keeps no KV cache."""
         super().__init__()
         self.encoder = encoder
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.sliding_window = sliding_window
+        self.kv_sharing_target = kv_sharing_target
         self.sinks = None
+        # passed only when set: a plugin backend written before sinks and chunked attention
+        # need not take them
+        extra: dict[str, Any] = {}
         if sinks:
             self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32),
                                       requires_grad=False)
             first = ctx.tp_rank * num_heads
             self.sinks.weight_loader = lambda param, loaded: param.data.copy_(
                 loaded[first:first + num_heads])
+            extra["sinks"] = self.sinks
+        if attention_chunk_size is not None:
+            extra["attention_chunk_size"] = attention_chunk_size
         backend = ctx.encoder_attention_backend if encoder else ctx.attention_backend
         self.impl = backend(num_heads, head_size, scale, num_kv_heads, sliding_window,
-                            logits_soft_cap, self.sinks)
+                            logits_soft_cap, **extra)
         self.kv_cache = torch.empty(0)  # bound by the model runner once the cache is allocated
         # set by the worker for --calculate-kv-scales: the next forward sets the FP8 scales
         self.calculate_kv_scales = False
@@ -65,7 +78,12 @@ class PagedKVCache:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.layers = [m for m in model.modules() if isinstance(m, Attention) and not m.encoder]
+        modules = dict(model.named_modules())
+        attention = [m for m in modules.values() if isinstance(m, Attention) and not m.encoder]
+        self.layers = [m for m in attention if m.kv_sharing_target is None]  # own a cache
+        # (layer, the layer whose cache it reads)
+        self.shared = [(m, modules[m.kv_sharing_target]) for m in attention
+                       if m.kv_sharing_target is not None]
         self.num_zeroed_blocks = 0
 
     def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -74,10 +92,14 @@ class PagedKVCache:
             shape = type(layer.impl).kv_cache_shape(num_blocks, block_size, layer.num_kv_heads,
                                                     layer.head_size)
             layer.kv_cache = torch.empty(shape, dtype=dtype, device=device)
+        for layer, target in self.shared:
+            layer.kv_cache = target.kv_cache
+            # the same FP8 scales, so that writing the target's K/V again stores the same bytes
+            layer.impl.k_scale, layer.impl.v_scale = target.impl.k_scale, target.impl.v_scale
         self.num_zeroed_blocks = 0
 
     def release(self) -> None:
-        for layer in self.layers:
+        for layer in self.layers + [layer for layer, _ in self.shared]:
             layer.kv_cache = torch.empty(0)
 
     def connector_layers(self) -> list[KVCacheLayer]:

@@ -30,7 +30,7 @@ from torch import nn
 
 from runtime.plugins.ops import rotary_embedding
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
 
 
 def rope_parameters(hf_config: Any) -> dict:
@@ -141,6 +141,16 @@ def _llama3(params: dict, dim: int) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+def _proportional(params: dict, head_size: int) -> torch.Tensor:
+    """Gemma 4's global layers: the first `partial_rotary_factor` of the frequencies of a
+    full-width rope over `head_size`, the rest zero (those dims are not rotated)."""
+    angles = int(params.get("partial_rotary_factor", 1.0) * head_size // 2)
+    rotated = 1.0 / (params["rope_theta"] ** (
+        torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_size))
+    inv_freq = torch.cat((rotated, torch.zeros(head_size // 2 - angles)))
+    return inv_freq / params.get("factor", 1.0)
+
+
 def compute_inv_freq(params: dict, rotary_dim: int, max_position: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [rotary_dim // 2] (float32) and the cos/sin scaling for `params`."""
     rope_type, base = params["rope_type"], params["rope_theta"]
@@ -159,6 +169,8 @@ def compute_inv_freq(params: dict, rotary_dim: int, max_position: int) -> tuple[
         return _longrope(params, rotary_dim, max_position)
     if rope_type == "llama3":
         return _llama3(params, rotary_dim), 1.0
+    if rope_type == "proportional":
+        return _proportional(params, rotary_dim), 1.0
     raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
 
 
@@ -201,5 +213,6 @@ def _cached_rope(
     head_size: int, max_position: int, params_json: str, dtype: torch.dtype, device: str
 ) -> RotaryEmbedding:
     params = json.loads(params_json)
-    rotary_dim = int(head_size * params.get("partial_rotary_factor", 1.0))
+    rotary_dim = (head_size if params["rope_type"] == "proportional"  # zero frequencies instead
+                  else int(head_size * params.get("partial_rotary_factor", 1.0)))
     return RotaryEmbedding(head_size, rotary_dim, max_position, params, dtype)

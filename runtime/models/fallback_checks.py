@@ -146,6 +146,15 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
             if hasattr(m, "layer_idx") and _calls_attention_interface(type(m))]
 
 
+def _reads_cache_length(module: nn.Module) -> bool:
+    """Whether an attention module whose forward calls `get_seq_length` reaches that call:
+    Llama 4's only on NoPE layers (`use_rope` false) with `attn_temperature_tuning`; any
+    other module, always."""
+    if hasattr(module, "attn_temperature_tuning") and hasattr(module, "use_rope"):
+        return bool(module.attn_temperature_tuning) and not module.use_rope
+    return True
+
+
 def _attention_refusal(model: nn.Module, text: Any) -> str | None:
     modules = attention_modules(model)
     bidirectional = [type(m).__name__ for m in modules if getattr(m, "is_causal", True) is False]
@@ -153,7 +162,8 @@ def _attention_refusal(model: nn.Module, text: Any) -> str | None:
         return (f"{bidirectional[0]} attends both ways (`is_causal` is False; for a decoder, "
                 "the config's `is_decoder`)")
     for cls in dict.fromkeys(type(m) for m in modules):
-        if "get_seq_length" in (forward_source(cls) or ""):
+        if "get_seq_length" in (forward_source(cls) or "") and any(
+                _reads_cache_length(m) for m in modules if type(m) is cls):
             return (f"{cls.__name__} reads token positions from its cache's length (Llama 4's "
                     "NoPE temperature tuning), which the fallback's flat batch does not give")
         calls = _attention_calls(cls)

@@ -56,13 +56,18 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_size, self.attention_scale(config),
                               self.num_kv_heads, ctx, layer_sliding_window(config, layer_idx),
                               getattr(config, "attn_logit_softcapping", None),
-                              self.attention_sinks)
+                              sinks=self.attention_sinks,
+                              attention_chunk_size=self.attention_chunk_size(config, layer_idx))
         if self.qk_norm:
             self.q_norm = self.norm_cls(self.head_size, config.rms_norm_eps, ctx)
             self.k_norm = self.norm_cls(self.head_size, config.rms_norm_eps, ctx)
 
     def attention_scale(self, config) -> float:
         return self.head_size ** -0.5
+
+    def attention_chunk_size(self, config, layer_idx: int) -> int | None:
+        """The chunk of chunked attention in layer `layer_idx` (Llama 4), None for none."""
+        return None
 
     def rope_config(self, config, layer_idx: int):
         """What `get_rope` reads the rope settings of layer `layer_idx` from."""

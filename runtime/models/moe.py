@@ -2,8 +2,10 @@
 as the Llama/Qwen layers with the MLP replaced by a sparse block around `FusedMoE`.
 
 Checkpoints store one tensor per expert and projection (`experts.{j}.gate_proj` / `w1`, `up_proj`
-/ `w3`, `down_proj` / `w2`); they are copied into the stacked expert weights as they stream in.
-Mixtral names its block `block_sparse_moe`, read here as `mlp`.
+/ `w3`, `down_proj` / `w2`), or all experts stacked as transformers 5 does
+(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]); either is copied into the
+stacked expert weights as it streams in. Mixtral names its block `block_sparse_moe`, read here as
+`mlp`; a class renames other checkpoint names through `checkpoint_renames`.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, 
 from runtime.models.qwen import Qwen2Attention, Qwen3Attention
 
 _EXPERT = re.compile(r"(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_STACKED = re.compile(r"(.*)\.experts\.(gate_up_proj|down_proj)$")
 _PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down",
           "w2": "down"}
 
@@ -75,8 +78,13 @@ class Qwen3MoeDecoderLayer(Qwen2MoeDecoderLayer):
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    """Loads per-expert checkpoint tensors into the stacked expert weights; the rest goes
-    through the Llama loader."""
+    """Loads per-expert or stacked checkpoint tensors into the stacked expert weights; the rest
+    goes through the Llama loader."""
+
+    # checkpoint name part -> ours, applied before anything else (a family's own MoE names)
+    checkpoint_renames: dict[str, str] = {".block_sparse_moe.": ".mlp."}
+    # stacked experts stored [E, in, out] (Llama 4) rather than [E, out, in]
+    stacked_experts_transposed = False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         experts_loaded: set[str] = set()
@@ -89,12 +97,23 @@ class MoeForCausalLM(LlamaForCausalLM):
         modules = dict(self.named_modules())
         num_layers = self.config.num_hidden_layers
         for name, tensor in weights:
-            name = name.replace(".block_sparse_moe.", ".mlp.")
-            match = _EXPERT.match(name)
+            for ours, theirs in self.checkpoint_renames.items():
+                name = name.replace(ours, theirs)
+            stacked = _STACKED.match(name)
+            match = stacked or _EXPERT.match(name)
             if match is None:
                 yield name, tensor
                 continue
             if not self.pp.owns(name, num_layers):
+                continue
+            if stacked:
+                experts = modules[f"{stacked.group(1)}.experts"]
+                part = "down" if stacked.group(2) == "down_proj" else "gate_up"
+                if self.stacked_experts_transposed:
+                    tensor = tensor.transpose(1, 2)
+                experts.load_stacked(tensor, part)
+                loaded.add(f"{stacked.group(1)}.experts."
+                           f"{'w2_weight' if part == 'down' else 'w13_weight'}")
                 continue
             block, expert, part = match.group(1), int(match.group(2)), _PARTS[match.group(3)]
             experts = modules[f"{block}.experts"]

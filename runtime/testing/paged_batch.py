@@ -90,7 +90,8 @@ def run_two_steps(backend_cls, query_lens: list[int], seq_lens: list[int], block
                   seed: int = 0, scale: float | None = None,
                   logits_soft_cap: float | None = None,
                   input_dtype: torch.dtype | None = None,
-                  kv_cache_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  kv_cache_dtype: torch.dtype | None = None,
+                  attention_chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run one layer of `backend_cls` for two steps over a cache in the backend's own layout.
 
     Step 1 prefills each request's earlier context (writing it through the backend), step 2
@@ -109,8 +110,10 @@ def run_two_steps(backend_cls, query_lens: list[int], seq_lens: list[int], block
     qkv = [torch.randn(s, num_heads + 2 * num_kv_heads, head_size, generator=gen)
            .to(input_dtype or dtype).float() for s in seq_lens]
     scale = head_size ** -0.5 if scale is None else scale
+    chunked = {} if attention_chunk_size is None else {
+        "attention_chunk_size": attention_chunk_size}
     impl = build_layer(backend_cls, device, num_heads, head_size, scale, num_kv_heads,
-                       sliding_window, logits_soft_cap)
+                       sliding_window, logits_soft_cap, **chunked)
     cache = torch.zeros(backend_cls.kv_cache_shape(num_blocks, block_size, num_kv_heads,
                                                    head_size), dtype=kv_cache_dtype or dtype,
                         device=device)

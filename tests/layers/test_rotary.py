@@ -33,6 +33,9 @@ VARIANTS = {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "attention_factor": 0.8, "truncate": False,
     },
+    # Gemma 4's global layers: a quarter of the frequencies, the other dims left as they are
+    "proportional": {"rope_type": "proportional", "rope_theta": 10000.0,
+                     "partial_rotary_factor": 0.25},
 }
 
 

@@ -1,8 +1,9 @@
 """Every architecture of transformers' causal-LM mapping, as a tiny random model, through the
 transformers fallback: refused with a reason, or accepted and then the same greedy tokens and
 logprobs as transformers (chunked prefill in play). An accepted architecture that diverges
-fails. docs/models.md's lists of what the fallback runs and refuses are this walk's outcome
-(`RUNTIME_UPDATE_DOCS=1` rewrites them)."""
+fails; one it refuses that a native class runs is skipped as native. docs/models.md's lists
+of what the fallback runs and refuses are this walk's outcome (`RUNTIME_UPDATE_DOCS=1`
+rewrites them)."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +18,7 @@ from transformers import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from runtime import LLM, SamplingParams
-from runtime.models.registry import choose_model, supported_architectures
+from runtime.models.registry import choose_model
 from tests.parity import assert_matches_hf, hf_greedy
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "models.md")
@@ -105,9 +106,13 @@ def outcome(architecture: str, root: str, tokenizer_dir: str) -> tuple[str, str]
         choose_model(config.architectures, "transformers", config)
     except ValueError as e:
         why = " ".join(str(e).split("cannot run it: ", 1)[-1].split())
-        if architecture in supported_architectures():
-            return "skipped", f"runs natively (the fallback refuses it: {why})"
-        return ("skipped" if why.startswith("transformers cannot build") else "refused"), why
+        if why.startswith("transformers cannot build"):
+            return "skipped", why
+        try:  # a native class is what users get; its own parity tests cover it
+            native = choose_model(config.architectures, "native")
+        except ValueError:
+            return "refused", why
+        return "skipped", f"runs natively (`{native.model_class.__module__}`)"
     if getattr(config.get_text_config(), "hidden_size", 0) > SIZES["hidden_size"]:
         return "skipped", "the tiny sizes do not reach its text config"
     torch.manual_seed(0)

@@ -51,6 +51,13 @@ CASES = {
                                            num_key_value_heads=2, max_position_embeddings=256,
                                            logits_scaling=8.0, residual_multiplier=0.5,
                                            embedding_multiplier=2.0, attention_multiplier=0.1)),
+    # rope on every layer, no chunks: nothing reads the cache length (the NoPE layers'
+    # temperature tuning does)
+    "llama4-rope-only": ("Llama4ForCausalLM", dict(
+        hidden_size=64, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        no_rope_layers=[1, 1], attention_chunk_size=None, moe_layers=[1], num_local_experts=4,
+        num_experts_per_tok=1)),
     "starcoder2-sliding": ("Starcoder2ForCausalLM", dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, sliding_window=16)),
@@ -93,10 +100,11 @@ def _kv_bytes(config) -> int:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fallback_matches_transformers(case, fallback_model):
     path, hf = fallback_model(case)
-    assert choose_model(hf.config.architectures).impl == "transformers"
+    assert choose_model(hf.config.architectures, "transformers").impl == "transformers"
     references = [hf_greedy(hf, p, MAX_NEW) for p in FALLBACK_PROMPTS]
+    # model_impl="transformers": Granite has a native class too
     llm = LLM(path, dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=_kv_bytes(hf.config),
-              max_num_batched_tokens=32, max_model_len=128)
+              max_num_batched_tokens=32, max_model_len=128, model_impl="transformers")
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     assert_matches_hf(llm.generate(FALLBACK_PROMPTS, params), references)
     core = llm.engine.core
@@ -160,8 +168,6 @@ REFUSALS = {
                           r"attention sinks \(`s_aux`\)"),
     "DeepseekV3ForCausalLM": (lambda: transformers.DeepseekV3Config(**SMALL),
                               "multi-head latent attention"),
-    "Gemma4ForCausalLM": (lambda: transformers.Gemma4TextConfig(**SMALL), "per-layer head sizes"),
-    "Llama4ForCausalLM": (lambda: transformers.Llama4TextConfig(**SMALL), "chunked attention"),
     "Gemma3ForConditionalGeneration": (lambda: transformers.Gemma3Config(),
                                        "a vision-language model: not supported yet"),
     "DiffLlamaForCausalLM": (lambda: transformers.DiffLlamaConfig(**SMALL),
@@ -172,6 +178,34 @@ REFUSALS = {
                                                         num_attention_heads=4),
                         "attends both ways"),
 }
+
+
+def test_gemma4_is_refused_by_the_fallback_for_its_head_sizes():
+    """Gemma 4 runs natively; forced through the fallback, it is refused for its per-layer
+    head sizes."""
+    config = transformers.Gemma4TextConfig(**SMALL)
+    with pytest.raises(ValueError, match="cannot run it: .*per-layer head sizes"):
+        choose_model(["Gemma4ForCausalLM"], "transformers", config)
+    assert choose_model(["Gemma4ForCausalLM"], "auto", config).impl == "native"
+
+
+def test_llama4_refusals_name_what_the_config_uses():
+    """The fallback refuses Llama 4 for chunked attention, and for NoPE temperature tuning
+    (positions read from the cache length) only where a layer has it."""
+    def refusal(**overrides) -> str:
+        config = transformers.Llama4TextConfig(**SMALL, head_dim=16, **overrides)
+        with pytest.raises(ValueError) as info:
+            choose_model(["Llama4ForCausalLM"], "transformers", config)
+        return str(info.value)
+
+    assert "chunked attention" in refusal(no_rope_layers=[1, 0])
+    assert "reads token positions from its cache" in refusal(
+        no_rope_layers=[1, 0], attention_chunk_size=None,
+        layer_types=["full_attention", "full_attention"])
+    config = transformers.Llama4TextConfig(**SMALL, head_dim=16, no_rope_layers=[1, 0],
+                                           attention_chunk_size=None, attn_temperature_tuning=False,
+                                           layer_types=["full_attention", "full_attention"])
+    assert choose_model(["Llama4ForCausalLM"], "transformers", config).impl == "transformers"
 
 
 @pytest.mark.parametrize("architecture", sorted(REFUSALS))

@@ -17,6 +17,7 @@ from runtime.plugins.manager import discovered_plugins, get_plugin_manager, rese
 from runtime.platforms.cpu.platform import CpuPlatform
 from runtime import LLM, SamplingParams
 from runtime.layers.layernorm import RMSNorm
+from runtime.models.registry import choose_model
 from runtime.plugins.ops import rms_norm
 from tests.parity import PROMPTS, assert_matches_hf, hf_greedy
 
@@ -105,10 +106,13 @@ def test_same_tokens_with_and_without_it(tiny_llama, example_site, monkeypatch):
 
 
 def test_granite_matches_transformers(tiny_model_factory, example_plugin):
+    """A plugin's architecture takes the place of the built-in class of the same name."""
     path = tiny_model_factory("GraniteForCausalLM", **GRANITE)
     hf = transformers.GraniteForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     references = [hf_greedy(hf, p, PARAMS.max_tokens) for p in PROMPTS]
-    _, outs = _generate(path)
+    llm, outs = _generate(path)
+    model = llm.engine.core.executor.worker.runner.model
+    assert type(model).__module__ == "runtime_example_plugin.granite"
     assert_matches_hf(outs, references)
 
 
@@ -125,10 +129,11 @@ def test_granite_runs_under_pipeline_parallel(tiny_model_factory, example_plugin
     assert_matches_hf(outs, references)
 
 
-def test_granite_needs_the_plugin(tiny_model_factory, monkeypatch):
+def test_granite_without_the_plugin_is_the_built_in_class(monkeypatch):
     monkeypatch.setenv("RUNTIME_PLUGINS", "cpu")
     reset_plugin_manager()
-    # without the plugin only the transformers fallback could run it
-    with pytest.raises(ValueError, match="GraniteForCausalLM.* is not supported"):
-        LLM(tiny_model_factory("GraniteForCausalLM", **GRANITE), model_impl="native", **OPTIONS)
-    reset_plugin_manager()
+    try:
+        choice = choose_model(["GraniteForCausalLM"], "native")
+    finally:
+        reset_plugin_manager()
+    assert choice.model_class.__module__ == "runtime.models.granite"
