@@ -9,6 +9,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# `layer_types` entries of recurrent layers (hybrid models), which keep no KV
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "conv")
+
 
 @dataclass(frozen=True)
 class ModelChoice:
@@ -42,7 +45,8 @@ class ModelConfig:
     vocab_size: int
     max_model_len: int
     sliding_window: int | None
-    layer_types: tuple[str, ...]  # per layer: "full_attention" or "sliding_attention"
+    # per layer: "full_attention", "sliding_attention", or a recurrent layer's type
+    layer_types: tuple[str, ...]
     choice: ModelChoice  # the implementation that runs it (native or transformers), and why
 
     @classmethod
@@ -84,7 +88,13 @@ class ModelConfig:
             choice=choice,
         )
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Recurrent layers beside attention: their state lives in state slots, not KV."""
+        return bool(getattr(self.choice.model_class, "is_hybrid", False))
+
     def kv_bytes_per_block(self, block_size: int, kv_dtype: torch.dtype, tp_size: int = 1) -> int:
         heads = max(1, self.num_kv_heads // tp_size)
         itemsize = torch.empty(0, dtype=kv_dtype).element_size()
-        return 2 * self.num_layers * block_size * heads * self.head_size * itemsize
+        num_kv_layers = sum(t not in RECURRENT_LAYER_TYPES for t in self.layer_types)
+        return 2 * num_kv_layers * block_size * heads * self.head_size * itemsize
