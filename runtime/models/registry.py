@@ -20,6 +20,8 @@ _BUILTIN: dict[str, str] = {
     "MixtralForCausalLM": "runtime.models.moe:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "runtime.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "runtime.models.moe:Qwen3MoeForCausalLM",
+    # hybrids: recurrent layers beside attention (runtime.layers.recurrent_state)
+    "Qwen3_5ForCausalLM": "runtime.models.qwen3_5:Qwen3_5ForCausalLM",
     # pooling models (runner="pooling"): encoders and classifiers
     "BertModel": "runtime.models.bert:BertModel",
     "BertForSequenceClassification": "runtime.models.bert:BertForSequenceClassification",

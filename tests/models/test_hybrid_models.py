@@ -1,0 +1,82 @@
+"""Native hybrid models (recurrent layers beside attention) against transformers on the same
+random weights: greedy tokens and logprobs, with prompts chunked at odd points, under a KV
+budget that forces preemption, and with n > 1."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from runtime import LLM, SamplingParams
+from runtime.models.registry import choose_model
+from tests.parity import PROMPTS, assert_matches_hf, hf_greedy
+
+MAX_NEW = 10
+
+CASES = {
+    # three gated delta-nets, then gated attention with a quarter of each head rotated
+    "qwen3.5": ("Qwen3_5ForCausalLM", dict(
+        num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def hybrid_path(request, tiny_model_factory) -> str:
+    arch, overrides = CASES[request.param]
+    assert choose_model([arch]).impl == "native"
+    return tiny_model_factory(arch, **overrides)
+
+
+@pytest.fixture(scope="module")
+def hybrid(hybrid_path):
+    """(model folder, transformers' greedy references for PROMPTS)."""
+    with open(f"{hybrid_path}/config.json") as f:
+        arch = json.load(f)["architectures"][0]
+    hf = getattr(transformers, arch).from_pretrained(hybrid_path, dtype=torch.float32).eval()
+    return hybrid_path, [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+
+
+def test_matches_transformers_with_odd_chunks(hybrid):
+    """A 13-token budget splits the longer prompts at odd positions: the state carries over."""
+    path, references = hybrid
+    llm = LLM(path, dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=13,
+              block_size=16)
+    assert_matches_hf(llm.generate(PROMPTS, GREEDY), references)
+
+
+def test_matches_transformers_unchunked_and_preempted(hybrid):
+    """Whole prompts in one step, and a KV cache too small for every request at once: the
+    preempted ones give up their state slot and recompute."""
+    path, references = hybrid
+    llm = LLM(path, dtype="float32", kv_cache_memory="94KiB", max_num_seqs=4,
+              enable_chunked_prefill=False, max_num_batched_tokens=256, max_model_len=100,
+              block_size=16)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert_matches_hf(outputs, references)
+
+
+def test_parallel_samples_follow_the_prompt(hybrid):
+    """n = 3 greedy samples each equal transformers' greedy continuation."""
+    path, references = hybrid
+    llm = LLM(path, dtype="float32", kv_cache_memory="8MiB")
+    params = SamplingParams(n=3, temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    for out, (tokens, _) in zip(llm.generate(PROMPTS[:2], params), references):
+        assert [s.token_ids for s in out.outputs] == [tokens] * 3
+
+
+@pytest.mark.parametrize("engine, named", [
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "speculative decoding is not supported for .* recurrent layers"),
+    (dict(enable_lora=True), "--enable-lora is not supported"),
+    (dict(runner="pooling"), "pooling runner is not supported"),
+])
+def test_what_hybrids_cannot_run_is_refused_by_name(hybrid_path, engine, named):
+    with pytest.raises(ValueError, match=named):
+        LLM(hybrid_path, dtype="float32", kv_cache_memory="8MiB", **engine)
