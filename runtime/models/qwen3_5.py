@@ -1,5 +1,5 @@
-"""Qwen3.5 (text): a hybrid of gated delta-net layers (`linear_attention`) and gated attention
-(`full_attention`, 1 layer in 4 by default), on the Llama layers.
+"""Qwen3.5 and Qwen3.5-MoE (text): hybrids of gated delta-net layers (`linear_attention`) and
+gated attention (`full_attention`, 1 layer in 4 by default), on the Llama layers.
 
 What differs from Qwen3: the query projection also yields a per-head output gate
 (attention out * sigmoid(gate)); rotary embeddings cover part of each head
@@ -19,6 +19,7 @@ from runtime.layers.rotary import get_rope, rotary_embedding
 from runtime.model_config import attention_heads
 from runtime.models.gemma import GemmaRMSNorm
 from runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from runtime.models.moe import MoeForCausalLM, SparseMoeBlock
 
 
 class Qwen3_5Attention(nn.Module):
@@ -98,3 +99,23 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     stacked_params = {**LlamaForCausalLM.stacked_params,
                       **{name: ("in_proj", shard)
                          for name, shard in GatedDeltaNet.in_proj_shards.items()}}
+
+
+class Qwen3_5MoeDecoderLayer(Qwen3_5DecoderLayer):
+    def build_mlp(self, config, layer_idx: int, ctx: BuildContext, prefix: str) -> nn.Module:
+        return SparseMoeBlock(config, ctx, prefix, config.num_experts, config.num_experts_per_tok,
+                              config.moe_intermediate_size, True,
+                              config.shared_expert_intermediate_size)
+
+
+class Qwen3_5MoeModel(Qwen3_5Model):
+    layer_cls = Qwen3_5MoeDecoderLayer
+
+
+class Qwen3_5MoeForCausalLM(MoeForCausalLM):
+    """Qwen3.5-MoE (text): every layer's MLP is a routed MoE (top-k renormalised) with a gated
+    shared expert."""
+
+    model_cls = Qwen3_5MoeModel
+    is_hybrid = True
+    stacked_params = Qwen3_5ForCausalLM.stacked_params

@@ -22,6 +22,8 @@ _BUILTIN: dict[str, str] = {
     "Qwen3MoeForCausalLM": "runtime.models.moe:Qwen3MoeForCausalLM",
     # hybrids: recurrent layers beside attention (runtime.layers.recurrent_state)
     "Qwen3_5ForCausalLM": "runtime.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "runtime.models.qwen3_5:Qwen3_5MoeForCausalLM",
+    "Qwen3NextForCausalLM": "runtime.models.qwen3_next:Qwen3NextForCausalLM",
     # pooling models (runner="pooling"): encoders and classifiers
     "BertModel": "runtime.models.bert:BertModel",
     "BertForSequenceClassification": "runtime.models.bert:BertForSequenceClassification",

@@ -15,11 +15,19 @@ from tests.parity import PROMPTS, assert_matches_hf, hf_greedy
 
 MAX_NEW = 10
 
+# three gated delta-nets (two value heads per key head), then gated attention with a quarter
+# of each head rotated
+HYBRID = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=48)
+
 CASES = {
-    # three gated delta-nets, then gated attention with a quarter of each head rotated
-    "qwen3.5": ("Qwen3_5ForCausalLM", dict(
-        num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False)),
+    "qwen3.5": ("Qwen3_5ForCausalLM", HYBRID),
+    "qwen3.5-moe": ("Qwen3_5MoeForCausalLM", dict(HYBRID, **MOE)),
+    # the delta-net projections grouped per key head; layer 1 dense, top-k not renormalised
+    "qwen3-next": ("Qwen3NextForCausalLM", dict(HYBRID, **MOE, mlp_only_layers=[1],
+                                                norm_topk_prob=False)),
 }
 
 
