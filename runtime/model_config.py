@@ -61,7 +61,10 @@ class ModelConfig:
         logger.info("model %s: %s implementation (%s)", choice.architecture, choice.impl,
                     choice.reason)
         text = hf_config.get_text_config()
-        num_heads, num_kv_heads, head_size = attention_heads(text)
+        # a model of recurrent layers only (Mamba 2) has no attention heads
+        num_heads, num_kv_heads, head_size = (attention_heads(text)
+                                              if hasattr(text, "num_attention_heads")
+                                              else (0, 0, 0))
         limit = getattr(text, "max_position_embeddings", None) or 2048
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "

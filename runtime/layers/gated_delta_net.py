@@ -16,13 +16,17 @@ from runtime.plugins import recurrent_ops
 
 class DepthwiseConvWeight(nn.Module):
     """A depthwise conv1d's weight as the ops take it, [channels, width], loaded from the
-    checkpoint's nn.Conv1d layout [channels, 1, width]."""
+    checkpoint's nn.Conv1d layout [channels, 1, width]; and its bias [channels] when it has
+    one (else None)."""
 
-    def __init__(self, channels: int, width: int, dtype: torch.dtype) -> None:
+    def __init__(self, channels: int, width: int, dtype: torch.dtype, bias: bool = False
+                 ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, width, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self._load
+        self.bias = (nn.Parameter(torch.zeros(channels, dtype=dtype), requires_grad=False)
+                     if bias else None)
 
     @staticmethod
     def _load(param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ _BUILTIN: dict[str, str] = {
     "Qwen3_5ForCausalLM": "runtime.models.qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM": "runtime.models.qwen3_5:Qwen3_5MoeForCausalLM",
     "Qwen3NextForCausalLM": "runtime.models.qwen3_next:Qwen3NextForCausalLM",
+    "Mamba2ForCausalLM": "runtime.models.mamba2:Mamba2ForCausalLM",
     # pooling models (runner="pooling"): encoders and classifiers
     "BertModel": "runtime.models.bert:BertModel",
     "BertForSequenceClassification": "runtime.models.bert:BertForSequenceClassification",

@@ -161,8 +161,16 @@ class Worker:
                                                      self.model_bytes + activation)
         # Never hold more than every sequence slot could use at full length.
         cap = self.config.max_num_seqs * -(-mc.max_model_len // self.config.block_size)
-        budget -= self.num_state_slots * self.state_bytes_per_slot()
-        return min(max(0, budget) // per_block, cap)
+        state_bytes = self.num_state_slots * self.state_bytes_per_slot()
+        if state_bytes > budget:
+            raise ValueError(f"the recurrent state of {self.num_state_slots} sequences "
+                             f"({state_bytes / 2**20:.1f} MiB) does not fit the KV-cache budget "
+                             f"({budget / 2**20:.1f} MiB): raise --kv-cache-memory or lower "
+                             "--max-num-seqs")
+        budget -= state_bytes
+        if per_block == 0:  # no attention layer: blocks only count tokens
+            return cap
+        return min(budget // per_block, cap)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then let the graph runner record what it records over it."""

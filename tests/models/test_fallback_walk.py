@@ -99,13 +99,13 @@ def outcome(architecture: str, root: str, tokenizer_dir: str) -> tuple[str, str]
     """("refused", why) or ("runs", "") after asserting parity with transformers; ("native",
     "") for a hybrid with a native class (tests/models/test_hybrid_models.py), which the
     fallback cannot run."""
+    if architecture in supported_architectures() and \
+            getattr(choose_model([architecture]).model_class, "is_hybrid", False):
+        return "native", ""
     try:
         config = tiny_config(_model_type(architecture), architecture)
     except Exception as e:  # a config class that needs more than sizes: recorded, not run
         return "skipped", f"no tiny config ({type(e).__name__}: {_one_line(e)})"
-    if architecture in supported_architectures() and \
-            getattr(choose_model([architecture]).model_class, "is_hybrid", False):
-        return "native", ""
     try:
         choose_model(config.architectures, "transformers", config)
     except ValueError as e:

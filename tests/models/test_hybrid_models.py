@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from runtime import LLM, SamplingParams
+from runtime.model_config import RECURRENT_LAYER_TYPES
 from runtime.models.registry import choose_model
 from tests.parity import PROMPTS, assert_matches_hf, hf_greedy
 
@@ -28,6 +29,10 @@ CASES = {
     # the delta-net projections grouped per key head; layer 1 dense, top-k not renormalised
     "qwen3-next": ("Qwen3NextForCausalLM", dict(HYBRID, **MOE, mlp_only_layers=[1],
                                                 norm_topk_prob=False)),
+    # no attention at all; two groups of B and C, SSD chunks of 16 tokens
+    "mamba2": ("Mamba2ForCausalLM", dict(
+        num_hidden_layers=2, expand=2, num_heads=8, head_dim=16, n_groups=2, state_size=16,
+        chunk_size=16)),
 }
 
 
@@ -66,7 +71,9 @@ def test_matches_transformers_unchunked_and_preempted(hybrid):
               enable_chunked_prefill=False, max_num_batched_tokens=256, max_model_len=100,
               block_size=16)
     outputs = llm.generate(PROMPTS, GREEDY)
-    assert llm.engine.core.scheduler.num_preemptions > 0
+    layer_types = llm.engine.core.model_config.layer_types
+    if set(layer_types) - set(RECURRENT_LAYER_TYPES):  # Mamba 2 keeps no KV: nothing runs out
+        assert llm.engine.core.scheduler.num_preemptions > 0
     assert_matches_hf(outputs, references)
 
 
@@ -77,6 +84,11 @@ def test_parallel_samples_follow_the_prompt(hybrid):
     params = SamplingParams(n=3, temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     for out, (tokens, _) in zip(llm.generate(PROMPTS[:2], params), references):
         assert [s.token_ids for s in out.outputs] == [tokens] * 3
+
+
+def test_state_larger_than_the_budget_is_refused(hybrid_path):
+    with pytest.raises(ValueError, match="recurrent state of 256 sequences .* does not fit"):
+        LLM(hybrid_path, dtype="float32", kv_cache_memory="64KiB")
 
 
 @pytest.mark.parametrize("engine, named", [
