@@ -25,6 +25,7 @@ _BUILTIN: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "runtime.models.qwen3_5:Qwen3_5MoeForCausalLM",
     "Qwen3NextForCausalLM": "runtime.models.qwen3_next:Qwen3NextForCausalLM",
     "Mamba2ForCausalLM": "runtime.models.mamba2:Mamba2ForCausalLM",
+    "GraniteMoeHybridForCausalLM": "runtime.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
     # pooling models (runner="pooling"): encoders and classifiers
     "BertModel": "runtime.models.bert:BertModel",
     "BertForSequenceClassification": "runtime.models.bert:BertForSequenceClassification",

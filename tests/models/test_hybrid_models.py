@@ -3,8 +3,6 @@ random weights: greedy tokens and logprobs, with prompts chunked at odd points, 
 budget that forces preemption, and with n > 1."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import transformers
@@ -33,21 +31,39 @@ CASES = {
     "mamba2": ("Mamba2ForCausalLM", dict(
         num_hidden_layers=2, expand=2, num_heads=8, head_dim=16, n_groups=2, state_size=16,
         chunk_size=16)),
+    # Granite 4.0-H: a Mamba 2 layer and an attention layer without rope, top-2 of 4 experts
+    # and a shared MLP, every multiplier away from 1
+    "granite-4.0-h": ("GraniteMoeHybridForCausalLM", dict(
+        layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=32, shared_intermediate_size=48, mamba_n_heads=8, mamba_d_head=16,
+        mamba_n_groups=2, mamba_d_state=16, mamba_expand=2, mamba_chunk_size=16,
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+        logits_scaling=2.0, tie_word_embeddings=False)),
 }
 
 
+# the budget that holds the state of 4 sequences and the KV of 7 blocks: a request of
+# max_model_len 100 fits alone, not all of them at once (Mamba 2 keeps no KV)
+PREEMPTION_BUDGET = {"qwen3.5": "94KiB", "qwen3.5-moe": "94KiB", "qwen3-next": "94KiB",
+                     "granite-4.0-h": "69KiB", "mamba2": "94KiB"}
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
-def hybrid_path(request, tiny_model_factory) -> str:
-    arch, overrides = CASES[request.param]
+def hybrid_case(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def hybrid_path(hybrid_case, tiny_model_factory) -> str:
+    arch, overrides = CASES[hybrid_case]
     assert choose_model([arch]).impl == "native"
     return tiny_model_factory(arch, **overrides)
 
 
 @pytest.fixture(scope="module")
-def hybrid(hybrid_path):
+def hybrid(hybrid_case, hybrid_path):
     """(model folder, transformers' greedy references for PROMPTS)."""
-    with open(f"{hybrid_path}/config.json") as f:
-        arch = json.load(f)["architectures"][0]
+    arch = CASES[hybrid_case][0]
     hf = getattr(transformers, arch).from_pretrained(hybrid_path, dtype=torch.float32).eval()
     return hybrid_path, [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
 
@@ -63,11 +79,12 @@ def test_matches_transformers_with_odd_chunks(hybrid):
     assert_matches_hf(llm.generate(PROMPTS, GREEDY), references)
 
 
-def test_matches_transformers_unchunked_and_preempted(hybrid):
+def test_matches_transformers_unchunked_and_preempted(hybrid, hybrid_case):
     """Whole prompts in one step, and a KV cache too small for every request at once: the
     preempted ones give up their state slot and recompute."""
     path, references = hybrid
-    llm = LLM(path, dtype="float32", kv_cache_memory="94KiB", max_num_seqs=4,
+    llm = LLM(path, dtype="float32", kv_cache_memory=PREEMPTION_BUDGET[hybrid_case],
+              max_num_seqs=4,
               enable_chunked_prefill=False, max_num_batched_tokens=256, max_model_len=100,
               block_size=16)
     outputs = llm.generate(PROMPTS, GREEDY)
