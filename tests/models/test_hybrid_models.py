@@ -71,12 +71,16 @@ def hybrid(hybrid_case, hybrid_path):
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
 
 
-def test_matches_transformers_with_odd_chunks(hybrid):
-    """A 13-token budget splits the longer prompts at odd positions: the state carries over."""
-    path, references = hybrid
-    llm = LLM(path, dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=13,
-              block_size=16)
-    assert_matches_hf(llm.generate(PROMPTS, GREEDY), references)
+@pytest.fixture(scope="module")
+def chunked_llm(hybrid_path) -> LLM:
+    """A 13-token budget: the longer prompts are split at odd positions."""
+    return LLM(hybrid_path, dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=13,
+               block_size=16)
+
+
+def test_matches_transformers_with_odd_chunks(hybrid, chunked_llm):
+    """The state carries over from one prompt chunk to the next."""
+    assert_matches_hf(chunked_llm.generate(PROMPTS, GREEDY), hybrid[1])
 
 
 def test_matches_transformers_unchunked_and_preempted(hybrid, hybrid_case):
@@ -94,12 +98,10 @@ def test_matches_transformers_unchunked_and_preempted(hybrid, hybrid_case):
     assert_matches_hf(outputs, references)
 
 
-def test_parallel_samples_follow_the_prompt(hybrid):
+def test_parallel_samples_follow_the_prompt(hybrid, chunked_llm):
     """n = 3 greedy samples each equal transformers' greedy continuation."""
-    path, references = hybrid
-    llm = LLM(path, dtype="float32", kv_cache_memory="8MiB")
     params = SamplingParams(n=3, temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    for out, (tokens, _) in zip(llm.generate(PROMPTS[:2], params), references):
+    for out, (tokens, _) in zip(chunked_llm.generate(PROMPTS[:2], params), hybrid[1]):
         assert [s.token_ids for s in out.outputs] == [tokens] * 3
 
 
