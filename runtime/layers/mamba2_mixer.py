@@ -71,6 +71,18 @@ class Mamba2Mixer(StatefulLayer):
         self.update_op = (ctx.custom_op("mamba2_state_update")
                           or recurrent_ops.mamba2_state_update)
 
+    @classmethod
+    def from_hybrid_config(cls, config, ctx: BuildContext, prefix: str) -> "Mamba2Mixer":
+        """The mixer of a hybrid whose config names its sizes `mamba_*` (Granite 4.0-H,
+        Bamba)."""
+        return cls(ctx, prefix, hidden_size=config.hidden_size, num_heads=config.mamba_n_heads,
+                   head_dim=config.mamba_d_head, n_groups=config.mamba_n_groups,
+                   state_size=config.mamba_d_state, conv_kernel=config.mamba_d_conv,
+                   intermediate_size=int(config.mamba_expand * config.hidden_size),
+                   use_conv_bias=config.mamba_conv_bias, use_bias=config.mamba_proj_bias,
+                   eps=config.rms_norm_eps, chunk_size=config.mamba_chunk_size,
+                   time_step_limit=config.time_step_limit)
+
     def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """The conv state in the model dtype, the SSM state in float32."""
         return [((self.conv_dim, self.conv_width - 1), self.dtype),

@@ -56,15 +56,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
         if self.layer_type == "linear_attention":
-            self.mamba = Mamba2Mixer(
-                ctx, f"{prefix}.mamba", hidden_size=config.hidden_size,
-                num_heads=config.mamba_n_heads, head_dim=config.mamba_d_head,
-                n_groups=config.mamba_n_groups, state_size=config.mamba_d_state,
-                conv_kernel=config.mamba_d_conv,
-                intermediate_size=int(config.mamba_expand * config.hidden_size),
-                use_conv_bias=config.mamba_conv_bias, use_bias=config.mamba_proj_bias,
-                eps=config.rms_norm_eps, chunk_size=config.mamba_chunk_size,
-                time_step_limit=config.time_step_limit)
+            self.mamba = Mamba2Mixer.from_hybrid_config(config, ctx, f"{prefix}.mamba")
         else:
             self.self_attn = GraniteMoeHybridAttention(config, layer_idx, ctx,
                                                        f"{prefix}.self_attn")

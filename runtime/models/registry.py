@@ -26,6 +26,7 @@ _BUILTIN: dict[str, str] = {
     "Qwen3NextForCausalLM": "runtime.models.qwen3_next:Qwen3NextForCausalLM",
     "Mamba2ForCausalLM": "runtime.models.mamba2:Mamba2ForCausalLM",
     "GraniteMoeHybridForCausalLM": "runtime.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
+    "BambaForCausalLM": "runtime.models.bamba:BambaForCausalLM",
     # pooling models (runner="pooling"): encoders and classifiers
     "BertModel": "runtime.models.bert:BertModel",
     "BertForSequenceClassification": "runtime.models.bert:BertForSequenceClassification",

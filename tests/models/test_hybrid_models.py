@@ -39,12 +39,16 @@ CASES = {
         mamba_n_groups=2, mamba_d_state=16, mamba_expand=2, mamba_chunk_size=16,
         embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
         logits_scaling=2.0, tie_word_embeddings=False)),
+    # Bamba: a Mamba 2 layer, then attention rotating half of each head
+    "bamba": ("BambaForCausalLM", dict(
+        attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=16, mamba_expand=2, mamba_chunk_size=16, tie_word_embeddings=False)),
 }
 
 
 # the budget that holds the state of 4 sequences and the KV of 7 blocks: a request of
 # max_model_len 100 fits alone, not all of them at once (Mamba 2 keeps no KV)
-PREEMPTION_BUDGET = {"qwen3.5": "94KiB", "qwen3.5-moe": "94KiB", "qwen3-next": "94KiB",
+PREEMPTION_BUDGET = {"bamba": "69KiB", "qwen3.5": "94KiB", "qwen3.5-moe": "94KiB", "qwen3-next": "94KiB",
                      "granite-4.0-h": "69KiB", "mamba2": "94KiB"}
 
 
