@@ -27,6 +27,7 @@ _BUILTIN: dict[str, str] = {
     "Mamba2ForCausalLM": "runtime.models.mamba2:Mamba2ForCausalLM",
     "GraniteMoeHybridForCausalLM": "runtime.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
     "BambaForCausalLM": "runtime.models.bamba:BambaForCausalLM",
+    "Lfm2ForCausalLM": "runtime.models.lfm2:Lfm2ForCausalLM",
     # pooling models (runner="pooling"): encoders and classifiers
     "BertModel": "runtime.models.bert:BertModel",
     "BertForSequenceClassification": "runtime.models.bert:BertForSequenceClassification",

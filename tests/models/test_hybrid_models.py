@@ -43,12 +43,15 @@ CASES = {
     "bamba": ("BambaForCausalLM", dict(
         attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
         mamba_d_state=16, mamba_expand=2, mamba_chunk_size=16, tie_word_embeddings=False)),
+    # LFM2: a short gated conv (width 3), then attention with q/k norms
+    "lfm2": ("Lfm2ForCausalLM", dict(layer_types=["conv", "full_attention"],
+                                     tie_word_embeddings=False)),
 }
 
 
 # the budget that holds the state of 4 sequences and the KV of 7 blocks: a request of
 # max_model_len 100 fits alone, not all of them at once (Mamba 2 keeps no KV)
-PREEMPTION_BUDGET = {"bamba": "69KiB", "qwen3.5": "94KiB", "qwen3.5-moe": "94KiB", "qwen3-next": "94KiB",
+PREEMPTION_BUDGET = {"bamba": "69KiB", "lfm2": "30KiB", "qwen3.5": "94KiB", "qwen3.5-moe": "94KiB", "qwen3-next": "94KiB",
                      "granite-4.0-h": "69KiB", "mamba2": "94KiB"}
 
 
