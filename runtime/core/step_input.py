@@ -55,7 +55,7 @@ class StepInputBuilder:
                     output_token_ids=r.output_token_ids, params=r.params,
                     sample_index=r.sample_index, block_ids=list(r.block_ids),
                     num_computed_tokens=r.num_computed_tokens, lora_request=r.lora_request,
-                    pooling_params=r.pooling_params))
+                    pooling_params=r.pooling_params, state_slot=r.state_slot))
             else:
                 step.cached_requests.append(CachedRequestData(
                     request_id=r.request_id, new_token_ids=r.all_token_ids[num_sent:],
