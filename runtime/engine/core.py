@@ -16,13 +16,14 @@ from runtime.core.scheduler import Scheduler
 from runtime.core.step_input import StepInputBuilder
 from runtime.engine.step_stats import StepTokens
 from runtime.executor import build_executor
+from runtime.executor.base import WorkerError
 from runtime.kv_transfer.registry import build_scheduler_side
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource, load_config, resolve_model
 from runtime.pooling.models import is_encoder_only
 from runtime.request import Request, RequestStatus
 from runtime.core.structured_output import StructuredOutputManager
-from runtime.core.messages import TokenLogprobs
+from runtime.core.messages import StepInput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +184,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:
+            self._flush_kv_connector()
             self.kv_connector.shutdown()
         self.structured.shutdown()
         self.executor.shutdown()
@@ -256,6 +258,19 @@ class EngineCore:
             raise ValueError(f"the weights of {model_path} could not be loaded (the old ones "
                              f"are served): {'; '.join(failed)}")
         logger.info("serving the weights of %s", model_path)
+
+    def _flush_kv_connector(self) -> None:
+        """One last step with no request, in which the workers keep what the connector wants to
+        outlive the engine (the offload tier: the prefix cache, to disk)."""
+        if self.asleep:  # the cache is gone: nothing to keep
+            return
+        orders = self.kv_connector.flush(self.kv.pool.cached_blocks())
+        if not orders:
+            return
+        try:
+            self.executor.execute(StepInput(kv_connector_meta=orders))
+        except WorkerError as e:
+            logger.warning("the KV connector's last step failed: %s", e)
 
     def _new_kv_connector(self) -> None:
         """A KV connector's scheduler side anew, as each worker's is when its cache is
