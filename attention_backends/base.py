@@ -68,6 +68,10 @@ class AttentionMetadata:
     num_decode_tokens: int = 0  # requests with query_len 1 come first: tokens [0, num_decodes)
     prefill_only: bool = False  # whole requests, no KV cache (pooling models)
     causal: bool = True  # False (with prefill_only): bidirectional, for encoder-only models
+    # hybrid models' recurrent layers: each request's state slot [num_reqs] int64, and whether
+    # it holds the state of the tokens before this step [num_reqs] bool (None: no such layers)
+    state_indices: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -127,6 +127,13 @@ class KVConnectorScheduler(ABC):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Called after the step with every rank's `KVConnectorOutput` merged."""
 
+    def flush(self, cached_blocks: list[tuple[int, bytes]]) -> Any:
+        """Called once when the engine stops, with every block its prefix cache holds as
+        (block id, hash), least recently used first: orders for one last step in which the
+        workers keep what should outlive the engine (as `build_connector_meta` returns them),
+        or None."""
+        return None
+
     def stats(self) -> dict[str, float]:
         """Cumulative counters for /metrics (name -> value); names are the connector's own."""
         return {}

@@ -1,5 +1,6 @@
 """The flat batch a step's requests make: token ids, positions and the attention metadata
-(the paged cache's slot of every new token, block tables, query starts, sequence lengths).
+(the paged cache's slot of every new token, block tables, query starts, sequence lengths;
+a hybrid model's state slots).
 
 Built in numpy on the host and moved to the device once. The model runner, a draft model and
 a decoder pooling model all build their steps here.
@@ -62,5 +63,8 @@ def build_batch(reqs: list[ScheduledRequest], block_size: int, device: torch.dev
         num_decode_tokens=int(np.argmax(query_lens > 1)) if (query_lens > 1).any()
         else len(reqs),
     )
+    if reqs[0].state_slot is not None:
+        metadata.state_indices = torch.tensor([r.state_slot for r in reqs], device=device)
+        metadata.has_initial_state = torch.from_numpy(starts > 0).to(device)
     return Batch(torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device),
                  metadata, cu, query_lens)

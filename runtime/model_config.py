@@ -9,6 +9,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# `layer_types` entries of recurrent layers (hybrid models), which keep no KV
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "conv")
+
 
 @dataclass(frozen=True)
 class ModelChoice:
@@ -50,7 +53,8 @@ class ModelConfig:
     vocab_size: int
     max_model_len: int
     sliding_window: int | None
-    layer_types: tuple[str, ...]  # per layer: "full_attention" or "sliding_attention"
+    # per layer: "full_attention", "sliding_attention", or a recurrent layer's type
+    layer_types: tuple[str, ...]
     choice: ModelChoice  # the implementation that runs it (native or transformers), and why
     # whether its attention has sinks (gpt-oss), as its model class declares
     attention_sinks: bool = False
@@ -67,7 +71,10 @@ class ModelConfig:
         logger.info("model %s: %s implementation (%s)", choice.architecture, choice.impl,
                     choice.reason)
         text = hf_config.get_text_config()
-        num_heads, num_kv_heads, head_size = attention_heads(text)
+        # a model of recurrent layers only (Mamba 2) has no attention heads
+        num_heads, num_kv_heads, head_size = (attention_heads(text)
+                                              if hasattr(text, "num_attention_heads")
+                                              else (0, 0, 0))
         limit = getattr(text, "max_position_embeddings", None) or 2048
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
@@ -95,14 +102,19 @@ class ModelConfig:
             attention_sinks=getattr(choice.model_class, "attention_sinks", False),
         )
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Recurrent layers beside attention: their state lives in state slots, not KV."""
+        return bool(getattr(self.choice.model_class, "is_hybrid", False))
+
     def kv_bytes_per_block(self, block_size: int, kv_dtype: torch.dtype, tp_size: int = 1) -> int:
-        """Over the layers that keep a cache (not Gemma 4's KV-shared ones), each its own
-        shape."""
+        """Over the layers that keep a cache (not Gemma 4's KV-shared ones, nor a hybrid's
+        recurrent layers), each its own shape."""
         text = self.hf_config.get_text_config()
         sharing = getattr(text, "kv_sharing_modes", None) or [None] * self.num_layers
+        cached = [i for i in range(self.num_layers)
+                  if sharing[i] != "reuse" and self.layer_types[i] not in RECURRENT_LAYER_TYPES]
         width = sum(max(1, kv_heads // tp_size) * head_size
-                    for i, (_, kv_heads, head_size) in enumerate(
-                        attention_heads(text, i) for i in range(self.num_layers))
-                    if sharing[i] != "reuse")
+                    for _, kv_heads, head_size in (attention_heads(text, i) for i in cached))
         itemsize = torch.empty(0, dtype=kv_dtype).element_size()
         return 2 * block_size * width * itemsize

@@ -65,6 +65,7 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
         self.num_indexed_blocks = 0  # leading blocks already entered in the prefix-cache index
+        self.state_slot: int | None = None  # a hybrid model's recurrent state slot, while running
         # tokens proposed by speculative decoding, to verify next step (not part of the sequence)
         self.spec_token_ids: list[int] = []
         self.stop_reason: int | str | None = None

@@ -111,6 +111,14 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached[block_hash] = block_id
 
+    def cached_blocks(self) -> list[tuple[int, bytes]]:
+        """Every block holding a cached prefix block, as (block id, hash): the free ones in LRU
+        order, then those in use."""
+        order = [*self.free, *(b.block_id for b in self.blocks if b.ref_count > 0)]
+        return [(i, self.blocks[i].block_hash) for i in order
+                if self.blocks[i].block_hash is not None
+                and self.cached.get(self.blocks[i].block_hash) == i]
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
         if len(self.free) != self.num_blocks:

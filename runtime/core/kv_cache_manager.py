@@ -2,6 +2,10 @@
 
 The manager is the only writer of `Request.block_ids`, and it records where each table changed,
 so the engine can send the workers only the new part (`take_block_changes`).
+
+A hybrid model's recurrent layers keep a fixed-size state per request instead of KV: the
+manager also owns `num_state_slots` state slots, one held by each running request
+(`Request.state_slot`) from its first scheduled step until it is preempted or retired.
 """
 from __future__ import annotations
 
@@ -14,10 +18,13 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_state_slots: int = 0) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # pop() takes slot 0
         self.num_cache_queries = 0  # prompt tokens looked up, for the hit rate
         self.num_cache_hits = 0
         # request id -> the first index of its block table changed since `take_block_changes`
@@ -81,7 +88,8 @@ class KVCacheManager:
         adopted first and count as computed. `num_lookahead_tokens` more slots are reserved
         past those (a draft model writes the KV of its proposals there). New tokens past the
         request's known ones (speculative proposals) get slots but no prefix-cache entry.
-        Returns False, changing nothing, when the pool is too small.
+        A request of a hybrid model takes a state slot with its first slots.
+        Returns False, changing nothing, when the pool (or the state slots) is too small.
         """
         cached_blocks = cached_blocks or []
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
@@ -91,6 +99,10 @@ class KVCacheManager:
         num_revived = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
         if num_needed + num_revived > self.pool.num_free_blocks:
             return False
+        if self.num_state_slots and request.state_slot is None:
+            if not self.free_state_slots:
+                return False
+            request.state_slot = self.free_state_slots.pop()
         if cached_blocks or num_needed > 0:
             self._changed(request, len(request.block_ids))
         if cached_blocks:
@@ -143,6 +155,9 @@ class KVCacheManager:
         self.pool.uncache(request.block_ids[num_valid:request.num_indexed_blocks])
         del request.block_hashes[num_valid:]
         self.pool.release(list(reversed(request.block_ids)))
+        if request.state_slot is not None:
+            self.free_state_slots.append(request.state_slot)
+            request.state_slot = None
         self._changed_from.pop(request.request_id, None)
         request.block_ids = []
         request.num_computed_tokens = 0

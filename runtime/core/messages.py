@@ -33,6 +33,7 @@ class NewRequestData:
     num_computed_tokens: int  # prefix-cache hits and blocks shared with an n > 1 sibling
     lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
     pooling_params: PoolingParams | None = None  # set: a pooling request (runtime.pooling)
+    state_slot: int | None = None  # its recurrent state slot (hybrid models)
     mm_features: list[MultiModalFeature] = field(default_factory=list)  # the prompt's images
 
 
@@ -96,6 +97,7 @@ class ScheduledRequest:
     grammar_bitmask: np.ndarray | None = None
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
+    state_slot: int | None = None  # its recurrent state slot (hybrid models)
     mm_features: list[MultiModalFeature] = field(default_factory=list)
 
 

@@ -145,10 +145,13 @@ class Scheduler:
         """Blocks a waiting request can adopt as computed: its leader's full prompt blocks
         (n > 1 siblings, with or without prefix caching), else its prefix-cache hits.
 
-        Adopting happens at admission, so a waiting request never holds blocks.
+        Adopting happens at admission, so a waiting request never holds blocks. A hybrid
+        model's siblings adopt nothing: the recurrent state at the end of the shared blocks is
+        not kept, so they compute their prompt themselves.
         """
         leader = self.requests.get(request.leader_id) if request.leader_id else None
-        if leader is not None and leader.status == RequestStatus.RUNNING and \
+        if leader is not None and not self.kv.num_state_slots and \
+                leader.status == RequestStatus.RUNNING and \
                 leader.num_computed_tokens >= request.num_prompt_tokens:
             return leader.block_ids[:(request.num_prompt_tokens - 1) // self.kv.block_size]
         return self.kv.find_cached_blocks(request)

@@ -16,13 +16,14 @@ from runtime.core.scheduler import Scheduler
 from runtime.core.step_input import StepInputBuilder
 from runtime.engine.step_stats import StepTokens
 from runtime.executor import build_executor
+from runtime.executor.base import WorkerError
 from runtime.kv_transfer.registry import build_scheduler_side
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource, load_config, resolve_model
 from runtime.pooling.models import is_encoder_only
 from runtime.request import Request, RequestStatus
 from runtime.core.structured_output import StructuredOutputManager
-from runtime.core.messages import TokenLogprobs
+from runtime.core.messages import StepInput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,25 @@ class CoreOutput:
     pooling_output: PooledTensor | None = None  # a pooling request's result, when it finishes
 
 
+def refuse_for_hybrid(config: EngineConfig, architecture: str) -> None:
+    """What a hybrid model (recurrent layers beside attention) cannot run with, named."""
+    why = f"{architecture} has recurrent layers"
+    if config.speculative_config is not None:
+        raise ValueError(f"speculative decoding is not supported for {why}: their state "
+                         "cannot be rolled back past rejected proposals (it is not "
+                         "checkpointed per proposed position)")
+    if config.enable_lora:
+        raise ValueError(f"--enable-lora is not supported for {why}: adapters are not "
+                         "applied to the recurrent layers' projections")
+    if config.runner == "pooling":
+        raise ValueError(f"the pooling runner is not supported for {why}: pooling steps "
+                         "do not carry recurrent state slots")
+    if config.kv_transfer_config is not None:
+        raise ValueError(f"a KV connector is not supported for {why}: it moves prefix-cache "
+                         "blocks, and a hybrid's prefix cache is off (the recurrent state at "
+                         "the end of a block is not checkpointed)")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, platform: Platform, source: ModelSource,
                  model_config: ModelConfig) -> None:
@@ -85,6 +105,8 @@ class EngineCore:
                              "N); one engine core, like the offline LLM, is one replica")
         self.source = source  # the tokenizer's, for grammars
         self.weights_source = source  # the weights served (update_weights changes them)
+        if model_config.is_hybrid:
+            refuse_for_hybrid(config, model_config.architecture)
         # An encoder's pooling requests keep no KV: one block, never handed out, keeps the
         # block pool well-formed.
         self.encoder_only = is_encoder_only(config, model_config)  # refuses what pooling lacks
@@ -97,10 +119,16 @@ class EngineCore:
         per_block = model_config.kv_bytes_per_block(
             config.block_size, kv_cache_torch_dtype(config.kv_cache_dtype, model_config.dtype),
             config.tensor_parallel_size)
+        num_state_slots = config.max_num_seqs if model_config.is_hybrid else 0
+        state = ""
+        if num_state_slots:
+            slot_bytes = self.executor.state_bytes_per_slot()
+            state = (f"; recurrent state: {num_state_slots} slots of {slot_bytes / 2**20:.2f} "
+                     f"MiB ({num_state_slots * slot_bytes / 2**20:.1f} MiB)")
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB per tensor-parallel "
-                    "rank over all stages)", num_blocks,
+                    "rank over all stages)%s", num_blocks,
                     config.block_size, num_blocks * config.block_size,
-                    num_blocks * per_block / 2**20)
+                    num_blocks * per_block / 2**20, state)
         if not self.encoder_only:
             self._fit_max_model_len(num_blocks * config.block_size, "the KV cache",
                                     "raise --kv-cache-memory")
@@ -108,7 +136,13 @@ class EngineCore:
                 self._fit_max_model_len(config.max_num_batched_tokens,
                                         "one step without chunked prefill",
                                         "raise --max-num-batched-tokens")
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # A hybrid's prefix needs its recurrent state at the end of each cached block, which
+        # is not kept yet: without it a cached block cannot be resumed from.
+        enable_caching = config.enable_prefix_caching and not model_config.is_hybrid
+        if config.enable_prefix_caching and not enable_caching:
+            logger.info("prefix caching off: %s has recurrent layers, whose state at the end "
+                        "of a cached block is not checkpointed", model_config.architecture)
+        self.kv = KVCacheManager(num_blocks, config.block_size, enable_caching, num_state_slots)
         self.kv_connector = build_scheduler_side(config, model_config, source, num_blocks)
         self.scheduler = Scheduler(config, self.kv, model_config.max_model_len,
                                    self.encoder_only, self.kv_connector)
@@ -150,6 +184,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:
+            self._flush_kv_connector()
             self.kv_connector.shutdown()
         self.structured.shutdown()
         self.executor.shutdown()
@@ -223,6 +258,19 @@ class EngineCore:
             raise ValueError(f"the weights of {model_path} could not be loaded (the old ones "
                              f"are served): {'; '.join(failed)}")
         logger.info("serving the weights of %s", model_path)
+
+    def _flush_kv_connector(self) -> None:
+        """One last step with no request, in which the workers keep what the connector wants to
+        outlive the engine (the offload tier: the prefix cache, to disk)."""
+        if self.asleep:  # the cache is gone: nothing to keep
+            return
+        orders = self.kv_connector.flush(self.kv.pool.cached_blocks())
+        if not orders:
+            return
+        try:
+            self.executor.execute(StepInput(kv_connector_meta=orders))
+        except WorkerError as e:
+            logger.warning("the KV connector's last step failed: %s", e)
 
     def _new_kv_connector(self) -> None:
         """A KV connector's scheduler side anew, as each worker's is when its cache is

@@ -20,6 +20,11 @@ class Executor(ABC):
         """KV blocks every worker can hold (the minimum over workers)."""
 
     @abstractmethod
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of one recurrent state slot on a worker (the most over workers; 0: the model
+        has no recurrent layers)."""
+
+    @abstractmethod
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` KV blocks on every worker."""
 

@@ -70,6 +70,9 @@ class MultiprocExecutor(Executor):
     def determine_num_blocks(self) -> int:
         return min(self.collective_rpc("determine_num_blocks"))
 
+    def state_bytes_per_slot(self) -> int:
+        return max(self._call("state_bytes_per_slot"))
+
     def init_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("init_kv_cache", num_blocks)
 

@@ -16,6 +16,9 @@ class UniprocExecutor(Executor):
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
 
+    def state_bytes_per_slot(self) -> int:
+        return self.worker.state_bytes_per_slot()
+
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
 

@@ -25,6 +25,14 @@ _BUILTIN: dict[str, str] = {
     "Qwen2MoeForCausalLM": "runtime.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "runtime.models.moe:Qwen3MoeForCausalLM",
     "GptOssForCausalLM": "runtime.models.gpt_oss:GptOssForCausalLM",
+    # hybrids: recurrent layers beside attention (runtime.layers.recurrent_state)
+    "Qwen3_5ForCausalLM": "runtime.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "runtime.models.qwen3_5:Qwen3_5MoeForCausalLM",
+    "Qwen3NextForCausalLM": "runtime.models.qwen3_next:Qwen3NextForCausalLM",
+    "Mamba2ForCausalLM": "runtime.models.mamba2:Mamba2ForCausalLM",
+    "GraniteMoeHybridForCausalLM": "runtime.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
+    "BambaForCausalLM": "runtime.models.bamba:BambaForCausalLM",
+    "Lfm2ForCausalLM": "runtime.models.lfm2:Lfm2ForCausalLM",
     # vision-language models (runtime.multimodal processes their images)
     "LlavaForConditionalGeneration": "runtime.models.llava:LlavaForConditionalGeneration",
     # pooling models (runner="pooling"): encoders and classifiers

@@ -14,6 +14,7 @@ from runtime.core.messages import ScheduledRequest, StepInput, StepOutput, Token
 from runtime.distributed.pipeline import PipelineStage
 from runtime.forward_context import forward_context
 from runtime.layers.attention import PagedKVCache
+from runtime.layers.recurrent_state import RecurrentStateCache
 from runtime.plugins.interfaces import EagerRunner, GraphRunner
 from runtime.sampling.generators import SeededGenerators
 from runtime.sampling.sampler import Sampler, SamplingBatch, gather_logprobs
@@ -49,6 +50,7 @@ class ModelRunner:
         self.sampler = Sampler(list(logits_processors))
         self.states = RequestStates()
         self.kv_cache = PagedKVCache(model)
+        self.state_cache = RecurrentStateCache(model)  # a hybrid model's recurrent layers
         # seeded requests' generators (a draft model draws from them too): kept through a
         # preemption, dropped when they finish
         self.generators = generators or SeededGenerators(device)
@@ -61,10 +63,13 @@ class ModelRunner:
         # the proposer first: a hook after it (LoRA) may withdraw its proposals
         self.hooks: list[StepHook] = [h for h in (proposer, *hooks, pooling) if h is not None]
 
-    def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
+    def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype,
+                          num_state_slots: int = 0) -> None:
         """Give every attention layer its cache (and the draft model's, addressed by the same
-        block ids), untouched until a step reaches it."""
+        block ids), and every recurrent layer its `num_state_slots` state slots, untouched until
+        a step reaches them."""
         self.kv_cache.allocate(num_blocks, self.block_size, dtype, self.device)
+        self.state_cache.allocate(num_state_slots, self.device)
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
 
@@ -81,8 +86,9 @@ class ModelRunner:
         `num_tokens` prefill tokens split over `num_reqs` requests, on a scratch KV cache just
         big enough for them (freed afterwards), then the logits and log-softmax of one row per
         request (k + 1 when verifying k proposals), as sampling takes them (a pooling model
-        takes none).
+        takes none). A hybrid model's recurrent layers get a scratch state slot per request.
         """
+        has_state = bool(self.state_cache.layers)
         bs = self.block_size
         sizes = sorted(num_tokens // num_reqs + (i < num_tokens % num_reqs)
                        for i in range(num_reqs))  # one-token requests first, as in a step
@@ -93,8 +99,9 @@ class ModelRunner:
             reqs.append(ScheduledRequest(
                 request_id=f"profile-{i}", token_ids=[0] * n, start_pos=0, block_ids=blocks,
                 sample=True, params=SamplingParams(), sample_index=0, num_prompt_tokens=n,
-                all_token_ids=[0] * n))
+                all_token_ids=[0] * n, state_slot=i if has_state else None))
         self.kv_cache.allocate(next_block, bs, dtype, self.device)
+        self.state_cache.allocate(num_reqs if has_state else 0, self.device)
         batch = self._build(reqs)
         with forward_context(batch.metadata):
             hidden = self._forward(self.model, batch)
@@ -104,10 +111,13 @@ class ModelRunner:
                 rows = rows.repeat_interleave(1 + self.proposer.k)
             torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), -1)
         self.kv_cache.release()
+        self.state_cache.release()
 
     def _build(self, reqs: list[ScheduledRequest]) -> Batch:
         """The step's batch over the target's cache, announced to the hooks."""
         self.kv_cache.zero_new_blocks(reqs)
+        self.state_cache.zero_slots(r.state_slot for r in reqs
+                                    if r.state_slot is not None and r.start_pos == 0)
         batch = build_batch(reqs, self.block_size, self.device)
         for hook in self.hooks:
             hook.before_forward(reqs, batch)

@@ -22,6 +22,7 @@ class RequestState:
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
+    state_slot: int | None = None
     mm_features: list[MultiModalFeature] = field(default_factory=list)
 
 
@@ -37,7 +38,7 @@ class RequestStates:
             self.requests[new.request_id] = RequestState(
                 new.params, new.sample_index, len(new.prompt_token_ids),
                 list(new.prompt_token_ids) + new.output_token_ids, list(new.block_ids),
-                new.num_computed_tokens, new.lora_request, new.pooling_params,
+                new.num_computed_tokens, new.lora_request, new.pooling_params, new.state_slot,
                 new.mm_features)
         for change in step.cached_requests:
             state = self.requests[change.request_id]
@@ -64,4 +65,5 @@ class RequestStates:
             spec_token_ids=spec, num_lookahead=step.num_lookahead.get(request_id, 0),
             grammar_bitmask=None if row is None else
             step.grammar_bitmask[row:row + 1 + len(spec)], lora_request=state.lora_request,
-            pooling_params=state.pooling_params, mm_features=state.mm_features)
+            pooling_params=state.pooling_params, state_slot=state.state_slot,
+            mm_features=state.mm_features)

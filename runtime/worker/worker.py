@@ -67,10 +67,11 @@ class Worker:
     def model_info(self) -> ModelInfo:
         cfg = self.config
         # A later pipeline stage's forward takes the previous stage's hidden states, which graph
-        # runners do not capture, and pooling models never decode: they run it eagerly.
+        # runners do not capture, pooling models never decode, and graph runners capture no
+        # recurrent state slots: they run it eagerly.
         return model_info(self.model_config, self.kv_cache_dtype, cfg.block_size,
                           enforce_eager=cfg.enforce_eager or self.layout.pp_size > 1
-                          or cfg.runner == "pooling",
+                          or cfg.runner == "pooling" or self.model_config.is_hybrid,
                           pooling=is_encoder_only(cfg, self.model_config))
 
     def _build_context(self, backend: type, quant_config) -> BuildContext:
@@ -149,6 +150,8 @@ class Worker:
             for m in self.runner.kv_cache.layers)
         if proposer is not None:  # a draft model's KV shares the blocks
             self.kv_bytes_per_block += proposer.kv_bytes_per_block
+        # a hybrid model's recurrent layers: one state slot per sequence the scheduler runs
+        self.num_state_slots = cfg.max_num_seqs if self.runner.state_cache.layers else 0
         if is_fp8(self.kv_cache_dtype) and not cfg.calculate_kv_scales and all(
                 m.impl.k_scale.item() == m.impl.v_scale.item() == 1.0
                 for m in self.runner.kv_cache.layers):
@@ -156,11 +159,16 @@ class Worker:
                            "below %g lose precision; --calculate-kv-scales sets the scales "
                            "from the first batch", torch.finfo(self.kv_cache_dtype).smallest_normal)
 
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of one recurrent state slot over this rank's layers (0: none)."""
+        return self.runner.state_cache.bytes_per_slot
+
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit in this device's KV-cache budget.
 
         Accelerators measure the activation peak of the largest batch first (a profiling
-        forward pass), so the cache gets what the weights and that peak leave.
+        forward pass), so the cache gets what the weights and that peak leave. A hybrid
+        model's recurrent state slots come out of the same budget first.
         """
         mc, cfg = self.model_config, self.config
         per_block = self.kv_bytes_per_block
@@ -173,11 +181,20 @@ class Worker:
                                                      self.model_bytes + activation)
         # Never hold more than every sequence slot could use at full length.
         cap = self.config.max_num_seqs * -(-mc.max_model_len // self.config.block_size)
+        state_bytes = self.num_state_slots * self.state_bytes_per_slot()
+        if state_bytes > budget:
+            raise ValueError(f"the recurrent state of {self.num_state_slots} sequences "
+                             f"({state_bytes / 2**20:.1f} MiB) does not fit the KV-cache budget "
+                             f"({budget / 2**20:.1f} MiB): raise --kv-cache-memory or lower "
+                             "--max-num-seqs")
+        budget -= state_bytes
+        if per_block == 0:  # no attention layer: blocks only count tokens
+            return cap
         return min(budget // per_block, cap)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then let the graph runner record what it records over it."""
-        self.runner.allocate_kv_cache(num_blocks, self.kv_cache_dtype)
+        self.runner.allocate_kv_cache(num_blocks, self.kv_cache_dtype, self.num_state_slots)
         self.num_blocks = num_blocks
         cfg = self.config
         self.kv_connector = build_worker_side(cfg, self.model_config, self.source, self.rank)

@@ -268,3 +268,30 @@ def test_block_changes_say_what_was_kept_and_what_is_new():
     del r.all_token_ids[4:]
     kv.trim(r)  # grown, then cut below the length last taken: the cut shows
     assert kv.take_block_changes(r) == (1, []) and len(r.block_ids) == 1
+
+
+def test_state_slots_are_held_while_running_and_returned_on_free():
+    """A hybrid model's requests each take a recurrent state slot with their first blocks; a
+    request finding none free is refused, changing nothing; free (finish, abort, preemption)
+    returns the slot."""
+    kv = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=False, num_state_slots=2)
+    a, b, c = req("a", range(5)), req("b", range(3)), req("c", range(2))
+    compute(kv, a, 2)
+    compute(kv, a, 3)  # a later chunk keeps its slot
+    compute(kv, b)
+    assert {a.state_slot, b.state_slot} == {0, 1}
+    free_blocks = kv.num_free_blocks
+    assert not kv.allocate_slots(c, 2)
+    assert c.state_slot is None and c.block_ids == [] and kv.num_free_blocks == free_blocks
+    slot = a.state_slot
+    kv.free(a)
+    assert a.state_slot is None
+    compute(kv, c)
+    assert c.state_slot == slot
+
+
+def test_dense_models_take_no_state_slot():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    r = req("a", range(3))
+    compute(kv, r)
+    assert r.state_slot is None

@@ -231,3 +231,13 @@ def test_sleep_starts_the_host_level_anew(tiny_llama, tmp_path, recomputed):
     llm.wake_up()
     assert llm.engine.core.kv_connector.stats()["host_blocks"] == 0
     assert one_by_one(llm, PROMPTS[:2]) == recomputed[:2]
+
+
+def test_a_stopped_engine_leaves_its_prefix_cache_on_disk(tiny_llama, tmp_path, recomputed):
+    llm = offloading(tiny_llama, str(tmp_path))
+    assert one_by_one(llm, PROMPTS[:1]) == recomputed[:1]  # nothing evicted: all on the device
+    assert llm.engine.core.kv_connector.stats()["saved_blocks"] == 0
+    llm.engine.core.shutdown()
+    restarted = offloading(tiny_llama, str(tmp_path))
+    assert one_by_one(restarted, PROMPTS[:1]) == recomputed[:1]
+    assert restarted.engine.core.kv_connector.stats()["disk_hit_blocks"] == 15

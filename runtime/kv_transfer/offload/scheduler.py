@@ -135,5 +135,21 @@ class OffloadScheduler(KVConnectorScheduler):
         for name in ("bytes_loaded", "bytes_saved", "load_seconds", "save_seconds"):
             self.counters[name] += getattr(output, name)
 
+    def flush(self, cached_blocks: list[tuple[int, bytes]]) -> Any:
+        """With a disk level: the host level's blocks, then the device's cached ones, written
+        to disk, so a restarted engine finds the whole prefix cache (as far as the disk level
+        holds it)."""
+        if not self.disk_capacity:
+            return None
+        for block_hash, slot in list(self.host.items()):
+            if block_hash not in self.disk:
+                self._add_to_disk(block_hash)
+                self.orders.append(("spill", slot, block_hash))
+        for block_id, block_hash in cached_blocks:
+            if block_hash not in self.disk and block_hash not in self.host:
+                self._add_to_disk(block_hash)
+                self.orders.append(("save_disk", block_id, block_hash))
+        return self.build_connector_meta()
+
     def stats(self) -> dict[str, float]:
         return dict(self.counters, host_blocks=len(self.host), disk_blocks=len(self.disk))

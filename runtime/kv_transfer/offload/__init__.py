@@ -1,0 +1,1 @@
+"""The OffloadingConnector: a host-memory and a disk level for evicted prefix-cache blocks."""

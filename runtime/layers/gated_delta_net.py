@@ -1,0 +1,136 @@
+"""The gated delta-net token mixer of Qwen3.5 and Qwen3-Next (linear attention): a short causal
+convolution over the q, k, v projections, then the gated delta rule, whose [Hv, K, V] state per
+sequence lives in the recurrent state cache beside the paged KV cache."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.forward_context import get_forward_context
+from runtime.layers.build_context import BuildContext
+from runtime.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from runtime.layers.recurrent_state import StatefulLayer
+from runtime.plugins import recurrent_ops
+
+
+class DepthwiseConvWeight(nn.Module):
+    """A depthwise conv1d's weight as the ops take it, [channels, width], loaded from the
+    checkpoint's nn.Conv1d layout [channels, 1, width]; and its bias [channels] when it has
+    one (else None)."""
+
+    def __init__(self, channels: int, width: int, dtype: torch.dtype, bias: bool = False
+                 ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, width, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self._load
+        self.bias = (nn.Parameter(torch.zeros(channels, dtype=dtype), requires_grad=False)
+                     if bias else None)
+
+    @staticmethod
+    def _load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded.reshape(param.shape))
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head, then times silu(gate), as transformers' `RMSNormGated`."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(StatefulLayer):
+    """Checkpoint names as transformers' `Qwen3_5GatedDeltaNet`: `in_proj_qkv`, `in_proj_z`,
+    `in_proj_b`, `in_proj_a` (fused here into `in_proj`), `conv1d`, `dt_bias`, `A_log`,
+    `norm`, `out_proj`."""
+
+    # checkpoint projection -> shard of the fused `in_proj`
+    in_proj_shards = {"in_proj_qkv": 0, "in_proj_z": 1, "in_proj_b": 2, "in_proj_a": 3}
+
+    def __init__(self, config, ctx: BuildContext, prefix: str) -> None:
+        super().__init__()
+        if ctx.tp_size > 1:
+            raise ValueError("tensor parallel is not supported for gated delta-net layers yet "
+                             "(their conv channels and heads are not sharded)")
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_width = config.linear_conv_kernel_dim
+        self.dtype = ctx.dtype
+        if config.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"gated delta-net activation {config.hidden_act!r}: only silu "
+                             "is supported")
+        self.in_proj = MergedColumnParallelLinear(
+            config.hidden_size, [self.conv_dim, self.value_dim, self.num_v_heads,
+                                 self.num_v_heads], False, ctx, f"{prefix}.in_proj")
+        self.conv1d = DepthwiseConvWeight(self.conv_dim, self.conv_width, ctx.dtype)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=ctx.dtype),
+                                    requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads, dtype=ctx.dtype),
+                                  requires_grad=False)
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, ctx.dtype)
+        self.out_proj = RowParallelLinear(self.value_dim, config.hidden_size, False, ctx,
+                                          f"{prefix}.out_proj")
+        self.conv_op = ctx.custom_op("causal_conv1d") or recurrent_ops.causal_conv1d
+        self.conv_update_op = (ctx.custom_op("causal_conv1d_update")
+                               or recurrent_ops.causal_conv1d_update)
+        self.chunk_op = (ctx.custom_op("chunk_gated_delta_rule")
+                         or recurrent_ops.chunk_gated_delta_rule)
+        self.recurrent_op = (ctx.custom_op("fused_recurrent_gated_delta_rule")
+                             or recurrent_ops.fused_recurrent_gated_delta_rule)
+
+    def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The conv state in the model dtype and the delta-rule state in float32, as
+        transformers keeps them."""
+        return [((self.conv_dim, self.conv_width - 1), self.dtype),
+                ((self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32)]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        md = get_forward_context()
+        t = hidden.size(0)
+        qkv, z, b, a = self.in_proj(hidden).split(
+            [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        conv_state, ssm_state = self.states
+        nd = md.num_decode_tokens  # decodes first, one token each
+        slots = md.state_indices
+        out = torch.empty(t, self.num_v_heads, self.head_v_dim, dtype=hidden.dtype,
+                          device=hidden.device)
+        if nd:
+            x = self.conv_update_op(qkv[:nd], conv_state, self.conv1d.weight, None, "silu",
+                                    slots[:nd])
+            q, k, v = self._heads(x)
+            out[:nd] = self.recurrent_op(q, k, v, g[:nd], beta[:nd], ssm_state, slots[:nd],
+                                         use_qk_l2norm=True)
+        if nd < t:
+            rows, has = slots[nd:], md.has_initial_state[nd:]
+            starts = md.query_start_loc[nd:] - nd
+            x, conv_final = self.conv_op(qkv[nd:], self.conv1d.weight, None, starts,
+                                         conv_state[rows], has, "silu")
+            conv_state[rows] = conv_final
+            q, k, v = self._heads(x)
+            out[nd:], ssm_final = self.chunk_op(q, k, v, g[nd:], beta[nd:], starts,
+                                                ssm_state[rows], has, use_qk_l2norm=True)
+            ssm_state[rows] = ssm_final
+        out = self.norm(out, z.view(t, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(out.view(t, self.value_dim))
+
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = x.split([self.key_dim, self.key_dim, self.value_dim], -1)
+        t = x.size(0)
+        return (q.view(t, self.num_k_heads, self.head_k_dim),
+                k.view(t, self.num_k_heads, self.head_k_dim),
+                v.view(t, self.num_v_heads, self.head_v_dim))

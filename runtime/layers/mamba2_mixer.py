@@ -1,0 +1,127 @@
+"""Mamba 2's mixer (state-space duality) as transformers' `Mamba2Mixer`: one input projection
+into gate, conv inputs and step sizes; a causal conv over x, B, C; the SSD scan, whose
+[H, P, N] state per sequence lives in the recurrent state cache; a grouped gated RMSNorm; the
+output projection. Mamba 2 itself, Bamba, Granite 4.0-H and Nemotron-H share it."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.forward_context import get_forward_context
+from runtime.layers.build_context import BuildContext
+from runtime.layers.gated_delta_net import DepthwiseConvWeight
+from runtime.layers.linear import ReplicatedLinear
+from runtime.layers.recurrent_state import StatefulLayer
+from runtime.plugins import recurrent_ops
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """x * silu(gate), then RMSNorm over each of `groups` equal slices, as transformers'
+    `MambaRMSNormGated` (norm after the gate)."""
+
+    def __init__(self, size: int, groups: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.groups, self.eps = groups, eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = (x.float() * F.silu(gate.float())).view(x.size(0), self.groups, -1)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.view(x.shape).to(x.dtype)
+
+
+class Mamba2Mixer(StatefulLayer):
+    """Checkpoint names as transformers': `in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`,
+    `norm`, `out_proj`. The sizes are keywords: each architecture names them its own way in
+    its config (`mamba_*` in the hybrids)."""
+
+    def __init__(self, ctx: BuildContext, prefix: str, *, hidden_size: int, num_heads: int,
+                 head_dim: int, n_groups: int, state_size: int, conv_kernel: int,
+                 intermediate_size: int, use_conv_bias: bool, use_bias: bool, eps: float,
+                 chunk_size: int, time_step_limit: tuple[float, float]) -> None:
+        super().__init__()
+        if ctx.tp_size > 1:
+            raise ValueError("tensor parallel is not supported for Mamba 2 layers yet (their "
+                             "conv channels and heads are not sharded)")
+        if num_heads * head_dim != intermediate_size:
+            raise ValueError(f"Mamba 2: num_heads {num_heads} x head_dim {head_dim} must equal "
+                             f"the intermediate size {intermediate_size}")
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.n_groups, self.state_size = n_groups, state_size
+        self.intermediate_size = intermediate_size
+        self.conv_dim = intermediate_size + 2 * n_groups * state_size
+        self.conv_width = conv_kernel
+        self.chunk_size = chunk_size
+        self.dt_limit = tuple(float(v) for v in time_step_limit)
+        self.dtype = ctx.dtype
+        self.in_proj = ReplicatedLinear(hidden_size, intermediate_size + self.conv_dim
+                                        + num_heads, use_bias, ctx, f"{prefix}.in_proj")
+        self.conv1d = DepthwiseConvWeight(self.conv_dim, conv_kernel, ctx.dtype, use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(num_heads, dtype=ctx.dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(num_heads, dtype=ctx.dtype), requires_grad=False)
+        self.D = nn.Parameter(torch.ones(num_heads, dtype=ctx.dtype), requires_grad=False)
+        self.norm = GroupedGatedRMSNorm(intermediate_size, n_groups, eps, ctx.dtype)
+        self.out_proj = ReplicatedLinear(intermediate_size, hidden_size, use_bias, ctx,
+                                         f"{prefix}.out_proj")
+        self.conv_op = ctx.custom_op("causal_conv1d") or recurrent_ops.causal_conv1d
+        self.conv_update_op = (ctx.custom_op("causal_conv1d_update")
+                               or recurrent_ops.causal_conv1d_update)
+        self.scan_op = ctx.custom_op("mamba2_chunk_scan") or recurrent_ops.mamba2_chunk_scan
+        self.update_op = (ctx.custom_op("mamba2_state_update")
+                          or recurrent_ops.mamba2_state_update)
+
+    @classmethod
+    def from_hybrid_config(cls, config, ctx: BuildContext, prefix: str) -> "Mamba2Mixer":
+        """The mixer of a hybrid whose config names its sizes `mamba_*` (Granite 4.0-H,
+        Bamba)."""
+        return cls(ctx, prefix, hidden_size=config.hidden_size, num_heads=config.mamba_n_heads,
+                   head_dim=config.mamba_d_head, n_groups=config.mamba_n_groups,
+                   state_size=config.mamba_d_state, conv_kernel=config.mamba_d_conv,
+                   intermediate_size=int(config.mamba_expand * config.hidden_size),
+                   use_conv_bias=config.mamba_conv_bias, use_bias=config.mamba_proj_bias,
+                   eps=config.rms_norm_eps, chunk_size=config.mamba_chunk_size,
+                   time_step_limit=config.time_step_limit)
+
+    def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The conv state in the model dtype, the SSM state in float32."""
+        return [((self.conv_dim, self.conv_width - 1), self.dtype),
+                ((self.num_heads, self.head_dim, self.state_size), torch.float32)]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        md = get_forward_context()
+        t = hidden.size(0)
+        gate, xbc, dt = self.in_proj(hidden).split(
+            [self.intermediate_size, self.conv_dim, self.num_heads], -1)
+        A = -self.A_log.float().exp()
+        conv_state, ssm_state = self.states
+        nd = md.num_decode_tokens  # decodes first, one token each
+        slots = md.state_indices
+        y = torch.empty(t, self.num_heads, self.head_dim, dtype=hidden.dtype,
+                        device=hidden.device)
+        if nd:
+            x = self.conv_update_op(xbc[:nd], conv_state, self.conv1d.weight, self.conv1d.bias,
+                                    "silu", slots[:nd])
+            x, B, C = self._split(x)
+            y[:nd] = self.update_op(ssm_state, x, dt[:nd], A, B, C, self.D, self.dt_bias, True,
+                                    slots[:nd], self.dt_limit)
+        if nd < t:
+            rows, has = slots[nd:], md.has_initial_state[nd:]
+            starts = md.query_start_loc[nd:] - nd
+            x, conv_final = self.conv_op(xbc[nd:], self.conv1d.weight, self.conv1d.bias, starts,
+                                         conv_state[rows], has, "silu")
+            conv_state[rows] = conv_final
+            x, B, C = self._split(x)
+            y[nd:], ssm_final = self.scan_op(x, dt[nd:], A, B, C, self.D, self.dt_bias, True,
+                                             starts, ssm_state[rows], has, self.chunk_size,
+                                             self.dt_limit)
+            ssm_state[rows] = ssm_final
+        return self.out_proj(self.norm(y.view(t, -1), gate))
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gn = self.n_groups * self.state_size
+        x, B, C = x.split([self.intermediate_size, gn, gn], -1)
+        t = x.size(0)
+        return (x.view(t, self.num_heads, self.head_dim),
+                B.view(t, self.n_groups, self.state_size),
+                C.view(t, self.n_groups, self.state_size))
