@@ -20,12 +20,18 @@ def module_available(name: str) -> bool:
 def offer_backend(name: str, backend: type[AttentionBackend], priority: int, model: ModelInfo,
                   device_type: str, plugin: str, problems: list[str]) -> BackendCandidate:
     """A candidate for `backend`: usable unless the platform listed `problems` or the backend's
-    own `supports_kv_cache_dtype` or `supports` check refuses the model, or the model pools and
+    own `supports_kv_cache_dtype` or `supports` check refuses the model, its `kind` is not the
+    model's `attention_kind`, or the model pools and
     the backend has no `supports_encoder_attention`; the reason names every problem found.
     `device_type` is torch's device type (`platform.device_type`: "cpu", "cuda", "xla" …), not
     the platform's name; anything torch does not know is refused here, before any backend's
     `supports` sees it."""
     _require_device_type(name, device_type)
+    if backend.kind != model.attention_kind:
+        kinds = {"mha": "K/V attention", "mla": "multi-head latent attention (MLA)"}
+        return BackendCandidate(name, None, priority, (
+            f"runs {kinds.get(backend.kind, backend.kind)}; this model's layers are "
+            f"{kinds.get(model.attention_kind, model.attention_kind)}"), plugin)
     ok, why = backend.supports_kv_cache_dtype(model.dtype, model.kv_cache_dtype)
     if ok:
         ok, why = backend.supports(model.head_size, model.dtype, model.kv_cache_dtype,

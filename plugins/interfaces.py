@@ -247,6 +247,9 @@ class ModelInfo:
     # A pooling model: prefill-only steps without a KV cache (bidirectional for the BERT
     # family), which only backends with `supports_encoder_attention` run.
     pooling: bool = False
+    # "mha" (K and V per KV head) or "mla" (multi-head latent attention: one cached latent of
+    # `head_size` per token, `num_kv_heads` 1), which only backends of that `kind` run
+    attention_kind: str = "mha"
 
 
 @dataclass

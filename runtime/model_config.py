@@ -29,6 +29,13 @@ def attention_heads(text_config: Any) -> tuple[int, int, int]:
     return num_heads, num_kv_heads, head_size
 
 
+def mla_latent_size(text_config: Any) -> int | None:
+    """Per-token width of a multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2) layer's
+    KV cache, `kv_lora_rank + qk_rope_head_dim`, or None for a model without MLA."""
+    rank = getattr(text_config, "kv_lora_rank", None)
+    return None if rank is None else rank + text_config.qk_rope_head_dim
+
+
 @dataclass
 class ModelConfig:
     hf_config: object
@@ -44,6 +51,9 @@ class ModelConfig:
     sliding_window: int | None
     layer_types: tuple[str, ...]  # per layer: "full_attention" or "sliding_attention"
     choice: ModelChoice  # the implementation that runs it (native or transformers), and why
+    # "mla": each layer caches one latent vector of `head_size` per token (num_kv_heads 1,
+    # the same on every tensor-parallel rank), not K and V per KV head
+    attention_kind: str = "mha"
 
     @classmethod
     def from_hf(cls, hf_config, choice: ModelChoice, dtype: torch.dtype | None,
@@ -58,6 +68,9 @@ class ModelConfig:
                     choice.reason)
         text = hf_config.get_text_config()
         num_heads, num_kv_heads, head_size = attention_heads(text)
+        latent = mla_latent_size(text)
+        if latent is not None:
+            num_kv_heads, head_size = 1, latent
         limit = getattr(text, "max_position_embeddings", None) or 2048
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
@@ -82,9 +95,12 @@ class ModelConfig:
             sliding_window=window,
             layer_types=tuple(layer_types),
             choice=choice,
+            attention_kind="mha" if latent is None else "mla",
         )
 
     def kv_bytes_per_block(self, block_size: int, kv_dtype: torch.dtype, tp_size: int = 1) -> int:
-        heads = max(1, self.num_kv_heads // tp_size)
         itemsize = torch.empty(0, dtype=kv_dtype).element_size()
+        if self.attention_kind == "mla":
+            return self.num_layers * block_size * self.head_size * itemsize
+        heads = max(1, self.num_kv_heads // tp_size)
         return 2 * self.num_layers * block_size * heads * self.head_size * itemsize

@@ -79,9 +79,10 @@ class EngineCore:
             config.block_size, kv_cache_torch_dtype(config.kv_cache_dtype, model_config.dtype),
             config.tensor_parallel_size)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB per tensor-parallel "
-                    "rank over all stages)", num_blocks,
+                    "rank over all stages; %d bytes per token%s)", num_blocks,
                     config.block_size, num_blocks * config.block_size,
-                    num_blocks * per_block / 2**20)
+                    num_blocks * per_block / 2**20, per_block // config.block_size,
+                    ", one MLA latent per layer" if model_config.attention_kind == "mla" else "")
         if not self.encoder_only:
             self._fit_max_model_len(num_blocks * config.block_size, "the KV cache",
                                     "raise --kv-cache-memory")

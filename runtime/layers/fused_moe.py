@@ -107,7 +107,12 @@ class FusedMoE(nn.Module):
             param.data[local, offset:offset + self.shard].copy_(loaded[lo:lo + self.shard])
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(router_logits, self.top_k, self.renormalize)
+        return self.run_routed(hidden, *route(router_logits, self.top_k, self.renormalize))
+
+    def run_routed(self, hidden: torch.Tensor, weights: torch.Tensor,
+                   ids: torch.Tensor) -> torch.Tensor:
+        """The experts on tokens a model routed itself: `weights` [T, k] float32 (applied to
+        each expert's output as given), global expert `ids` [T, k]."""
         if self.expert_map is not None:
             ids = self.expert_map[ids]
         out = self.op(hidden, self.w13_weight, self.w2_weight, weights, ids)

@@ -21,6 +21,7 @@ class ModelShape(Protocol):
     num_heads: int
     num_kv_heads: int
     sliding_window: int | None
+    attention_kind: str
 
 
 def model_info(mc: ModelShape, kv_cache_dtype: torch.dtype, block_size: int,
@@ -29,7 +30,8 @@ def model_info(mc: ModelShape, kv_cache_dtype: torch.dtype, block_size: int,
     return ModelInfo(architecture=mc.architecture, dtype=mc.dtype, kv_cache_dtype=kv_cache_dtype,
                      head_size=mc.head_size, num_heads=mc.num_heads,
                      num_kv_heads=mc.num_kv_heads, sliding_window=mc.sliding_window,
-                     block_size=block_size, enforce_eager=enforce_eager, pooling=pooling)
+                     block_size=block_size, enforce_eager=enforce_eager, pooling=pooling,
+                     attention_kind=mc.attention_kind)
 
 
 def build_model(model_cls: type, hf_config: Any, ctx: BuildContext, source: ModelSource,

@@ -1,0 +1,80 @@
+"""Native DeepSeek-V3 (MLA, grouped top-k MoE) against transformers on the same random weights:
+greedy tokens and logprobs with chunked prefill, prefix caching and preemption, on each MLA
+backend the CPU offers, and with tensor parallel."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from runtime import LLM, SamplingParams
+from tests.parity import PROMPTS, assert_matches_hf, hf_greedy
+
+MAX_NEW = 10
+TINY_LAYERS = 2
+MLA = dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24,
+           num_attention_heads=4, num_key_value_heads=4)
+MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+           n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5)
+CASES = {
+    # q LoRA, 4 expert groups of which 2 are kept, YaRN with mscale (softmax scale and cos/sin)
+    "v3": dict(MLA, **MOE, q_lora_rank=48, n_group=4, topk_group=2, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256,
+        mscale=0.707, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)),
+    # Kimi K2's shape: no q LoRA, one group, unnormalised top-k weights
+    "kimi": dict(MLA, **MOE, q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False),
+}
+
+
+def build_deepseek(path: str, tokenizer_dir: str, overrides: dict) -> str:
+    """A random DeepseekV3ForCausalLM with a random `e_score_correction_bias` (transformers
+    initialises it to zeros, which would not test it)."""
+    from tests.conftest import TINY
+    config = transformers.DeepseekV3Config(vocab_size=49152, **{**TINY, **overrides})
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(path)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), path)
+    return path
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def deepseek(request, tmp_path_factory, tokenizer_dir):
+    path = build_deepseek(str(tmp_path_factory.mktemp(request.param)), tokenizer_dir,
+                          CASES[request.param])
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+
+
+BLOCK_SIZE = 8
+NUM_BLOCKS = 16  # the 90-token prompt needs 13: the batch preempts
+
+
+@pytest.mark.parametrize("backend", ["cpu_mla", "torch_mla"])
+def test_deepseek_v3_matches_transformers(deepseek, backend):
+    """Chunks of 32 tokens (the 37- and 90-token prompts prefill in several steps), a cache
+    of few blocks (preemption), and the prompts again (prefix caching)."""
+    path, references = deepseek
+    latent = MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"]
+    per_block = TINY_LAYERS * BLOCK_SIZE * latent * 4  # one float32 latent per token and layer
+    llm = LLM(path, dtype="float32", kv_cache_memory=NUM_BLOCKS * per_block,
+              max_num_batched_tokens=32, block_size=BLOCK_SIZE, attention_backend=backend,
+              enable_prefix_caching=True)
+    core = llm.engine.core
+    assert core.model_config.kv_bytes_per_block(BLOCK_SIZE, torch.float32) == per_block
+    assert core.num_blocks == NUM_BLOCKS
+    assert_matches_hf(llm.generate(PROMPTS, PARAMS), references)
+    assert core.scheduler.num_preemptions > 0, "the cache was meant to be too small"
+    assert_matches_hf(llm.generate(PROMPTS[:2], PARAMS), references[:2])
+    assert core.kv.num_cache_hits > 0, "the repeated prompts were meant to hit"
