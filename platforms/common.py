@@ -55,3 +55,14 @@ def _require_device_type(name: str, device_type: str) -> None:
                          f"torch device type; pass the platform's device_type (\"cpu\", "
                          f"\"cuda\", \"xla\" ...: what its tensors' .device.type is), not its "
                          f"name, nor a device with an index")
+
+
+def mla_candidates(model: ModelInfo, device_type: str, plugin: str,
+                   triton_problems: list[str]) -> list[BackendCandidate]:
+    """An accelerator's backends for multi-head latent attention (MLA) models: the Triton
+    absorbed-decode kernel (refused with `triton_problems`), then the portable one."""
+    from runtime.attention_backends.mla import TorchMLAAttention
+    from runtime.attention_backends.mla_triton import TritonMLAAttention
+    return [offer_backend("triton_mla", TritonMLAAttention, 10, model, device_type, plugin,
+                          triton_problems),
+            offer_backend("torch_mla", TorchMLAAttention, 0, model, device_type, plugin, [])]
