@@ -46,12 +46,21 @@ def build_deepseek(path: str, tokenizer_dir: str, overrides: dict) -> str:
     return path
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def deepseek(request, tmp_path_factory, tokenizer_dir):
-    path = build_deepseek(str(tmp_path_factory.mktemp(request.param)), tokenizer_dir,
-                          CASES[request.param])
-    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return path, [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+@pytest.fixture(scope="module")
+def deepseek_models(tmp_path_factory, tokenizer_dir):
+    """case -> (folder, transformers' greedy tokens and logprobs), built on first use."""
+    built: dict = {}
+
+    def get(case: str):
+        if case not in built:
+            path = build_deepseek(str(tmp_path_factory.mktemp(case)), tokenizer_dir,
+                                  CASES[case])
+            hf = transformers.DeepseekV3ForCausalLM.from_pretrained(
+                path, dtype=torch.float32).eval()
+            built[case] = path, [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+        return built[case]
+
+    return get
 
 
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
@@ -62,10 +71,11 @@ NUM_BLOCKS = 16  # the 90-token prompt needs 13: the batch preempts
 
 
 @pytest.mark.parametrize("backend", ["cpu_mla", "torch_mla"])
-def test_deepseek_v3_matches_transformers(deepseek, backend):
+@pytest.mark.parametrize("case", list(CASES))
+def test_deepseek_v3_matches_transformers(deepseek_models, case, backend):
     """Chunks of 32 tokens (the 37- and 90-token prompts prefill in several steps), a cache
     of few blocks (preemption), and the prompts again (prefix caching)."""
-    path, references = deepseek
+    path, references = deepseek_models(case)
     latent = MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"]
     per_block = TINY_LAYERS * BLOCK_SIZE * latent * 4  # one float32 latent per token and layer
     llm = LLM(path, dtype="float32", kv_cache_memory=NUM_BLOCKS * per_block,
@@ -78,3 +88,15 @@ def test_deepseek_v3_matches_transformers(deepseek, backend):
     assert core.scheduler.num_preemptions > 0, "the cache was meant to be too small"
     assert_matches_hf(llm.generate(PROMPTS[:2], PARAMS), references[:2])
     assert core.kv.num_cache_hits > 0, "the repeated prompts were meant to hit"
+
+
+def test_deepseek_v3_tensor_parallel_matches_transformers(deepseek_models):
+    """Two ranks (gloo, one process each): two heads and their kv_b_proj rows per rank, the
+    latent replicated, every expert's and the shared expert's intermediate dimension split."""
+    path, references = deepseek_models("v3")
+    llm = LLM(path, dtype="float32", kv_cache_memory="8MiB", tensor_parallel_size=2,
+              num_threads=1)
+    try:
+        assert_matches_hf(llm.generate(PROMPTS, PARAMS), references)
+    finally:
+        llm.engine.core.shutdown()
