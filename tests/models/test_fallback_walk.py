@@ -17,7 +17,7 @@ from transformers import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from runtime import LLM, SamplingParams
-from runtime.models.registry import choose_model
+from runtime.models.registry import choose_model, supported_architectures
 from tests.parity import assert_matches_hf, hf_greedy
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "models.md")
@@ -105,6 +105,9 @@ def outcome(architecture: str, root: str, tokenizer_dir: str) -> tuple[str, str]
         choose_model(config.architectures, "transformers", config)
     except ValueError as e:
         why = " ".join(str(e).split("cannot run it: ", 1)[-1].split())
+        native = supported_architectures().get(architecture)
+        if native is not None:  # tested against transformers by its own tests
+            return "skipped", f"runs natively (`{native.partition(':')[0]}`); the fallback: {why}"
         return ("skipped" if why.startswith("transformers cannot build") else "refused"), why
     if getattr(config.get_text_config(), "hidden_size", 0) > SIZES["hidden_size"]:
         return "skipped", "the tiny sizes do not reach its text config"
