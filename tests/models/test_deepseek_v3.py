@@ -100,3 +100,11 @@ def test_deepseek_v3_tensor_parallel_matches_transformers(deepseek_models):
         assert_matches_hf(llm.generate(PROMPTS, PARAMS), references)
     finally:
         llm.engine.core.shutdown()
+
+
+def test_a_kv_attention_backend_is_refused_for_mla(deepseek_models):
+    """An MLA model is offered the MLA backends only; forcing another names them."""
+    path, _ = deepseek_models("kimi")
+    with pytest.raises(ValueError, match="'cpu_paged'.*not offered on platform 'cpu'; known: "
+                                         "cpu_mla, torch_mla"):
+        LLM(path, dtype="float32", kv_cache_memory="1MiB", attention_backend="cpu_paged")
