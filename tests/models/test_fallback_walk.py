@@ -107,7 +107,7 @@ def outcome(architecture: str, root: str, tokenizer_dir: str) -> tuple[str, str]
         why = " ".join(str(e).split("cannot run it: ", 1)[-1].split())
         native = supported_architectures().get(architecture)
         if native is not None:  # tested against transformers by its own tests
-            return "skipped", f"runs natively (`{native.partition(':')[0]}`); the fallback: {why}"
+            return "skipped", f"runs natively (`{native.partition(':')[0]}`)"
         return ("skipped" if why.startswith("transformers cannot build") else "refused"), why
     if getattr(config.get_text_config(), "hidden_size", 0) > SIZES["hidden_size"]:
         return "skipped", "the tiny sizes do not reach its text config"
