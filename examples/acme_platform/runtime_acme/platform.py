@@ -49,7 +49,8 @@ class AcmePlatform(Platform):
 
     def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
         """A hand-built list checks what `offer_backend` would: the KV-cache dtype, the layer
-        shape on acme's torch device type, and prefill-only attention for a pooling model."""
+        shape on acme's torch device type, prefill-only attention for a pooling model, and the
+        kind of attention (acme has no MLA backend, so it refuses MLA models)."""
         backend = self.attention_backend
         ok, why = backend.supports_kv_cache_dtype(model.dtype, model.kv_cache_dtype)
         if ok:
@@ -57,6 +58,9 @@ class AcmePlatform(Platform):
                                        model.sliding_window, self.device_type)
         if ok and model.pooling and not backend.supports_encoder_attention:
             ok, why = False, "no prefill-only attention, which pooling models need"
+        if ok and backend.kind != model.attention_kind:
+            ok, why = False, f"runs {backend.kind} attention; this model's layers are " \
+                             f"{model.attention_kind}"
         return [BackendCandidate(backend.name, backend if ok else None, 10, why, plugin="acme")]
 
     def communicator(self, spec: CommunicatorSpec) -> Communicator:
