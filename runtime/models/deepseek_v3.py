@@ -1,5 +1,5 @@
-"""DeepSeek-V3 (and Kimi K2, which uses its class): multi-head latent attention (MLA) and a
-mixture of experts with grouped top-k routing, on our layers.
+"""DeepSeek-V3 (and Kimi K2, which uses its class) and DeepSeek-V2: multi-head latent attention
+(MLA) and a mixture of experts with grouped top-k routing, on our layers.
 
 Attention compresses each token's K/V into a `kv_lora_rank` latent (`kv_a_proj_with_mqa`, then
 `kv_a_layernorm`) plus one shared rope key of `qk_rope_head_dim`; the paged cache keeps only
@@ -14,7 +14,8 @@ The first `first_k_dense_replace` layers have a dense MLP; the others route each
 sigmoid scores: the `n_group` expert groups ranked by the sum of their two best scores (plus
 `e_score_correction_bias`), the best `topk_group` kept, the top-k experts of those chosen by
 biased score and weighted by the unbiased one (renormalised with `norm_topk_prob`), times
-`routed_scaling_factor`; `n_shared_experts` shared experts run on every token.
+`routed_scaling_factor`; `n_shared_experts` shared experts run on every token. DeepSeek-V2
+routes by softmax instead (`greedy_topk`), with no correction bias.
 """
 from __future__ import annotations
 
@@ -127,58 +128,102 @@ def grouped_topk(logits: torch.Tensor, bias: torch.Tensor, num_groups: int, topk
     return weights * scaling, ids
 
 
-class DeepseekV3Router(nn.Module):
-    """The router's weight and score-correction bias, kept in float32 as transformers runs
-    them."""
+def greedy_topk(logits: torch.Tensor, num_groups: int | None, topk_groups: int | None,
+                top_k: int, method: str, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's routing of router `logits` [T, E] (float32): softmax scores; with
+    "group_limited_greedy" only the experts of the `topk_groups` groups with the best single
+    score compete. The top-k weights as scored (not renormalised), times `scaling`."""
+    scores = logits.softmax(-1)
+    if method == "group_limited_greedy":
+        num_tokens, num_experts = scores.shape
+        group_scores = scores.view(num_tokens, num_groups, -1).max(-1).values
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, group_scores.topk(topk_groups, dim=-1)[1], True)
+        scores = scores.masked_fill(~kept.repeat_interleave(num_experts // num_groups, 1), 0.0)
+    weights, ids = scores.topk(top_k, dim=-1)
+    return weights * scaling, ids
 
-    def __init__(self, config) -> None:
+
+class DeepseekV3Router(nn.Module):
+    """The router's weight (and V3's score-correction bias), kept in float32 as transformers
+    runs them."""
+
+    def __init__(self, config, correction_bias: bool) -> None:
         super().__init__()
         experts = config.n_routed_experts
         self.weight = nn.Parameter(torch.empty(experts, config.hidden_size,
                                                dtype=torch.float32), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.empty(experts, dtype=torch.float32),
-                                                    requires_grad=False)
+        if correction_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(experts, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight)
 
 
 class DeepseekV3MoE(nn.Module):
+    correction_bias = True  # V3's e_score_correction_bias; V2 has none
+
     def __init__(self, config, ctx: BuildContext, prefix: str) -> None:
         super().__init__()
-        if config.n_routed_experts % config.n_group:
+        if config.n_group and config.n_routed_experts % config.n_group:
             raise ValueError(f"n_routed_experts {config.n_routed_experts} is not divisible by "
                              f"n_group {config.n_group}")
         self.config = config
-        self.gate = DeepseekV3Router(config)
+        self.gate = DeepseekV3Router(config, self.correction_bias)
         self.experts = FusedMoE(config.n_routed_experts, config.num_experts_per_tok,
                                 config.hidden_size, config.moe_intermediate_size, False, ctx)
         self.shared_experts = (LlamaMLP(config, ctx, f"{prefix}.shared_experts",
                                         config.moe_intermediate_size * config.n_shared_experts)
                                if config.n_shared_experts else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        weights, ids = grouped_topk(self.gate(x), self.gate.e_score_correction_bias, c.n_group,
-                                    c.topk_group, c.num_experts_per_tok, c.norm_topk_prob,
-                                    c.routed_scaling_factor)
-        out = self.experts.run_routed(x, weights, ids)
+        return grouped_topk(logits, self.gate.e_score_correction_bias, c.n_group, c.topk_group,
+                            c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts.run_routed(x, *self.route(self.gate(x)))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
 
+class DeepseekV2MoE(DeepseekV3MoE):
+    correction_bias = False
+
+    def __init__(self, config, ctx: BuildContext, prefix: str) -> None:
+        if config.topk_method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"DeepSeek-V2 topk_method {config.topk_method!r} is not supported; "
+                             f"supported: greedy, group_limited_greedy")
+        super().__init__(config, ctx, prefix)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        return greedy_topk(logits, c.n_group, c.topk_group, c.num_experts_per_tok,
+                           c.topk_method, c.routed_scaling_factor)
+
+
 class DeepseekV3DecoderLayer(LlamaDecoderLayer):
     attention_cls = DeepseekV3Attention
+    moe_cls = DeepseekV3MoE
 
     def build_mlp(self, config, layer_idx: int, ctx: BuildContext, prefix: str) -> nn.Module:
         if layer_idx < config.first_k_dense_replace:
             return LlamaMLP(config, ctx, prefix)
-        return DeepseekV3MoE(config, ctx, prefix)
+        return self.moe_cls(config, ctx, prefix)
 
 
 class DeepseekV3Model(LlamaModel):
     layer_cls = DeepseekV3DecoderLayer
+
+
+class DeepseekV2DecoderLayer(DeepseekV3DecoderLayer):
+    moe_cls = DeepseekV2MoE
+
+
+class DeepseekV2Model(LlamaModel):
+    layer_cls = DeepseekV2DecoderLayer
 
 
 class DeepseekV3ForCausalLM(MoeForCausalLM):
@@ -208,3 +253,9 @@ class DeepseekV3ForCausalLM(MoeForCausalLM):
                 elif ".self_attn.kv_a_proj_with_mqa." in name:
                     tensor = torch.cat((tensor[:rank], tensor[rank + order]))
             yield name, tensor
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    """The same MLA; softmax routing without score correction; rope always interleaved."""
+
+    model_cls = DeepseekV2Model

@@ -18,6 +18,7 @@ _BUILTIN: dict[str, str] = {
     "Gemma3ForCausalLM": "runtime.models.gemma:Gemma3ForCausalLM",
     "Phi3ForCausalLM": "runtime.models.phi3:Phi3ForCausalLM",
     "MixtralForCausalLM": "runtime.models.moe:MixtralForCausalLM",
+    "DeepseekV2ForCausalLM": "runtime.models.deepseek_v3:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "runtime.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Qwen2MoeForCausalLM": "runtime.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "runtime.models.moe:Qwen3MoeForCausalLM",

@@ -1,6 +1,6 @@
-"""Native DeepSeek-V3 (MLA, grouped top-k MoE) against transformers on the same random weights:
-greedy tokens and logprobs with chunked prefill, prefix caching and preemption, on each MLA
-backend the CPU offers, and with tensor parallel."""
+"""Native DeepSeek-V3 and V2 (MLA, grouped top-k MoE) against transformers on the same random
+weights: greedy tokens and logprobs with chunked prefill, prefix caching and preemption, on each
+MLA backend the CPU offers, and with tensor parallel."""
 from __future__ import annotations
 
 import os
@@ -21,21 +21,26 @@ MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5)
 CASES = {
     # q LoRA, 4 expert groups of which 2 are kept, YaRN with mscale (softmax scale and cos/sin)
-    "v3": dict(MLA, **MOE, q_lora_rank=48, n_group=4, topk_group=2, rope_parameters=dict(
+    "v3": ("DeepseekV3", dict(MLA, **MOE, q_lora_rank=48, n_group=4, topk_group=2,
+                              rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256,
-        mscale=0.707, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)),
+        mscale=0.707, mscale_all_dim=1.0, beta_fast=32, beta_slow=1))),
     # Kimi K2's shape: no q LoRA, one group, unnormalised top-k weights
-    "kimi": dict(MLA, **MOE, q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False),
+    "kimi": ("DeepseekV3", dict(MLA, **MOE, q_lora_rank=None, n_group=1, topk_group=1,
+                                norm_topk_prob=False)),
+    # softmax routing limited to the 2 best of 4 groups, no correction bias
+    "v2": ("DeepseekV2", dict(MLA, **MOE, q_lora_rank=None, n_group=4, topk_group=2,
+                              topk_method="group_limited_greedy")),
 }
 
 
-def build_deepseek(path: str, tokenizer_dir: str, overrides: dict) -> str:
-    """A random DeepseekV3ForCausalLM with a random `e_score_correction_bias` (transformers
-    initialises it to zeros, which would not test it)."""
+def build_deepseek(path: str, tokenizer_dir: str, family: str, overrides: dict) -> str:
+    """A random `family`ForCausalLM with a random `e_score_correction_bias` where it has one
+    (transformers initialises it to zeros, which would not test it)."""
     from tests.conftest import TINY
-    config = transformers.DeepseekV3Config(vocab_size=49152, **{**TINY, **overrides})
+    config = getattr(transformers, f"{family}Config")(vocab_size=49152, **{**TINY, **overrides})
     torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     with torch.no_grad():
         for module in model.modules():
             if hasattr(module, "e_score_correction_bias"):
@@ -53,9 +58,10 @@ def deepseek_models(tmp_path_factory, tokenizer_dir):
 
     def get(case: str):
         if case not in built:
-            path = build_deepseek(str(tmp_path_factory.mktemp(case)), tokenizer_dir,
-                                  CASES[case])
-            hf = transformers.DeepseekV3ForCausalLM.from_pretrained(
+            family, overrides = CASES[case]
+            path = build_deepseek(str(tmp_path_factory.mktemp(case)), tokenizer_dir, family,
+                                  overrides)
+            hf = getattr(transformers, f"{family}ForCausalLM").from_pretrained(
                 path, dtype=torch.float32).eval()
             built[case] = path, [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
         return built[case]
@@ -70,9 +76,10 @@ BLOCK_SIZE = 8
 NUM_BLOCKS = 16  # the 90-token prompt needs 13: the batch preempts
 
 
-@pytest.mark.parametrize("backend", ["cpu_mla", "torch_mla"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_deepseek_v3_matches_transformers(deepseek_models, case, backend):
+@pytest.mark.parametrize("case,backend", [(case, backend) for case in ("v3", "kimi")
+                                          for backend in ("cpu_mla", "torch_mla")]
+                         + [("v2", "cpu_mla")])
+def test_deepseek_matches_transformers(deepseek_models, case, backend):
     """Chunks of 32 tokens (the 37- and 90-token prompts prefill in several steps), a cache
     of few blocks (preemption), and the prompts again (prefix caching)."""
     path, references = deepseek_models(case)

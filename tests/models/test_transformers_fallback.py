@@ -158,9 +158,9 @@ REFUSALS = {
         **SMALL, layer_types=["conv", "full_attention"]), "needs the recurrent-state cache"),
     "GptOssForCausalLM": (lambda: transformers.GptOssConfig(**SMALL),
                           r"attention sinks \(`s_aux`\)"),
-    # DeepSeek-V3 runs natively; V2 keeps the fallback's MLA refusal
-    "DeepseekV2ForCausalLM": (lambda: transformers.DeepseekV2Config(**SMALL),
-                              "multi-head latent attention"),
+    # DeepSeek-V2/V3 run natively; MiniCPM3 keeps the fallback's MLA refusal
+    "MiniCPM3ForCausalLM": (lambda: transformers.MiniCPM3Config(**SMALL),
+                            "multi-head latent attention"),
     "Gemma4ForCausalLM": (lambda: transformers.Gemma4TextConfig(**SMALL), "per-layer head sizes"),
     "Llama4ForCausalLM": (lambda: transformers.Llama4TextConfig(**SMALL), "chunked attention"),
     "Gemma3ForConditionalGeneration": (lambda: transformers.Gemma3Config(),
