@@ -8,7 +8,11 @@ import torch
 
 from runtime.attention_backends.mla import TorchMLAAttention, latent_attention
 from runtime.attention_backends.mla_cpu import CpuMLAAttention
+from runtime.plugins.interfaces import ModelInfo
 from runtime.testing.mla_check import check_mla_attention
+
+MLA_MODEL = ModelInfo("DeepseekV3ForCausalLM", torch.bfloat16, torch.bfloat16, head_size=576,
+                      num_heads=16, num_kv_heads=1, attention_kind="mla")
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +29,14 @@ def test_portable_and_cpu_backends(dtype, cpu_kernels):
     check_mla_attention(CpuMLAAttention, dtype, "cpu")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_triton_decode_kernel(dtype):
-    """bfloat16 is checked on a GPU: the interpreter computes bf16 dots in numpy, wrongly."""
     triton = pytest.importorskip("triton")
     if not torch.cuda.is_available() and not triton.knobs.runtime.interpret:
         pytest.skip("no GPU, and Triton was imported before TRITON_INTERPRET=1 was set")
+    if dtype == torch.bfloat16 and not torch.cuda.is_available():
+        pytest.skip("bfloat16 is checked on a GPU: Triton's interpreter computes bf16 dots in "
+                    "numpy, wrongly")
     from runtime.attention_backends.mla_triton import TritonMLAAttention
     check_mla_attention(TritonMLAAttention, dtype,
                         "cuda" if torch.cuda.is_available() else "cpu")
@@ -81,3 +87,20 @@ def test_latent_attention_is_attention_over_one_shared_head():
     for b, n in enumerate((5, 2)):
         probs = (q[b] @ latents[b, :n].T * 0.5).softmax(-1)
         torch.testing.assert_close(got[b], probs @ latents[b, :n, :8])
+
+
+def test_accelerators_offer_their_mla_backends_for_mla_models():
+    """CUDA, ROCm and XPU list triton_mla then torch_mla for an MLA model (no K/V backend);
+    an FP8 cache or a GPU below Triton's compute capability refuses triton_mla, saying why."""
+    from dataclasses import replace
+
+    from runtime.platforms.cuda.attention import attention_candidates as cuda
+    from runtime.platforms.rocm.attention import attention_candidates as rocm
+    from runtime.platforms.xpu.attention import attention_candidates as xpu
+    for candidates in (cuda((9, 0), MLA_MODEL), rocm(MLA_MODEL), xpu(MLA_MODEL)):
+        assert [(c.name, c.backend is not None and c.backend.kind) for c in candidates] == \
+            [("triton_mla", "mla"), ("torch_mla", "mla")]
+    old = cuda((7, 0), MLA_MODEL)[0]
+    assert old.backend is None and "compute capability 7.5+" in old.reason
+    fp8 = cuda((9, 0), replace(MLA_MODEL, kv_cache_dtype=torch.float8_e4m3fn))
+    assert all(c.backend is None and "FP8" in c.reason for c in fp8)
