@@ -101,6 +101,9 @@ class AttentionBackend(ABC):
     """
 
     name: str = ""
+    # The layers it runs: "mha" (K and V per KV head) or "mla" (`MLAAttentionBackend`); a
+    # platform's candidate list refuses a backend of another kind than the model's layers.
+    kind: str = "mha"
     # Which dimension of `kv_cache_shape` indexes blocks (the runner zeroes blocks on first use).
     kv_cache_block_dim: int = 1
     # Whether a decode step can be recorded as a device graph: the backend reads the metadata's
@@ -216,4 +219,51 @@ class AttentionBackend(ABC):
         leaves the cache untouched,
         and with `causal` False each token attends to every token of its request.
         Returns [num_tokens, num_heads, head_size].
+        """
+
+
+class MLAAttentionBackend(AttentionBackend):
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) over a paged latent cache.
+
+    Per token the cache holds one vector of `kv_lora_rank + qk_rope_head_dim`: the normalised
+    KV latent `kv_c` then the rotated shared key part `k_pe`, instead of K and V per head.
+    `kv_b_weight` [num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank] is this rank's
+    rows of the model's `kv_b_proj` (per head: W_UK's `qk_nope_head_dim` rows, then W_UV's
+    `v_head_dim`); the backend keeps views of it, so it may be filled after construction.
+
+    Prefill may decompress the context's K/V from the latent; decode runs absorbed: the query
+    becomes `q_nope @ W_UK` (kv_lora_rank wide) next to `q_pe`, attends over the cached latents
+    as one shared KV head (scores over the whole vector, values its first `kv_lora_rank`), and
+    W_UV maps the result to `v_head_dim` per head. `scale` multiplies the full q.k score.
+    """
+
+    kind = "mla"
+    kv_cache_block_dim = 0
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_size: int) -> tuple[int, ...]:
+        """[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (`num_kv_heads` is 1)."""
+        return (num_blocks, block_size, head_size)
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, scale: float,
+                 kv_b_weight: torch.Tensor) -> None:
+        super().__init__(num_heads, kv_lora_rank + qk_rope_head_dim, scale, 1)
+        self.kv_lora_rank, self.v_head_dim = kv_lora_rank, v_head_dim
+        self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
+        self.kv_b_weight = kv_b_weight
+        w = kv_b_weight.view(num_heads, qk_nope_head_dim + v_head_dim, kv_lora_rank)
+        self.w_uk = w[:, :qk_nope_head_dim]  # [H, Dn, L]
+        self.w_uv = w[:, qk_nope_head_dim:]  # [H, Dv, L]
+
+    @abstractmethod
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
+                k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """Write this step's latents (`kv_c` [T, kv_lora_rank] and `k_pe` [T, rope]) at
+        `metadata.slot_mapping`, then attend causally within each request.
+
+        q_nope [T, H, qk_nope_head_dim], q_pe [T, H, qk_rope_head_dim] (rotated).
+        Returns [T, H, v_head_dim].
         """

@@ -20,13 +20,19 @@ def module_available(name: str) -> bool:
 def offer_backend(name: str, backend: type[AttentionBackend], priority: int, model: ModelInfo,
                   device_type: str, plugin: str, problems: list[str]) -> BackendCandidate:
     """A candidate for `backend`: usable unless the platform listed `problems` or the backend's
-    own `supports_kv_cache_dtype` or `supports` check refuses the model, or the model pools and
-    the backend has no `supports_encoder_attention`, or the model has attention sinks and the
-    backend no `supports_attention_sinks`; the reason names every problem found.
+    own `supports_kv_cache_dtype` or `supports` check refuses the model, its `kind` is not the
+    model's `attention_kind`, or the model pools and the backend has no
+    `supports_encoder_attention`, or the model has attention sinks and the backend no
+    `supports_attention_sinks`; the reason names every problem found.
     `device_type` is torch's device type (`platform.device_type`: "cpu", "cuda", "xla" …), not
     the platform's name; anything torch does not know is refused here, before any backend's
     `supports` sees it."""
     _require_device_type(name, device_type)
+    if backend.kind != model.attention_kind:
+        kinds = {"mha": "K/V attention", "mla": "multi-head latent attention (MLA)"}
+        return BackendCandidate(name, None, priority, (
+            f"runs {kinds.get(backend.kind, backend.kind)}; this model's layers are "
+            f"{kinds.get(model.attention_kind, model.attention_kind)}"), plugin)
     ok, why = backend.supports_kv_cache_dtype(model.dtype, model.kv_cache_dtype)
     if ok:
         ok, why = backend.supports(model.head_size, model.dtype, model.kv_cache_dtype,
@@ -53,3 +59,14 @@ def _require_device_type(name: str, device_type: str) -> None:
                          f"torch device type; pass the platform's device_type (\"cpu\", "
                          f"\"cuda\", \"xla\" ...: what its tensors' .device.type is), not its "
                          f"name, nor a device with an index")
+
+
+def mla_candidates(model: ModelInfo, device_type: str, plugin: str,
+                   triton_problems: list[str]) -> list[BackendCandidate]:
+    """An accelerator's backends for multi-head latent attention (MLA) models: the Triton
+    absorbed-decode kernel (refused with `triton_problems`), then the portable one."""
+    from runtime.attention_backends.mla import TorchMLAAttention
+    from runtime.attention_backends.mla_triton import TritonMLAAttention
+    return [offer_backend("triton_mla", TritonMLAAttention, 10, model, device_type, plugin,
+                          triton_problems),
+            offer_backend("torch_mla", TorchMLAAttention, 0, model, device_type, plugin, [])]

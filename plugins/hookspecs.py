@@ -66,6 +66,8 @@ def runtime_attention_backend(platform: Platform, model: ModelInfo,
 
     Called once per worker (and once more for a draft model's shapes), after the model config
     is known and before the KV cache is allocated. `model` gives head sizes, dtypes and the sliding window;
+    with `model.attention_kind == "mla"` (multi-head latent attention) the answer must be an
+    `MLAAttentionBackend` (`kind` "mla"), whose `head_size` is the cached latent's width;
     `requested` is the user's `--attention-backend` name or None. Default: the usable candidate
     of highest priority among `platform.attention_backend_candidates(model)`, or the one
     `requested` names, else an `AttentionBackendError` listing every candidate and why. An

@@ -40,6 +40,13 @@ def attention_heads(text_config: Any, layer_idx: int | None = None) -> tuple[int
     return num_heads, num_kv_heads, head_size
 
 
+def mla_latent_size(text_config: Any) -> int | None:
+    """Per-token width of a multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2) layer's
+    KV cache, `kv_lora_rank + qk_rope_head_dim`, or None for a model without MLA."""
+    rank = getattr(text_config, "kv_lora_rank", None)
+    return None if rank is None else rank + text_config.qk_rope_head_dim
+
+
 @dataclass
 class ModelConfig:
     hf_config: object
@@ -58,6 +65,9 @@ class ModelConfig:
     choice: ModelChoice  # the implementation that runs it (native or transformers), and why
     # whether its attention has sinks (gpt-oss), as its model class declares
     attention_sinks: bool = False
+    # "mla": each layer caches one latent vector of `head_size` per token (num_kv_heads 1,
+    # the same on every tensor-parallel rank), not K and V per KV head
+    attention_kind: str = "mha"
 
     @classmethod
     def from_hf(cls, hf_config, choice: ModelChoice, dtype: torch.dtype | None,
@@ -75,6 +85,9 @@ class ModelConfig:
         num_heads, num_kv_heads, head_size = (attention_heads(text)
                                               if hasattr(text, "num_attention_heads")
                                               else (0, 0, 0))
+        latent = mla_latent_size(text)
+        if latent is not None:
+            num_kv_heads, head_size = 1, latent
         limit = getattr(text, "max_position_embeddings", None) or 2048
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
@@ -100,6 +113,7 @@ class ModelConfig:
             layer_types=tuple(layer_types),
             choice=choice,
             attention_sinks=getattr(choice.model_class, "attention_sinks", False),
+            attention_kind="mha" if latent is None else "mla",
         )
 
     @property
@@ -109,12 +123,14 @@ class ModelConfig:
 
     def kv_bytes_per_block(self, block_size: int, kv_dtype: torch.dtype, tp_size: int = 1) -> int:
         """Over the layers that keep a cache (not Gemma 4's KV-shared ones, nor a hybrid's
-        recurrent layers), each its own shape."""
+        recurrent layers), each its own shape; an MLA layer keeps one latent per token."""
+        itemsize = torch.empty(0, dtype=kv_dtype).element_size()
+        if self.attention_kind == "mla":
+            return self.num_layers * block_size * self.head_size * itemsize
         text = self.hf_config.get_text_config()
         sharing = getattr(text, "kv_sharing_modes", None) or [None] * self.num_layers
         cached = [i for i in range(self.num_layers)
                   if sharing[i] != "reuse" and self.layer_types[i] not in RECURRENT_LAYER_TYPES]
         width = sum(max(1, kv_heads // tp_size) * head_size
                     for _, kv_heads, head_size in (attention_heads(text, i) for i in cached))
-        itemsize = torch.empty(0, dtype=kv_dtype).element_size()
         return 2 * block_size * width * itemsize

@@ -234,7 +234,7 @@ class CpuPlatform(Platform):
 
     def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
         """The native-kernel backend first (when this host can build its kernels), then the
-        portable one, which runs everywhere."""
+        portable one, which runs everywhere; for an MLA model, the MLA pair."""
         from runtime.attention_backends.cpu_paged import CpuPagedAttention
         from runtime.attention_backends.torch_paged import TorchPagedAttention
         from runtime.platforms.common import offer_backend
@@ -243,10 +243,22 @@ class CpuPlatform(Platform):
                                       model.sliding_window, "cpu")[0]:
             failed = self.kernel_build_error()
             native = [f"the CPU kernels did not build: {failed}"] if failed else []
+        if model.attention_kind == "mla":
+            return self._mla_candidates(model)
         return [
             offer_backend("cpu_paged", CpuPagedAttention, 10, model, "cpu", self.name, native),
             offer_backend("torch_paged", TorchPagedAttention, 0, model, "cpu", self.name, []),
         ]
+
+    def _mla_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
+        """For multi-head latent attention: the native decode kernel, then the portable one."""
+        from runtime.attention_backends.mla import TorchMLAAttention
+        from runtime.attention_backends.mla_cpu import CpuMLAAttention
+        from runtime.platforms.common import offer_backend
+        failed = self.kernel_build_error()
+        native = [f"the CPU kernels did not build: {failed}"] if failed else []
+        return [offer_backend("cpu_mla", CpuMLAAttention, 10, model, "cpu", self.name, native),
+                offer_backend("torch_mla", TorchMLAAttention, 0, model, "cpu", self.name, [])]
 
     def graph_runner(self, model: ModelInfo, enforce_eager: bool) -> GraphRunner:
         """Eager: compiling the glue between the fused ops bought nothing (docs/benchmarks.md)."""

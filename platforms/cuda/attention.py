@@ -9,7 +9,7 @@ from runtime.attention_backends.flash_attention import PAGE_MULTIPLE, FlashAtten
 from runtime.attention_backends.flashinfer import FlashInferBackend
 from runtime.attention_backends.torch_paged import TorchPagedAttention
 from runtime.attention_backends.triton_paged import TritonPagedAttention
-from runtime.platforms.common import module_available, offer_backend
+from runtime.platforms.common import mla_candidates, module_available, offer_backend
 from runtime.plugins.interfaces import BackendCandidate, ModelInfo
 
 PLUGIN = "cuda"
@@ -27,13 +27,15 @@ def attention_candidates(cc: tuple[int, int], model: ModelInfo) -> list[BackendC
                             f"this GPU has {cc_text}")
         return problems
 
+    triton = needs("triton", (7, 5))
+    if model.dtype == torch.bfloat16 and cc < (8, 0):
+        triton.append(f"bfloat16 needs compute capability 8.0+, this GPU has {cc_text}")
+    if model.attention_kind == "mla":
+        return mla_candidates(model, "cuda", PLUGIN, triton)
     flash = needs("flash_attn", (8, 0))
     if model.block_size % PAGE_MULTIPLE:
         flash.append(f"its paged KV needs --block-size a multiple of {PAGE_MULTIPLE} "
                      f"(got {model.block_size}); run with --block-size {PAGE_MULTIPLE} to use it")
-    triton = needs("triton", (7, 5))
-    if model.dtype == torch.bfloat16 and cc < (8, 0):
-        triton.append(f"bfloat16 needs compute capability 8.0+, this GPU has {cc_text}")
     return [
         offer_backend("flash_attn", FlashAttentionBackend, 30, model, "cuda", PLUGIN, flash),
         flashinfer_candidate(model, needs("flashinfer", (7, 5))),

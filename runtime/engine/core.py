@@ -126,9 +126,11 @@ class EngineCore:
             state = (f"; recurrent state: {num_state_slots} slots of {slot_bytes / 2**20:.2f} "
                      f"MiB ({num_state_slots * slot_bytes / 2**20:.1f} MiB)")
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB per tensor-parallel "
-                    "rank over all stages)%s", num_blocks,
+                    "rank over all stages; %d bytes per token%s)%s", num_blocks,
                     config.block_size, num_blocks * config.block_size,
-                    num_blocks * per_block / 2**20, state)
+                    num_blocks * per_block / 2**20, per_block // config.block_size,
+                    ", one MLA latent per layer" if model_config.attention_kind == "mla" else "",
+                    state)
         if not self.encoder_only:
             self._fit_max_model_len(num_blocks * config.block_size, "the KV cache",
                                     "raise --kv-cache-memory")

@@ -1,7 +1,8 @@
 """The attention layer: hands Q, K, V and this step's metadata to the chosen backend; and the
-paged KV cache of a model's attention layers."""
+paged KV cache of a model's attention layers (MLA layers' latent caches too)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -11,6 +12,7 @@ from torch import nn
 from runtime.forward_context import get_forward_context
 from runtime.layers.build_context import BuildContext
 from runtime.plugins.kv_connector import KVCacheLayer
+from runtime.layers.mla_attention import MLAAttention
 
 
 class Attention(nn.Module):
@@ -79,12 +81,20 @@ class PagedKVCache:
 
     def __init__(self, model: nn.Module) -> None:
         modules = dict(model.named_modules())
-        attention = [m for m in modules.values() if isinstance(m, Attention) and not m.encoder]
-        self.layers = [m for m in attention if m.kv_sharing_target is None]  # own a cache
+        attention = [m for m in modules.values() if isinstance(m, (Attention, MLAAttention))
+                     and not getattr(m, "encoder", False)]  # a vision encoder keeps no cache
+        # the layers that own a cache
+        self.layers = [m for m in attention if getattr(m, "kv_sharing_target", None) is None]
         # (layer, the layer whose cache it reads)
         self.shared = [(m, modules[m.kv_sharing_target]) for m in attention
-                       if m.kv_sharing_target is not None]
+                       if getattr(m, "kv_sharing_target", None) is not None]
         self.num_zeroed_blocks = 0
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes over all these layers, in their backends' layouts."""
+        return sum(math.prod(type(layer.impl).kv_cache_shape(1, block_size, layer.num_kv_heads,
+                                                             layer.head_size))
+                   for layer in self.layers) * dtype.itemsize
 
     def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:

@@ -159,12 +159,13 @@ class FusedMoE(nn.Module):
                 self.load_expert(self.w13_weight, up, expert, "up")
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(router_logits, self.top_k, self.renormalize, self.scoring)
-        return self.run(hidden, weights, ids)
+        return self.run_routed(hidden, *route(router_logits, self.top_k, self.renormalize,
+                                              self.scoring))
 
-    def run(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-            ) -> torch.Tensor:
-        """The experts on routing a model made itself: weights and global expert ids [T, k]."""
+    def run_routed(self, hidden: torch.Tensor, weights: torch.Tensor,
+                   ids: torch.Tensor) -> torch.Tensor:
+        """The experts on tokens a model routed itself: `weights` [T, k] float32 (applied to
+        each expert's output as given), global expert `ids` [T, k]."""
         if self.expert_map is not None:
             ids = self.expert_map[ids]
         if self.apply_router_weight_on_input:

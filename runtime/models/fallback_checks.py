@@ -181,8 +181,9 @@ def _attention_refusal(model: nn.Module, text: Any) -> str | None:
     for m in modules:
         qk, v = getattr(m, "qk_head_dim", None), getattr(m, "v_head_dim", None)
         if qk is not None and v is not None and qk != v:
-            return (f"multi-head latent attention (q/k heads of {qk}, v heads of {v}): needs "
-                    "an MLA backend, not yet supported")
+            return (f"multi-head latent attention (q/k heads of {qk}, v heads of {v}): the "
+                    "fallback keeps full K/V, not the latent cache MLA needs (a native class "
+                    "with an MLA backend does)")
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     groups = sorted({getattr(m, "num_key_value_groups", heads // kv_heads) for m in modules})

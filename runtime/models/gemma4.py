@@ -188,7 +188,7 @@ class Gemma4DecoderLayer(nn.Module):
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
         if self.moe:
-            experts = self.experts.run(self.pre_feedforward_layernorm_2(hidden),
+            experts = self.experts.run_routed(self.pre_feedforward_layernorm_2(hidden),
                                        *self.router(hidden))
             mlp = (self.post_feedforward_layernorm_1(mlp)
                    + self.post_feedforward_layernorm_2(experts))

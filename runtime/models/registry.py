@@ -22,6 +22,8 @@ _BUILTIN: dict[str, str] = {
     "Llama4ForCausalLM": "runtime.models.llama4:Llama4ForCausalLM",
     "Phi3ForCausalLM": "runtime.models.phi3:Phi3ForCausalLM",
     "MixtralForCausalLM": "runtime.models.moe:MixtralForCausalLM",
+    "DeepseekV2ForCausalLM": "runtime.models.deepseek_v3:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "runtime.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Qwen2MoeForCausalLM": "runtime.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "runtime.models.moe:Qwen3MoeForCausalLM",
     "GptOssForCausalLM": "runtime.models.gpt_oss:GptOssForCausalLM",

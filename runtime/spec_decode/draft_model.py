@@ -52,8 +52,7 @@ class DraftModelProposer:
         self.dtype = dtype
         self.generators = generators
         self.kv_cache = PagedKVCache(model)
-        self.kv_bytes_per_block = sum(2 * block_size * m.num_kv_heads * m.head_size
-                                      * dtype.itemsize for m in self.kv_cache.layers)
+        self.kv_bytes_per_block = self.kv_cache.bytes_per_block(block_size, dtype)
         self.probs: dict[str, torch.Tensor] = {}  # request id -> [j, V] q of its proposals
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

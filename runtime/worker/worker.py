@@ -144,10 +144,9 @@ class Worker:
                                   pooling=pooling, generators=generators,
                                   logits_processors=self.answers.logits_processors())
         self.model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        itemsize = self.kv_cache_dtype.itemsize
-        self.kv_bytes_per_block = sum(  # this rank's layers and KV heads only
-            2 * cfg.block_size * m.num_kv_heads * m.head_size * itemsize
-            for m in self.runner.kv_cache.layers)
+        # this rank's layers and KV heads only
+        self.kv_bytes_per_block = self.runner.kv_cache.bytes_per_block(cfg.block_size,
+                                                                       self.kv_cache_dtype)
         if proposer is not None:  # a draft model's KV shares the blocks
             self.kv_bytes_per_block += proposer.kv_bytes_per_block
         # a hybrid model's recurrent layers: one state slot per sequence the scheduler runs

@@ -160,14 +160,10 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
              num_key_value_heads=2, vocab_size=256)
 # architecture -> (config, the reason the refusal must give)
 REFUSALS = {
-    "GraniteMoeHybridForCausalLM": (lambda: transformers.GraniteMoeHybridConfig(
-        **SMALL, layer_types=["mamba", "attention"]), "needs the recurrent-state cache"),
-    "Lfm2ForCausalLM": (lambda: transformers.Lfm2Config(
-        **SMALL, layer_types=["conv", "full_attention"]), "needs the recurrent-state cache"),
-    "GptOssForCausalLM": (lambda: transformers.GptOssConfig(**SMALL),
-                          r"attention sinks \(`s_aux`\)"),
-    "DeepseekV3ForCausalLM": (lambda: transformers.DeepseekV3Config(**SMALL),
-                              "multi-head latent attention"),
+    # (Granite 4.0-H, LFM2, gpt-oss, DeepSeek-V2/V3, Gemma 4 and Llama 4 run natively)
+    # DeepSeek-V2/V3 run natively; MiniCPM3 keeps the fallback's MLA refusal
+    "MiniCPM3ForCausalLM": (lambda: transformers.MiniCPM3Config(**SMALL),
+                            "multi-head latent attention"),
     "Gemma3ForConditionalGeneration": (lambda: transformers.Gemma3Config(),
                                        "a vision-language model: not supported yet"),
     "DiffLlamaForCausalLM": (lambda: transformers.DiffLlamaConfig(**SMALL),

@@ -14,6 +14,7 @@ from runtime.plugins.interfaces import CommunicatorSpec, GraphRunner, Platform
 from runtime.plugins.selection import (HookAnswerError, explain_attention_backends,
                                        explain_platforms, hook_answer)
 from runtime.testing.attention_check import CASES, check_attention
+from runtime.testing.mla_check import LATENT, check_mla_attention
 from runtime.testing.conformance.conftest import suite_model_info
 from runtime.testing.conformance.op_check import PORTABLE, check_op, resolve
 from runtime.testing.prefill_only_check import check_prefill_only
@@ -81,6 +82,29 @@ def test_attention_matches_the_reference(platform, model_info, dtype, case):
                     label=f"{backend.name} (answered by {who})")
 
 
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_mla_attention_matches_the_reference(platform, model_info, dtype):
+    """The backend chosen for a multi-head latent attention (DeepSeek-V3) layer, against
+    float32 MLA math, for every dtype the platform declares; a platform that offers no MLA
+    backend refuses such models, which the check then only asserts."""
+    dtype = DTYPES[dtype]
+    if dtype not in platform.supported_dtypes():
+        pytest.skip(f"{platform.name} does not declare {dtype}")
+    info = dataclasses.replace(model_info, dtype=dtype, kv_cache_dtype=dtype,
+                               attention_kind="mla", head_size=LATENT, num_kv_heads=1)
+    try:
+        backend, who = hook_answer("runtime_attention_backend", platform=platform, model=info,
+                                   requested=None)
+    except HookAnswerError as e:
+        if isinstance(e.__cause__, AttentionBackendError):
+            pytest.skip(f"MLA models are refused on {platform.name}: {e}")
+        raise
+    assert backend is not None and backend.kind == "mla", \
+        f"{platform.name} answered {backend} for an MLA layer"
+    check_mla_attention(backend, dtype, platform.device(0),
+                        label=f"{backend.name} (answered by {who})")
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_pooling_attention_matches_plain_attention(platform, model_info, test_dtype, causal):
     """A pooling model's steps (whole requests, no KV cache; bidirectional for encoders) on the
@@ -103,12 +127,14 @@ def test_pooling_attention_matches_plain_attention(platform, model_info, test_dt
                        label=f"{backend.name} (answered by {who})")
 
 
-@pytest.mark.parametrize("model", ["pooling", "fp8 KV cache"])
+@pytest.mark.parametrize("model", ["pooling", "fp8 KV cache", "mla"])
 def test_candidates_honour_what_each_backend_declares(hook, platform, model_info, model):
     """Selection takes a usable candidate at its word: a hand-built list must itself refuse a
     backend whose declarations rule the model out (offer_backend checks them)."""
-    info = dataclasses.replace(model_info, pooling=True) if model == "pooling" else \
-        dataclasses.replace(model_info, kv_cache_dtype=torch.float8_e4m3fn)
+    info = {"pooling": dataclasses.replace(model_info, pooling=True),
+            "fp8 KV cache": dataclasses.replace(model_info, kv_cache_dtype=torch.float8_e4m3fn),
+            "mla": dataclasses.replace(model_info, attention_kind="mla", head_size=LATENT,
+                                       num_kv_heads=1)}[model]
     for candidates in hook.runtime_attention_backend_candidates(platform=platform, model=info):
         for c in candidates:
             if c.backend is None:
@@ -120,6 +146,9 @@ def test_candidates_honour_what_each_backend_declares(hook, platform, model_info
             assert not info.pooling or c.backend.supports_encoder_attention, (
                 f"candidate {c.name} is offered as usable for a pooling model, but declares no "
                 f"supports_encoder_attention: refuse it when model.pooling is set")
+            assert c.backend.kind == info.attention_kind, (
+                f"candidate {c.name} ({c.backend.kind}) is offered as usable for a model whose "
+                f"layers are {info.attention_kind}: refuse it (offer_backend does)")
 
 
 def test_unknown_backend_is_refused_clearly(hook, platform, model_info):
