@@ -216,6 +216,7 @@ class ChatMessage(Body):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a "tool" message: the call it answers
+    reasoning: str | None = None  # an assistant's earlier reasoning (vLLM's field)
 
 
 class FunctionDefinition(Body):

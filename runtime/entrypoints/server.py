@@ -30,6 +30,7 @@ from runtime.entrypoints.errors import (APIError, bad_request, is_anthropic_path
 from runtime.entrypoints.middleware import RequestContext, needs_key
 from runtime.entrypoints.openapi import build_openapi
 from runtime.entrypoints.protocol import DetokenizeRequest, TokenizeRequest
+from runtime.entrypoints.reasoning import reasoning_parser_of
 from runtime.entrypoints.serving import (ClientDisconnected, ServerState, check_model,
                                          grammar_backend, state_of)
 from runtime.entrypoints.template_tools import tool_call_parser_of
@@ -75,7 +76,8 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
                lora_modules: dict[str, LoRARequest] | None = None,
                enable_runtime_lora_updating: bool = False,
                limits: Limits | None = None, url: str = "",
-               grpc_server: GrpcServer | None = None) -> FastAPI:
+               grpc_server: GrpcServer | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """The server's app; starting it (its lifespan) starts the engine, stopping it stops it,
     and once it is up logs that `model_names[0]` is served at `url`.
     If the engine dies for good, the app asks the server to stop (`app.state.stop_server`) and
@@ -91,6 +93,7 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
         state.tool_call_parser = tool_call_parser_of(
             state.chat_template or engine.tokenizer.chat_template, model_names[0],
             tool_call_parser, enable_auto_tool_choice)
+        state.reasoning_parser = reasoning_parser_of(reasoning_parser, engine.tokenizer)
         logger.info("Serving %s on %s (OpenAI, Anthropic, Responses; docs at /docs): "
                     "max_model_len %d, %d KV blocks", model_names[0], url or "its socket",
                     engine.max_model_len, engine.num_blocks)

@@ -18,6 +18,7 @@ from runtime.engine.async_llm import (AsyncLLM, EngineDeadError, EngineRestartin
                                       QueueFullError, RequestFailedError, RequestStream)
 from runtime.engine.input_processor import PromptType
 from runtime.entrypoints.errors import APIError, bad_request
+from runtime.entrypoints.reasoning import ReasoningParser
 from runtime.entrypoints.structured import check_constraint
 from runtime.lora.request import LoRARequest
 from runtime.metrics import Metrics
@@ -41,6 +42,7 @@ class ServerState:
     log_requests: bool = False
     tool_call_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser, once the engine is up
     # --lora-modules and adapters loaded at run time: name -> adapter, chosen by `model`
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
     next_lora_id: int = 1  # for the next adapter loaded at run time
