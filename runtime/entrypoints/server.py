@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+import runtime
 from runtime.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from runtime.entrypoints import (anthropic_api, lora_api, openai_api, pooling_api,
                                  responses_api)
@@ -200,6 +201,11 @@ async def health(raw: Request) -> Response:
         return Response(status_code=200)
     reason = engine.dead_reason or "the engine core is restarting"
     return APIError(503, reason, headers={"Retry-After": "1"}).response()
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": runtime.__version__}
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

@@ -79,11 +79,11 @@ def new_id(prefix: str) -> str:
 
 def check_model(state: ServerState, model: str | None) -> str:
     """The name to report for a request that asked for `model` (None: the served one); an
-    adapter's name is reported as it is."""
+    adapter's name is reported as it is. Another name is a 404, as OpenAI and vLLM answer."""
     if model in state.lora_modules:
         return model
     if model is not None and model not in state.model_names:
-        raise APIError(400, f"the model {model!r} does not exist; this server serves "
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
                        f"{state.model_names + list(state.lora_modules)}", param="model",
                        code="model_not_found")
     return state.model_names[0]
