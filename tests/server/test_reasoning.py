@@ -180,3 +180,27 @@ def test_a_parser_needs_its_markers(tokenizer_dir):
 def test_the_flags_choices_are_the_registry():
     from runtime.cli.serve import REASONING_PARSER_NAMES
     assert REASONING_PARSER_NAMES == tuple(REASONING_PARSERS)
+
+
+def test_anthropic_messages_give_a_thinking_block(server, tokenizer):
+    """The reasoning as a thinking block before the text, whole and streamed; a thinking block
+    sent back reaches the template as the assistant's reasoning."""
+    import anthropic
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    text = raw_text(server, ASK, max_tokens=12)
+    reasoning, content = REASONING_PARSERS["deepseek_r1"](tokenizer).reader().read(text)
+    greedy = {"extra_body": {"temperature": 0}}  # recent clients no longer send it
+    reply = claude.messages.create(model="thinker", max_tokens=12, messages=ASK, **greedy)
+    assert reply.content[0].type == "thinking" and reply.content[0].thinking == reasoning
+    assert [b.type for b in reply.content] == ["thinking"] + (["text"] if content else [])
+    with claude.messages.stream(model="thinker", max_tokens=12, messages=ASK,
+                                **greedy) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.content == reply.content
+    back = ASK + [{"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "Dry sky.", "signature": ""},
+        {"type": "text", "text": "No."}]}, {"role": "user", "content": "Sure?"}]
+    without = ASK + [{"role": "assistant", "content": "No."}, {"role": "user", "content": "Sure?"}]
+    count = [claude.messages.create(model="thinker", max_tokens=1, messages=m).usage.input_tokens
+             for m in (back, without)]
+    assert count[0] > count[1]
