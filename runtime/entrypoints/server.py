@@ -87,6 +87,13 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        try:
+            app.state.server.reasoning_parser = reasoning_parser_of(reasoning_parser,
+                                                                    engine.tokenizer)
+        except ValueError as e:  # the tokenizer lacks the markers: stop, the core included
+            logger.error("error: --reasoning-parser %s: %s", reasoning_parser, e)
+            await engine.shutdown()
+            raise SystemExit(2) from None
         metrics.engine_started(engine.config, engine.max_model_len, engine.num_blocks)
         if grpc_server is not None:
             await grpc_server.start(app.state.server)
@@ -94,7 +101,6 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
         state.tool_call_parser = tool_call_parser_of(
             state.chat_template or engine.tokenizer.chat_template, model_names[0],
             tool_call_parser, enable_auto_tool_choice)
-        state.reasoning_parser = reasoning_parser_of(reasoning_parser, engine.tokenizer)
         logger.info("Serving %s on %s (OpenAI, Anthropic, Responses; docs at /docs): "
                     "max_model_len %d, %d KV blocks", model_names[0], url or "its socket",
                     engine.max_model_len, engine.num_blocks)
