@@ -116,7 +116,9 @@ class Request:
         if self.num_output_tokens >= self.params.min_tokens and \
                 last in self.params.all_stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
-            self.stop_reason = last
+            # as vLLM: the stop token the request asked for, None for the model's EOS
+            self.stop_reason = None if last == self.params.eos_token_id \
+                and not self.params.ignore_eos else last
         elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
         return self.is_finished

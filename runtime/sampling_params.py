@@ -24,7 +24,9 @@ class SamplingParams:
     `allowed_token_ids` restricts sampling to those tokens; `bad_words` are never generated
     (a word's last token is banned where the output ends with the word's other tokens).
     `_eos_token_id` is set by the engine through `with_eos`, `_bad_words_token_ids` (the
-    tokenized `bad_words`) by the input processor, not by users.
+    tokenized `bad_words`) by the input processor, not by users. `_reasoning_token_ids` (the
+    start and end markers' ids, set by the server's --reasoning-parser) holds the grammar of
+    `structured_outputs` back until the reasoning has ended, as vLLM does.
     """
 
     n: int = 1
@@ -55,6 +57,7 @@ class SamplingParams:
     # An init field (not init=False) so that dataclasses.replace and clone keep it.
     _eos_token_id: int | None = dataclasses.field(default=None, repr=False)
     _bad_words_token_ids: list[list[int]] | None = dataclasses.field(default=None, repr=False)
+    _reasoning_token_ids: tuple[int, int] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -12,6 +12,8 @@ from runtime.cli.engine_args import add_engine_args, engine_kwargs
 API_KEY_SCOPES = ("v1", "all")
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 METRICS_PREFIXES = ("both", "vllm", "runtime")  # runtime.metrics.METRICS_PREFIXES
+# runtime.entrypoints.reasoning.REASONING_PARSERS (a copy: the parser imports nothing heavy)
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
 
 
 class _Default:
@@ -53,6 +55,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    choices=["hermes", "llama3_json", "mistral", "pythonic"],
                    help="how the model writes tool calls, to read them back for "
                         'tool_choice "auto" (hermes: Hermes, Qwen)')
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSER_NAMES,
+                   help="how the model marks its reasoning, to return it apart from the "
+                        "content (`reasoning` on chat messages and deltas, reasoning items "
+                        "on Responses); structured outputs and forced tool calls then apply "
+                        "after the reasoning")
     g.add_argument("--max-queue-len", type=int, default=1024,
                    help="sequences that may wait for the running batch; more get HTTP 503")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -202,7 +209,8 @@ def serve_command(args: argparse.Namespace) -> int:
                             header_timeout=args.header_timeout,
                             body_timeout=args.body_timeout),
                      url=server_url(sock, tls is not None, args.root_path),
-                     grpc_server=grpc_server, dev_mode=os.environ.get(DEV_MODE_ENV) == "1")
+                     grpc_server=grpc_server, dev_mode=os.environ.get(DEV_MODE_ENV) == "1",
+                     reasoning_parser=args.reasoning_parser)
     return run_server(app, sock, args.shutdown_timeout, tls, args.root_path,
                       args.uvicorn_log_level)
 

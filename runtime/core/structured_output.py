@@ -10,6 +10,13 @@ are cut to the prefix the matcher accepts before they are scheduled, so each pro
 mask is the matcher's state after the proposals before it. A sampled token the matcher refuses (the
 request's other controls left no token its grammar allows) is never accepted: the request ends
 there with an error.
+
+A request whose params carry reasoning markers (`_reasoning_token_ids`, from the server's
+--reasoning-parser) is unconstrained while it reasons, as in vLLM: its matcher starts with the
+tokens after the end marker. The reasoning is over from the start when the prompt's last marker
+is an end marker (a template that closed the thinking: Qwen3's enable_thinking false).
+Proposals are cut before an end marker, so the end marker is always a step's last token and
+every token after it is sampled under the grammar.
 """
 from __future__ import annotations
 
@@ -55,6 +62,7 @@ class StructuredOutputManager:
         self.cache_bytes = 0
         self.waiting: dict[str, tuple[Request, Future]] = {}  # in arrival order
         self.matchers: dict[str, Any] = {}  # the backend's matchers, as xgrammar's are called
+        self.reasoning: dict[str, int] = {}  # requests still reasoning -> their end marker id
         # cumulative, for /metrics
         self.num_compiles = 0
         self.num_cache_hits = 0
@@ -111,7 +119,15 @@ class StructuredOutputManager:
                 continue
             matcher = self._compiler.matcher(future.result())
             self._count(key, future)
-            refused = self._replay(matcher, request.output_token_ids)
+            replayed = request.output_token_ids  # a re-admitted request's, under the grammar
+            markers = request.params._reasoning_token_ids
+            if markers is not None:
+                if not reasoning_ended(request.all_token_ids, *markers):
+                    self.reasoning[request_id] = markers[1]
+                    replayed = []  # still reasoning: the grammar starts after its end marker
+                elif markers[1] in replayed:  # it ended in the output: the grammar read the rest
+                    replayed = replayed[len(replayed) - replayed[::-1].index(markers[1]):]
+            refused = self._replay(matcher, replayed)
             if refused is not None:
                 failed.append((request, ValueError(refused)))
                 continue
@@ -154,6 +170,7 @@ class StructuredOutputManager:
     def drop(self, request_id: str) -> None:
         self.waiting.pop(request_id, None)
         self.matchers.pop(request_id, None)
+        self.reasoning.pop(request_id, None)
 
     def bitmask(self, scheduled: list[tuple[Request, int]]) -> tuple[np.ndarray | None,
                                                                       dict[str, int]]:
@@ -168,7 +185,8 @@ class StructuredOutputManager:
         num_rows = 0
         for r, n in scheduled:
             samples = r.num_computed_tokens + n - len(r.spec_token_ids) >= r.num_tokens
-            if r.request_id in self.matchers and samples:
+            if r.request_id in self.matchers and r.request_id not in self.reasoning \
+                    and samples:
                 rows[r.request_id] = num_rows
                 num_rows += 1 + len(r.spec_token_ids)
         if not rows:
@@ -204,7 +222,14 @@ class StructuredOutputManager:
             tokens = sampled.get(r.request_id)
             if matcher is None or not tokens:
                 continue
-            for i, token_id in enumerate(tokens):
+            first = 0  # the first token the grammar reads
+            end = self.reasoning.get(r.request_id)
+            if end is not None:
+                if end not in tokens:
+                    continue
+                del self.reasoning[r.request_id]
+                first = tokens.index(end) + 1
+            for i, token_id in enumerate(tokens[first:], first):
                 if matcher.is_terminated() and token_id in stop:
                     continue  # the grammar is complete: only stop tokens can follow
                 if matcher.is_terminated() or not matcher.accept_token(token_id):
@@ -228,6 +253,11 @@ class StructuredOutputManager:
             if request.is_finished:
                 self.drop(request.request_id)
                 continue
+            end = self.reasoning.get(request.request_id)
+            if end is not None:
+                if end in request.spec_token_ids:
+                    del request.spec_token_ids[request.spec_token_ids.index(end):]
+                continue
             num_valid = 0
             for token_id in request.spec_token_ids:
                 if matcher.is_terminated() or not matcher.accept_token(token_id):
@@ -240,3 +270,14 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def reasoning_ended(token_ids: list[int], start_id: int, end_id: int) -> bool:
+    """Whether the last reasoning marker among `token_ids` is the end marker (vLLM's rule:
+    an earlier turn's closed thinking followed by a new start marker is open again)."""
+    for token_id in reversed(token_ids):
+        if token_id == start_id:
+            return False
+        if token_id == end_id:
+            return True
+    return False

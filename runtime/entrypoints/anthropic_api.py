@@ -11,6 +11,7 @@ from fastapi.responses import StreamingResponse
 from runtime.engine.async_llm import RequestStream
 from runtime.entrypoints.chat import ChatMedia, render_chat, text_of
 from runtime.entrypoints.protocol import CountTokensRequest, MessagesRequest
+from runtime.entrypoints.reasoning import ReasoningParser
 from runtime.entrypoints.tool_parsers import Delta, ToolChoice
 from runtime.entrypoints.tool_parsers.anthropic import (anthropic_messages,
                                                         anthropic_tool_choice, content_blocks)
@@ -29,17 +30,20 @@ async def create_message(body: MessagesRequest, raw: Request) -> Any:
     prompt, tools = await rendered(state, body)
     params = tools.constrain(body.sampling_params(state.engine.processor.sampling_defaults),
                              "tool_choice")
+    reasoning = state.reasoning_parser
+    if reasoning is not None:
+        params = reasoning.hold_grammar(params)
     message_id = new_id("msg")
     streams = await open_streams(state, message_id, [prompt], params,
                                  body.stream, model=model, raw=raw, constraint_param="tools")
     if body.stream:
-        blocks = partial(_tool_blocks, streams[0], tools) if tools.reads_calls \
-            else partial(_text_block, streams[0])
+        blocks = partial(_tool_blocks, streams[0], tools, reasoning) \
+            if tools.reads_calls or reasoning is not None else partial(_text_block, streams[0])
         return StreamingResponse(_events(message_id, body.model, streams[0], blocks),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    return await unless_disconnected(raw, _message(message_id, body.model, streams, tools),
-                                     streams)
+    return await unless_disconnected(raw, _message(message_id, body.model, streams, tools,
+                                                   reasoning), streams)
 
 
 async def rendered(state: ServerState, body: MessagesRequest | CountTokensRequest
@@ -80,11 +84,21 @@ def _stop(sample: CompletionOutput) -> tuple[str, str | None]:
 
 
 async def _message(message_id: str, model: str, streams: list[RequestStream],
-                   tools: ToolChoice) -> dict:
+                   tools: ToolChoice, reasoning: ReasoningParser | None) -> dict:
+    """The whole message; with a --reasoning-parser, a thinking block first (its signature
+    empty: nothing is signed here)."""
     sample = (await final_outputs(streams))[0].outputs[0]
-    message, calls = tools.message(sample.text)
-    return _message_body(message_id, model, content_blocks(message), streams[0], sample,
-                         calls)
+    if reasoning is None:
+        message, calls = tools.message(sample.text)
+        return _message_body(message_id, model, content_blocks(message), streams[0], sample,
+                             calls)
+    thought, content = reasoning.reader().read(sample.text)
+    message, calls = tools.message(content or "")
+    blocks = content_blocks(message)
+    if thought is not None:
+        blocks = [{"type": "thinking", "thinking": thought, "signature": ""}] + \
+            [b for b in blocks if b != {"type": "text", "text": ""}]
+    return _message_body(message_id, model, blocks, streams[0], sample, calls)
 
 
 def _message_body(message_id: str, model: str, content: list[dict], stream: RequestStream,
@@ -137,14 +151,21 @@ async def _text_block(stream: RequestStream, stop: dict) -> AsyncIterator[str]:
 
 
 async def _tool_blocks(stream: RequestStream, tools: ToolChoice,
-                       stop: dict) -> AsyncIterator[str]:
-    """An output that may hold tool calls, read as it comes (the chat route's readers): a text
-    block for content, a tool_use block per call, its input streamed as input_json_delta
-    fragments of the arguments the model writes."""
+                       reasoning: ReasoningParser | None, stop: dict) -> AsyncIterator[str]:
+    """An output that may hold reasoning and tool calls, read as it comes (the chat route's
+    readers): a thinking block for reasoning, a text block for content, a tool_use block per
+    call, its input streamed as input_json_delta fragments of the arguments the model writes."""
     reader, blocks, sample = tools.reader(), ContentBlocks(), None
+    thinking = reasoning.reader() if reasoning is not None else None
     async for output in stream:
         sample = output.outputs[0]
-        delta = reader.feed(sample.text)
+        text = sample.text
+        if thinking is not None:
+            split = thinking.feed(text, final=sample.finished)
+            for event in blocks.add_thinking(split.reasoning):
+                yield event
+            text = split.content
+        delta = reader.feed(text)
         if sample.finished:
             delta.add(reader.finish())
         for event in blocks.add(tools.limit(delta)):
@@ -161,6 +182,14 @@ class ContentBlocks:
         self.open: str | None = None  # the type of the block being written
         self.index = -1
         self.calls = 0
+
+    def add_thinking(self, text: str) -> list[str]:
+        if not text:
+            return []
+        events = []
+        if self.open != "thinking":
+            events += self._start({"type": "thinking", "thinking": "", "signature": ""})
+        return events + [self._delta({"type": "thinking_delta", "thinking": text})]
 
     def add(self, delta: Delta) -> list[str]:
         events = []

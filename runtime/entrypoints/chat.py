@@ -49,7 +49,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], chat_template: s
                 continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of `messages` ({"role", "content"} dicts, with "tool_calls" and
-    "tool_call_id" where given) rendered with the template, which also renders `tools`;
+    "tool_call_id" where given) rendered with the template, which also renders `tools`; a
+    "developer" message is a "system" one unless the template knows that role (as vLLM);
     `continue_final_message` leaves the last message open for the model to go on with (as
     vLLM's field), `template_kwargs` are extra template variables (`chat_template_kwargs`)."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -59,6 +60,10 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], chat_template: s
         raise bad_request("continue_final_message continues the last message, which must be "
                           "the assistant's, and needs add_generation_prompt=false",
                           param="continue_final_message")
+    template = chat_template or tokenizer.chat_template
+    if isinstance(template, str) and "developer" not in template:
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m
+                    for m in messages]
     reserved = sorted(_TEMPLATE_CALL_ARGS & set(template_kwargs or ()))
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {reserved}: they are request "

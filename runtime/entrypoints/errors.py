@@ -5,12 +5,13 @@ from fastapi.responses import JSONResponse
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                    404: "not_found_error", 405: "invalid_request_error",
-                   408: "invalid_request_error",
-                   413: "request_too_large", 503: "overloaded_error"}
+                   408: "invalid_request_error", 413: "request_too_large",
+                   415: "invalid_request_error", 503: "overloaded_error"}
+# OpenAI answers an unknown model or route with a 404 of type invalid_request_error.
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                404: "not_found_error", 405: "invalid_request_error",
-                408: "invalid_request_error",
-                413: "invalid_request_error", 503: "server_overloaded"}
+                404: "invalid_request_error", 405: "invalid_request_error",
+                408: "invalid_request_error", 413: "invalid_request_error",
+                415: "invalid_request_error", 503: "server_overloaded"}
 
 
 class APIError(Exception):

@@ -20,7 +20,7 @@ MAX_REQUEST_ID_CHARS = 128
 # With an API key, every path needs it but these: /health (for probes) and the API schema,
 OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
 # and, unless --api-key-scope is "all", the utility routes.
-UTILITY_PATHS = ("/tokenize", "/detokenize", "/metrics")
+UTILITY_PATHS = ("/tokenize", "/detokenize", "/metrics", "/version")
 
 
 def needs_key(path: str, api_key_scope: str) -> bool:
@@ -108,6 +108,7 @@ class BodyGuard:
             raise APIError(408, f"the request body did not arrive within {self.timeout_s:g} s "
                            "(--body-timeout)") from None
         if body:
+            _check_content_type(headers)
             await asyncio.to_thread(_check_json, body)
         replayed = False
 
@@ -136,6 +137,14 @@ class BodyGuard:
     def _too_large(self) -> APIError:
         return APIError(413, f"the request body is larger than {self.max_bytes} bytes "
                         "(--max-request-body-bytes)")
+
+
+def _check_content_type(headers: dict[bytes, bytes]) -> None:
+    """A body is JSON: another declared type (curl -d's form type included) is a 415."""
+    kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+    if kind and kind != b"application/json" and not kind.endswith(b"+json"):
+        raise APIError(415, "the request body must be JSON (Content-Type: application/json), "
+                       f"got Content-Type: {kind[:100].decode('latin-1')}")
 
 
 def _check_json(body: bytes) -> None:

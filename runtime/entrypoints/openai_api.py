@@ -12,6 +12,7 @@ from runtime.engine.async_llm import RequestStream
 from runtime.entrypoints.chat import ChatMedia, render_chat
 from runtime.entrypoints.errors import APIError, bad_request
 from runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from runtime.entrypoints.reasoning import ReasoningParser, ReasoningReader
 from runtime.entrypoints.structured import constraint_field
 from runtime.entrypoints.tool_parsers import CallReader, ToolChoice, template_messages
 from runtime.entrypoints.serving import (ServerState, check_budget, check_fits, check_model,
@@ -92,11 +93,14 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
     params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs,
                                   defaults=state.engine.processor.sampling_defaults)
     params = tools.constrain(params, "response_format")
+    if state.reasoning_parser is not None:
+        params = state.reasoning_parser.hold_grammar(params)
     request_id = new_id("chatcmpl")
     streams = await open_streams(state, request_id, [media.prompt(prompt)], params,
                                  body.stream, body.priority, budget, model, raw,
                                  "tools" if tools.forces_call else constraint_field(body))
-    reply = Reply(request_id, model, "chat.completion", state, params.n, streams, tools)
+    reply = Reply(request_id, model, "chat.completion", state, params.n, streams, tools,
+                  state.reasoning_parser)
     if body.stream:
         return _event_stream(reply.chat_chunks(body))
     return await unless_disconnected(raw, reply.chat(body), streams)
@@ -174,7 +178,8 @@ class Reply:
     one per prompt, each with n samples; choice index = prompt index * n + sample index."""
 
     def __init__(self, request_id: str, model: str, object: str, state: ServerState, n: int,
-                 streams: list[RequestStream], tools: ToolChoice | None = None) -> None:
+                 streams: list[RequestStream], tools: ToolChoice | None = None,
+                 reasoning: ReasoningParser | None = None) -> None:
         self.request_id = request_id
         self.model = model
         self.object = object
@@ -182,6 +187,7 @@ class Reply:
         self.n = n
         self.streams = streams
         self.tools = tools  # a chat request's tool choice: reads calls from the output
+        self.reasoning = reasoning  # --reasoning-parser: splits the reasoning off the output
         self.created = int(time.time())
 
     def _envelope(self, choices: list[dict], usage: dict | None = None,
@@ -298,7 +304,13 @@ class Reply:
         output = (await final_outputs(self.streams))[0]
         choices = []
         for sample in output.outputs:
-            message, calls = self.tools.message(sample.text)
+            if self.reasoning is None:
+                message, calls = self.tools.message(sample.text)
+            else:
+                reasoning, content = self.reasoning.reader().read(sample.text)
+                message, calls = self.tools.message(content or "")
+                message["content"] = message["content"] or None
+                message["reasoning"] = reasoning
             choices.append({"index": sample.index, "message": message,
                             "logprobs": self._chat_logprobs(sample, body.top_logprobs or 0)
                             if body.logprobs else None,
@@ -310,19 +322,28 @@ class Reply:
         return self._events(self._chat_choices(body), body.include_usage)
 
     async def _chat_choices(self, body: ChatCompletionRequest) -> AsyncIterator[list[dict]]:
-        started: set[int] = set()
+        """As vLLM: each choice opens with a chunk of its role and empty content alone; then
+        the deltas of reasoning (with a --reasoning-parser), content and tool calls."""
+        for index in range(self.n):
+            yield [{"index": index, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]
         readers: dict[int, CallReader] = {}  # per sample: its calls, read as they are written
+        thinking: dict[int, ReasoningReader] = {}  # per sample: its reasoning
         called: set[int] = set()  # samples that made calls
         async for _, output in merge(self.streams):
             choices = []
             for sample in output.outputs:
                 delta: dict[str, Any] = {}
-                if sample.index not in started:
-                    started.add(sample.index)
-                    delta["role"] = "assistant"
+                text = sample.text
+                if self.reasoning is not None:
+                    split = thinking.setdefault(sample.index, self.reasoning.reader()) \
+                        .feed(text, final=sample.finished)
+                    if split.reasoning:
+                        delta["reasoning"] = split.reasoning
+                    text = split.content
                 if self.tools.reads_calls:
                     reader = readers.setdefault(sample.index, self.tools.reader())
-                    read = reader.feed(sample.text)
+                    read = reader.feed(text)
                     if sample.finished:
                         read.add(reader.finish())
                     read = self.tools.limit(read)
@@ -331,8 +352,8 @@ class Reply:
                     if read.calls:
                         delta["tool_calls"] = read.calls
                         called.add(sample.index)
-                elif sample.text or "role" in delta:
-                    delta["content"] = sample.text
+                elif text:
+                    delta["content"] = text
                 logprobs = self._chat_logprobs(sample, body.top_logprobs or 0) \
                     if body.logprobs and sample.token_ids else None
                 if delta or logprobs or sample.finished:

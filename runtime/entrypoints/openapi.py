@@ -23,6 +23,7 @@ WHY = {400: "invalid request (the message names the field and what is allowed)",
        401: "invalid or missing API key", 404: "no such model or adapter",
        408: "the request body did not all arrive within --body-timeout",
        413: "request body above --max-request-body-bytes",
+       415: "the request body is not JSON (Content-Type other than application/json)",
        500: "the engine failed on this request, or is dead",
        503: "overloaded (the waiting queue is full) or the engine is restarting: retry after "
             "Retry-After seconds"}
@@ -52,7 +53,9 @@ def build_openapi(app: FastAPI, guarded: Callable[[str], bool] | None) -> dict:
             responses.pop("422", None)
             statuses = set()
             if "requestBody" in op:
-                statuses |= {400, 408, 413}
+                statuses |= {400, 408, 413, 415}
+                if not path.endswith("_lora_adapter"):  # the others name a model: 404 if unknown
+                    statuses.add(404)
             if path in GENERATING:
                 statuses |= {500, 503}
                 responses["200"]["content"]["text/event-stream"] = {"schema": SSE_EVENT}

@@ -57,6 +57,7 @@ class RequestBody(Body):
 
 class StreamOptions(Body):
     include_usage: Bool = False
+    include_obfuscation: only(False) = None  # no obfuscation padding is sent
 
 
 class JsonSchemaFormat(Body):
@@ -120,6 +121,7 @@ class SamplingFields(RequestBody):
         """The engine's parameters; a bad value is a 400 naming the parameter. `defaults`
         (the --generation-config ones) fill the fields the request leaves out."""
         from runtime.entrypoints.structured import structured_outputs_of
+        self.check_stream_options()
         fields: dict[str, Any] = dict(defaults or {})
         if self.logit_bias:
             bad = [k for k in self.logit_bias if not TOKEN_ID_TEXT.fullmatch(k.strip())]
@@ -140,6 +142,11 @@ class SamplingFields(RequestBody):
             if value is not None:
                 fields[name] = value
         return make_sampling_params(**fields)
+
+    def check_stream_options(self) -> None:
+        """As OpenAI and vLLM: stream_options without stream is a 400 (never ignored)."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options needs stream=true", param="stream_options")
 
     @property
     def include_usage(self) -> bool:
@@ -183,6 +190,7 @@ class CompletionRequest(SamplingFields):
     def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
         """The beam search this request asks for (use_beam_search): width best_of, else n.
         Sampling options have no place in it: a 400 names the one given."""
+        self.check_stream_options()
         for name, neutral in (("temperature", 0), ("top_p", 1), ("top_k", -1), ("min_p", 0),
                               ("seed", None), ("presence_penalty", 0),
                               ("frequency_penalty", 0), ("repetition_penalty", 1),
@@ -216,6 +224,7 @@ class ChatMessage(Body):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a "tool" message: the call it answers
+    reasoning: str | None = None  # an assistant's earlier reasoning (vLLM's field)
 
 
 class FunctionDefinition(Body):
@@ -282,6 +291,15 @@ class AnthropicTool(Body):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: str | None = None
     input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    strict: Bool | None = None  # calls forced by tool_choice always follow the input_schema
+    # a prompt-caching breakpoint: the prefix cache keeps every prefix without being asked
+    cache_control: dict[str, Any] | None = None
+    # official fields this server does not honour: a 400 names them
+    allowed_callers: only(["direct"]) = None
+    defer_loading: only(False) = None
+    eager_input_streaming: only(False) = None
+    input_examples: only() = None
 
 
 class AnthropicToolChoice(Body):

@@ -11,6 +11,7 @@ from fastapi.responses import StreamingResponse
 from runtime.engine.async_llm import RequestStream
 from runtime.entrypoints.chat import ChatMedia, render_chat
 from runtime.entrypoints.errors import bad_request
+from runtime.entrypoints.reasoning import ReasoningParser
 from runtime.entrypoints.responses_protocol import ResponsesRequest
 from runtime.entrypoints.serving import (check_model, final_outputs, new_id,
                                          open_streams, sse, state_of, stream_error,
@@ -34,12 +35,14 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Any:
                                   state.chat_template, True, tools.tools)
     params = tools.constrain(body.sampling_params(state.engine.processor.sampling_defaults),
                              "text.format")
+    if state.reasoning_parser is not None:
+        params = state.reasoning_parser.hold_grammar(params)
     response_id = new_id("resp")
     streams = await open_streams(state, response_id, [media.prompt(prompt)], params,
                                  body.stream, max_tokens_param="max_output_tokens", model=model,
                                  raw=raw, constraint_param="tools" if tools.forces_call
                                  else "text")
-    reply = ResponseReply(response_id, model, body, tools, streams[0])
+    reply = ResponseReply(response_id, model, body, tools, streams[0], state.reasoning_parser)
     if body.stream:
         return StreamingResponse(reply.events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -47,12 +50,25 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Any:
 
 
 class OutputItems:
-    """A response's output items, built from an output's content and call deltas (a message
-    item for text, a function_call item per call), and the streaming events of each step."""
+    """A response's output items, built from an output's reasoning, content and call deltas
+    (a reasoning item for reasoning, a message item for text, a function_call item per call),
+    and the streaming events of each step."""
 
     def __init__(self) -> None:
         self.items: list[dict] = []
         self.calls: dict[int, int] = {}  # call index -> output index
+
+    def add_reasoning(self, text: str) -> list[dict]:
+        if not text:
+            return []
+        events = []
+        last = self.items[-1] if self.items else None
+        if last is None or last["type"] != "reasoning" or last["status"] != "in_progress":
+            events += self._close_last("completed") + self._open_reasoning()
+        index, item = len(self.items) - 1, self.items[-1]
+        item["content"][0]["text"] += text
+        return events + [{"type": "response.reasoning_text.delta", "item_id": item["id"],
+                          "output_index": index, "content_index": 0, "delta": text}]
 
     def add(self, delta: Delta) -> list[dict]:
         events = []
@@ -101,6 +117,19 @@ class OutputItems:
         item["content"].append(part)
         return events
 
+    def _open_reasoning(self) -> list[dict]:
+        item = {"type": "reasoning", "id": new_id("rs"), "status": "in_progress",
+                "summary": [], "content": [], "encrypted_content": None}
+        part = {"type": "reasoning_text", "text": ""}
+        self.items.append(item)
+        index = len(self.items) - 1
+        events = [{"type": "response.output_item.added", "output_index": index,
+                   "item": {**item, "content": []}},
+                  {"type": "response.content_part.added", "item_id": item["id"],
+                   "output_index": index, "content_index": 0, "part": {**part}}]
+        item["content"].append(part)
+        return events
+
     def _close_last(self, status: str) -> list[dict]:
         if not self.items or self.items[-1]["status"] != "in_progress":
             return []
@@ -111,6 +140,12 @@ class OutputItems:
             events = [{"type": "response.output_text.done", "item_id": item["id"],
                        "output_index": index, "content_index": 0, "text": part["text"],
                        "logprobs": []},
+                      {"type": "response.content_part.done", "item_id": item["id"],
+                       "output_index": index, "content_index": 0, "part": part}]
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            events = [{"type": "response.reasoning_text.done", "item_id": item["id"],
+                       "output_index": index, "content_index": 0, "text": part["text"]},
                       {"type": "response.content_part.done", "item_id": item["id"],
                        "output_index": index, "content_index": 0, "part": part}]
         else:
@@ -125,12 +160,13 @@ class ResponseReply:
     """The response object (or its event stream) for one request's engine stream."""
 
     def __init__(self, response_id: str, model: str, body: ResponsesRequest, tools: ToolChoice,
-                 stream: RequestStream) -> None:
+                 stream: RequestStream, reasoning: ReasoningParser | None = None) -> None:
         self.response_id = response_id
         self.model = model
         self.body = body
         self.tools = tools
         self.stream = stream
+        self.reasoning = reasoning  # --reasoning-parser: splits the reasoning off the output
         self.created = int(time.time())
         self.cached_tokens = 0
 
@@ -156,10 +192,14 @@ class ResponseReply:
         output = (await final_outputs([self.stream]))[0]
         self.cached_tokens = output.num_cached_tokens
         sample = output.outputs[0]
+        items, text = OutputItems(), sample.text
+        if self.reasoning is not None:
+            split = self.reasoning.reader().feed(text, final=True)
+            items.add_reasoning(split.reasoning)
+            text = split.content
         reader = self.tools.reader()
-        delta = reader.feed(sample.text).add(reader.finish())
-        items = OutputItems()
-        items.add(Delta(sample.text) if reader.failed else self.tools.limit(delta))
+        delta = reader.feed(text).add(reader.finish())
+        items.add(Delta(text) if reader.failed else self.tools.limit(delta))
         status = "incomplete" if sample.finish_reason == "length" else "completed"
         items.close(status)
         return self._response(status, items.items, with_usage=True)
@@ -181,10 +221,17 @@ class ResponseReply:
             yield event({"type": "response.in_progress",
                          "response": self._response("in_progress", [])})
             reader, items, sample = self.tools.reader(), OutputItems(), None
+            thinking = self.reasoning.reader() if self.reasoning is not None else None
             async for output in self.stream:
                 sample = output.outputs[0]
                 self.cached_tokens = output.num_cached_tokens
-                delta = reader.feed(sample.text)
+                text = sample.text
+                if thinking is not None:
+                    split = thinking.feed(text, final=sample.finished)
+                    for data in items.add_reasoning(split.reasoning):
+                        yield event(data)
+                    text = split.content
+                delta = reader.feed(text)
                 if sample.finished:
                     delta.add(reader.finish())
                 for data in items.add(self.tools.limit(delta)):

@@ -83,6 +83,7 @@ class FunctionTool(Body):
     parameters: dict[str, Any] | None = None
     strict: Bool | None = None  # calls forced by tool_choice always follow the parameters
     allowed_callers: only(["direct"]) = None
+    async_: only(False) = Field(default=None, alias="async")
     defer_loading: only(False) = None
     output_schema: only() = None
 
@@ -210,7 +211,8 @@ class ResponsesRequest(RequestBody):
                 "max_tool_calls": self.max_tool_calls, "metadata": self.metadata or {},
                 "parallel_tool_calls": self.parallel_tool_calls, "previous_response_id": None,
                 "reasoning": None, "service_tier": "default", "store": False,
-                "temperature": self.temperature, "top_p": self.top_p, "truncation": "disabled",
+                "temperature": self.temperature,
+                "top_p": 1.0 if self.top_p is None else self.top_p, "truncation": "disabled",
                 "text": self.text.model_dump(by_alias=True, exclude_none=True)
                 if self.text is not None and self.text.format is not None
                 else {"format": {"type": "text"}},

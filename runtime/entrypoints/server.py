@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+import runtime
 from runtime.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from runtime.entrypoints import (anthropic_api, dev_api, lora_api, openai_api, pooling_api,
                                  responses_api, tokens_api)
@@ -30,6 +31,7 @@ from runtime.entrypoints.errors import (APIError, bad_request, is_anthropic_path
 from runtime.entrypoints.middleware import RequestContext, needs_key
 from runtime.entrypoints.openapi import build_openapi
 from runtime.entrypoints.protocol import DetokenizeRequest, TokenizeRequest
+from runtime.entrypoints.reasoning import reasoning_parser_of
 from runtime.entrypoints.serving import (ClientDisconnected, ServerState, check_model,
                                          grammar_backend, state_of)
 from runtime.entrypoints.template_tools import tool_call_parser_of
@@ -75,7 +77,8 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
                lora_modules: dict[str, LoRARequest] | None = None,
                enable_runtime_lora_updating: bool = False,
                limits: Limits | None = None, url: str = "",
-               grpc_server: GrpcServer | None = None, dev_mode: bool = False) -> FastAPI:
+               grpc_server: GrpcServer | None = None, dev_mode: bool = False,
+               reasoning_parser: str | None = None) -> FastAPI:
     """The server's app; starting it (its lifespan) starts the engine, stopping it stops it,
     and once it is up logs that `model_names[0]` is served at `url`.
     If the engine dies for good, the app asks the server to stop (`app.state.stop_server`) and
@@ -86,6 +89,13 @@ def create_app(engine: AsyncLLM, metrics: Metrics, model_names: list[str],
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        try:
+            app.state.server.reasoning_parser = reasoning_parser_of(reasoning_parser,
+                                                                    engine.tokenizer)
+        except ValueError as e:  # the tokenizer lacks the markers: stop, the core included
+            logger.error("error: --reasoning-parser %s: %s", reasoning_parser, e)
+            await engine.shutdown()
+            raise SystemExit(2) from None
         metrics.engine_started(engine.config, engine.max_model_len, engine.num_blocks)
         if grpc_server is not None:
             await grpc_server.start(app.state.server)
@@ -202,6 +212,11 @@ async def health(raw: Request) -> Response:
         return Response(status_code=200)
     reason = engine.dead_reason or "the engine core is restarting"
     return APIError(503, reason, headers={"Retry-After": "1"}).response()
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": runtime.__version__}
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

@@ -18,6 +18,7 @@ from runtime.engine.async_llm import (AsyncLLM, EngineDeadError, EngineRestartin
                                       QueueFullError, RequestFailedError, RequestStream)
 from runtime.engine.input_processor import PromptType
 from runtime.entrypoints.errors import APIError, bad_request
+from runtime.entrypoints.reasoning import ReasoningParser
 from runtime.entrypoints.structured import check_constraint
 from runtime.lora.request import LoRARequest
 from runtime.metrics import Metrics
@@ -42,6 +43,7 @@ class ServerState:
     log_requests: bool = False
     tool_call_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser, once the engine is up
     # --lora-modules and adapters loaded at run time: name -> adapter, chosen by `model`
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
     next_lora_id: int = 1  # for the next adapter loaded at run time
@@ -78,11 +80,11 @@ def new_id(prefix: str) -> str:
 
 def check_model(state: ServerState, model: str | None) -> str:
     """The name to report for a request that asked for `model` (None: the served one); an
-    adapter's name is reported as it is."""
+    adapter's name is reported as it is. Another name is a 404, as OpenAI and vLLM answer."""
     if model in state.lora_modules:
         return model
     if model is not None and model not in state.model_names:
-        raise APIError(400, f"the model {model!r} does not exist; this server serves "
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
                        f"{state.model_names + list(state.lora_modules)}", param="model",
                        code="model_not_found")
     return state.model_names[0]

@@ -4,8 +4,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from typing import Any
-
 from runtime.core.messages import StepInput, StepOutput
 from runtime.model_loader.source import ModelSource
 

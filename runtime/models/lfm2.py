@@ -13,7 +13,7 @@ from torch import nn
 
 from runtime.forward_context import get_forward_context
 from runtime.layers.build_context import BuildContext
-from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from runtime.layers.embedding import VocabParallelEmbedding
 from runtime.layers.gated_delta_net import DepthwiseConvWeight
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import ReplicatedLinear

@@ -88,7 +88,8 @@ class SamplingBatch:
             prompt_mask = _token_counts(prompt_token_ids, vocab_size, device) > 0
 
         banned = [(i, t) for i, (p, out) in enumerate(zip(params, output_token_ids))
-                  if len(out) < p.min_tokens for t in sorted(p.all_stop_token_ids) if t < vocab_size]
+                  if len(out) < p.min_tokens for t in sorted(_min_tokens_bans(p))
+                  if t < vocab_size]
         banned += [(i, t) for i, (p, out) in enumerate(zip(params, output_token_ids))
                    for t in _bad_word_bans(p, out) if t < vocab_size]
         banned_rows = banned_ids = None
@@ -142,6 +143,13 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.dev
     counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
+
+
+def _min_tokens_bans(params: SamplingParams) -> frozenset[int]:
+    """The tokens banned below min_tokens: the stop tokens and, as vLLM, the model's EOS even
+    under ignore_eos (which only lets EOS through once min_tokens are out)."""
+    eos = params.eos_token_id
+    return params.all_stop_token_ids | ({eos} if eos is not None else set())
 
 
 def _bad_word_bans(params: SamplingParams, output: list[int]) -> list[int]:

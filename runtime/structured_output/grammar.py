@@ -23,6 +23,9 @@ UNENFORCED_KEYWORDS = ("uniqueItems", "not", "if", "then", "else", "contains", "
 _ONE = ("items", "additionalProperties", "propertyNames", "additionalItems", *UNENFORCED_KEYWORDS)
 _LIST = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# xgrammar's C++ errors begin "[01:09:23] /project/cpp/grammar_parser.cc:820: ": its clock and
+# source line, nothing a client can act on.
+_XGRAMMAR_SOURCE = re.compile(r"^\[[0-9:]+\] \S+\.(?:cc|h):[0-9]+: ")
 _LOOKAROUND = re.compile(r"\(\?<?[=!]|\\[1-9]")  # lookahead, lookbehind, backreference
 
 
@@ -77,6 +80,7 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
         return xgr.Grammar.from_structural_tag(params.structural_tag)
     except (RuntimeError, ValueError, TypeError) as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        message = _XGRAMMAR_SOURCE.sub("", message)
         raise ValueError(f"structured_outputs.{kind} is not a valid {kind}: {message}") from None
 
 

@@ -436,7 +436,8 @@ def test_update_eos_min_tokens_and_ignore_eos():
     m = d.add("min", [1, 1], params=SamplingParams(min_tokens=2).with_eos(2))
     i = d.add("ign", [1, 1], params=SamplingParams(ignore_eos=True).with_eos(2))
     _, fin = d.step({"eos": [2], "min": [2], "ign": [2]})
-    assert fin == [r] and r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == 2
+    # as vLLM: stop_reason names a stop token the request asked for, None for the EOS
+    assert fin == [r] and r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason is None
     _, fin = d.step({"min": [2], "ign": [2]})
     assert fin == [m] and m.output_token_ids == [2, 2]
     assert i.status == RequestStatus.RUNNING and i.output_token_ids == [2, 2]

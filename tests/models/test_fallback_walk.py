@@ -18,7 +18,7 @@ from transformers import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from runtime import LLM, SamplingParams
-from runtime.models.registry import choose_model, supported_architectures
+from runtime.models.registry import choose_model
 from tests.parity import assert_matches_hf, hf_greedy
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "models.md")

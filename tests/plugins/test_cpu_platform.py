@@ -5,8 +5,7 @@ import torch
 
 from runtime.plugins.interfaces import CommunicatorSpec, EagerRunner, ModelInfo, Platform
 from runtime.plugins.manager import get_plugin_manager
-from runtime.platforms.cpu.platform import (GiB, CpuPlatform, kv_cache_budget, normalize_arch,
-                                    parse_cpuinfo, parse_meminfo_available)
+from runtime.platforms.cpu.platform import CpuPlatform
 
 EPYC = """processor\t: 0
 vendor_id\t: AuthenticAMD

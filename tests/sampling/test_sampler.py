@@ -183,8 +183,10 @@ def test_min_tokens_bans_stop_tokens():
     assert tokens[0] == 1 and tokens[2] == 1  # below min_tokens: neither eos nor the stop id
     assert tokens[1] == eos  # reached min_tokens
     assert tokens[3] not in (eos, stop)
-    ignoring = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True).with_eos(eos)
-    assert sampler(logits[:1], build([ignoring], vocab_size=8)).sampled_token_ids.item() == eos
+    # as vLLM: ignore_eos lets EOS through only once min_tokens are out
+    ignoring = [SamplingParams(temperature=0, min_tokens=2, ignore_eos=True).with_eos(eos)] * 2
+    tokens = sampler(logits[:2], build(ignoring, outputs=[[0], [0, 0]], vocab_size=8))
+    assert tokens.sampled_token_ids.tolist() == [stop, eos]
 
 
 def test_logprobs_from_raw_logits():

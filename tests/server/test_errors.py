@@ -28,7 +28,6 @@ def test_api_key_is_required_on_v1(tiny_server):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"model": "gpt-4", "prompt": "x"}, "model"),
     ({"prompt": [5] * 2000}, "prompt"),  # longer than the 1024-token context
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),

@@ -68,6 +68,7 @@ def test_streaming_equals_non_streaming(client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.content == ""  # as vLLM: the role alone opens the stream
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens

@@ -7,15 +7,23 @@ import httpx
 import openai
 import pydantic
 import pytest
+import anthropic.types as anthropic_types
+import openai.types.chat as chat_params
+import openai.types.responses as responses_params
 from anthropic.types import message_count_tokens_params, message_create_params
-from openai.types import completion_create_params
+from openai.types import completion_create_params, shared_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
+from openai.types.shared_params.response_format_json_schema import JSONSchema
 from pydantic import BeforeValidator
 
-from runtime.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
-                                          CountTokensRequest, MessagesRequest)
-from runtime.entrypoints.responses_protocol import ResponsesRequest
+from runtime.entrypoints.protocol import (AnthropicTool, AnthropicToolChoice,
+                                          ChatCompletionRequest, CompletionRequest,
+                                          CountTokensRequest, FunctionDefinition,
+                                          JsonSchemaFormat, MessagesRequest, NamedToolChoice,
+                                          StreamOptions, Tool)
+from runtime.entrypoints.responses_protocol import (FunctionChoice, FunctionTool,
+                                                    ResponsesRequest, TextConfig, TextJsonSchema)
 from tests.server.conftest import API_KEY
 
 APIS = {
@@ -46,6 +54,39 @@ def test_every_official_field_is_declared(api):
     sdk, model, _ = APIS[api]
     missing = sorted(set(sdk.__annotations__) - set(model.model_fields))
     assert not missing, f"{api}: fields the SDK sends that we would drop unseen: {missing}"
+
+
+def declared(model: type[pydantic.BaseModel]) -> set[str]:
+    """The field names a body takes, as the wire spells them (aliases: `schema`, `async`)."""
+    return {f.alias or name for name, f in model.model_fields.items()}
+
+
+# The objects inside a request that carry options (not the messages and items that clients send
+# back from a response): the SDK's type of each, and ours.
+NESTED = {
+    "chat stream_options": (chat_params.ChatCompletionStreamOptionsParam, StreamOptions),
+    "chat response_format.json_schema": (JSONSchema, JsonSchemaFormat),
+    "chat tools[].function": (shared_params.FunctionDefinition, FunctionDefinition),
+    "chat tools[]": (chat_params.ChatCompletionFunctionToolParam, Tool),
+    "chat tool_choice": (chat_params.ChatCompletionNamedToolChoiceParam, NamedToolChoice),
+    "messages tools[]": (anthropic_types.ToolParam, AnthropicTool),
+    "messages tool_choice": (anthropic_types.ToolChoiceToolParam, AnthropicToolChoice),
+    "responses tools[]": (responses_params.FunctionToolParam, FunctionTool),
+    "responses text": (responses_params.ResponseTextConfigParam, TextConfig),
+    "responses text.format": (responses_params.ResponseFormatTextJSONSchemaConfigParam,
+                              TextJsonSchema),
+    "responses tool_choice": (responses_params.ToolChoiceFunctionParam, FunctionChoice),
+}
+
+
+@pytest.mark.parametrize("where", sorted(NESTED))
+def test_every_official_nested_field_is_declared(where):
+    """Objects inside a body ignore unknown keys (clients send back what responses held), so
+    a field the SDK gains there would be dropped unseen: each must be declared, and refused
+    with `only` when it is not honoured."""
+    sdk, model = NESTED[where]
+    missing = sorted(set(sdk.__annotations__) - declared(model))
+    assert not missing, f"{where}: fields the SDK sends that we would drop unseen: {missing}"
 
 
 @pytest.mark.parametrize("api", sorted(APIS))

@@ -27,7 +27,8 @@ def anthropic_tool_choice(body: Any, parser: str | None, auto_enabled: bool) -> 
 
 def anthropic_messages(messages: list[Any], text_of) -> list[dict]:
     """Messages as chat templates read them: `tool_use` blocks become the assistant's
-    tool_calls, each `tool_result` block a "tool" message."""
+    tool_calls, each `tool_result` block a "tool" message, `thinking` blocks its
+    reasoning_content."""
     out: list[dict] = []
     for m in messages:
         if isinstance(m.content, str):
@@ -36,17 +37,22 @@ def anthropic_messages(messages: list[Any], text_of) -> list[dict]:
         texts = [b for b in m.content if b.get("type") in ("text", "image")]  # images: media
         uses = [b for b in m.content if b.get("type") == "tool_use"]
         results = [b for b in m.content if b.get("type") == "tool_result"]
-        if len(texts) + len(uses) + len(results) < len(m.content):
+        thinking = [b for b in m.content if b.get("type") == "thinking"]
+        if len(texts) + len(uses) + len(results) + len(thinking) < len(m.content):
             kinds = sorted({str(b.get("type")) for b in m.content} -
-                           {"text", "image", "tool_use", "tool_result"})
+                           {"text", "image", "tool_use", "tool_result", "thinking"})
             raise bad_request(f"content blocks of type {', '.join(kinds)} are not supported "
-                              "(text, image, tool_use and tool_result are)", param="messages")
+                              "(text, image, thinking, tool_use and tool_result are)",
+                              param="messages")
         for block in results:
             content = block.get("content", "")
             out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                         "content": content if isinstance(content, str) else text_of(content)})
         if texts or uses:
             message: dict[str, Any] = {"role": m.role, "content": text_of(texts)}
+            if thinking:  # templates read reasoning_content
+                message["reasoning_content"] = message["reasoning"] = "".join(
+                    str(b.get("thinking", "")) for b in thinking)
             if uses:
                 message["tool_calls"] = [{"id": b.get("id"), "type": "function", "function": {
                     "name": b.get("name"), "arguments": b.get("input", {})}} for b in uses]

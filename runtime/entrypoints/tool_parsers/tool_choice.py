@@ -161,6 +161,8 @@ def template_messages(messages: list[Any], text_of, param: str = "messages") -> 
             message["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             message["name"] = m.name
+        if m.reasoning is not None:  # templates read reasoning_content
+            message["reasoning_content"] = message["reasoning"] = m.reasoning
         out.append(message)
     return out
 
