@@ -88,6 +88,10 @@ class LLM:
                  enumerate(zip(tokenized, params, priorities, loras))}
         return self._run(order, use_tqdm)
 
+    def get_tokenizer(self):
+        """The tokenizer prompts are encoded with (vLLM's `LLM.get_tokenizer`)."""
+        return self.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate(prompts)` uses: the model's generation config defaults
         (`generation_config="auto"`), else SamplingParams' own."""

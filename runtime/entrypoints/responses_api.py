@@ -17,6 +17,7 @@ from runtime.entrypoints.serving import (check_model, final_outputs, new_id,
                                          open_streams, sse, state_of, stream_error,
                                          unless_disconnected)
 from runtime.entrypoints.tool_parsers import Delta, ToolChoice, template_messages
+from runtime.outputs import CompletionOutput
 
 router = APIRouter()
 
@@ -156,6 +157,18 @@ class OutputItems:
                           "item": item}]
 
 
+def finished_status(sample: CompletionOutput) -> tuple[str, str, dict | None]:
+    """(the response's status, its items' status, its error) once `sample` finished: an
+    output the engine ended ("abort": a grammar its own controls left no token, a request in
+    flight at two core deaths) fails with the reason; one cut by max_output_tokens is
+    incomplete."""
+    if sample.finish_reason == "abort":
+        return "failed", "incomplete", {"code": "server_error",
+                                        "message": str(sample.stop_reason or "aborted")}
+    status = "incomplete" if sample.finish_reason == "length" else "completed"
+    return status, status, None
+
+
 class ResponseReply:
     """The response object (or its event stream) for one request's engine stream."""
 
@@ -170,7 +183,8 @@ class ResponseReply:
         self.created = int(time.time())
         self.cached_tokens = 0
 
-    def _response(self, status: str, output: list[dict], with_usage: bool = False) -> dict:
+    def _response(self, status: str, output: list[dict], with_usage: bool = False,
+                  error: dict | None = None) -> dict:
         usage = None
         if with_usage:
             prompt, completion = self.stream.num_prompt_tokens, self.stream.num_output_tokens
@@ -183,7 +197,7 @@ class ResponseReply:
         done = status in ("completed", "incomplete")
         return {"id": self.response_id, "object": "response", "created_at": self.created,
                 "completed_at": int(time.time()) if done else None, "status": status,
-                "background": False, "error": None,
+                "background": False, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"}
                 if status == "incomplete" else None,
                 "model": self.model, "output": output, "usage": usage, **self.body.echo()}
@@ -200,14 +214,14 @@ class ResponseReply:
         reader = self.tools.reader()
         delta = reader.feed(text).add(reader.finish())
         items.add(Delta(text) if reader.failed else self.tools.limit(delta))
-        status = "incomplete" if sample.finish_reason == "length" else "completed"
-        items.close(status)
-        return self._response(status, items.items, with_usage=True)
+        status, item_status, error = finished_status(sample)
+        items.close(item_status)
+        return self._response(status, items.items, with_usage=True, error=error)
 
     async def events(self) -> AsyncIterator[str]:
         """response.created and .in_progress, the output items' events, then
-        response.completed (or .incomplete when max_output_tokens cut the output); an error
-        event in place of the rest if anything fails."""
+        response.completed (or .incomplete when max_output_tokens cut the output, .failed when
+        the engine ended it); an error event in place of the rest if anything fails."""
         sequence = 0
 
         def event(data: dict) -> str:
@@ -236,11 +250,11 @@ class ResponseReply:
                     delta.add(reader.finish())
                 for data in items.add(self.tools.limit(delta)):
                     yield event(data)
-            status = "incomplete" if sample.finish_reason == "length" else "completed"
-            for data in items.close(status):
+            status, item_status, error = finished_status(sample)
+            for data in items.close(item_status):
                 yield event(data)
-            yield event({"type": f"response.{status}",
-                         "response": self._response(status, items.items, with_usage=True)})
+            yield event({"type": f"response.{status}", "response": self._response(
+                status, items.items, with_usage=True, error=error)})
         except Exception as e:
             error = stream_error(e, self.response_id)
             yield event({"type": "error", "code": error.code, "message": error.message,

@@ -37,6 +37,12 @@ def test_text_prompts_decode_to_their_tokens(llm):
     assert out.outputs[0].finish_reason == "length"
 
 
+def test_get_tokenizer_is_the_one_prompts_are_encoded_with(llm):
+    ids = llm.get_tokenizer().encode("the cat sat", add_special_tokens=False)
+    out = llm.generate(["the cat sat"], SamplingParams(max_tokens=1))[0]
+    assert out.prompt_token_ids[-len(ids):] == ids
+
+
 def test_seeded_sampling_reproduces_whatever_the_batch(llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=7, ignore_eos=True)
     alone = llm.generate([PROMPT], params)[0].outputs[0].token_ids

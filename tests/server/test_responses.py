@@ -199,3 +199,18 @@ def test_what_is_not_honoured_is_a_400_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model="tiny", **{"input": "hi", "max_output_tokens": 4, **extra})
     assert info.value.body["param"] == param, info.value.body
+
+
+def test_an_output_the_engine_ended_fails_with_the_reason():
+    """finish_reason "abort" (a grammar left no token, a request at two core deaths) is a
+    failed response with the reason, never "completed"."""
+    from runtime.entrypoints.responses_api import finished_status
+    from runtime.outputs import CompletionOutput
+    ended = CompletionOutput(0, "", [], finish_reason="abort",
+                             stop_reason="the structured_outputs grammar allows no token")
+    assert finished_status(ended) == ("failed", "incomplete", {
+        "code": "server_error", "message": "the structured_outputs grammar allows no token"})
+    assert finished_status(CompletionOutput(0, "x", [1], finish_reason="length"))[:2] == \
+        ("incomplete", "incomplete")
+    assert finished_status(CompletionOutput(0, "x", [1], finish_reason="stop")) == \
+        ("completed", "completed", None)
