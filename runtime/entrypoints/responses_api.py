@@ -106,22 +106,17 @@ class OutputItems:
         return events + self._close_last(status)
 
     def _open_message(self) -> list[dict]:
-        item = {"type": "message", "id": new_id("msg"), "status": "in_progress",
-                "role": "assistant", "content": []}
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        self.items.append(item)
-        index = len(self.items) - 1
-        events = [{"type": "response.output_item.added", "output_index": index,
-                   "item": {**item, "content": []}},
-                  {"type": "response.content_part.added", "item_id": item["id"],
-                   "output_index": index, "content_index": 0, "part": {**part}}]
-        item["content"].append(part)
-        return events
+        return self._open({"type": "message", "id": new_id("msg"), "status": "in_progress",
+                           "role": "assistant", "content": []},
+                          {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
 
     def _open_reasoning(self) -> list[dict]:
-        item = {"type": "reasoning", "id": new_id("rs"), "status": "in_progress",
-                "summary": [], "content": [], "encrypted_content": None}
-        part = {"type": "reasoning_text", "text": ""}
+        return self._open({"type": "reasoning", "id": new_id("rs"), "status": "in_progress",
+                           "summary": [], "content": [], "encrypted_content": None},
+                          {"type": "reasoning_text", "text": ""})
+
+    def _open(self, item: dict, part: dict) -> list[dict]:
+        """Start an output item with its first content part; the events that announce them."""
         self.items.append(item)
         index = len(self.items) - 1
         events = [{"type": "response.output_item.added", "output_index": index,
