@@ -160,7 +160,8 @@ class Scheduler:
                        out: SchedulerOutput) -> bool:
         """Admit `request` to have the blocks past its `num_computed` tokens that the KV
         connector holds loaded this step, with no compute; False when it has none or no room."""
-        if self.connector is None or self.requests.get(request.leader_id) is not None:
+        if self.connector is None or self.requests.get(request.leader_id) is not None or \
+                request.params.prompt_logprobs is not None:  # each prompt position computed
             return False
         num_external = self.connector.get_num_new_matched_tokens(request, num_computed)
         if num_external == 0 or not self.kv.allocate_slots(request, num_external, cached):
