@@ -20,6 +20,21 @@ from runtime.attention_backends.base import AttentionMetadata, is_fp8
 from runtime.attention_backends.torch_paged import TorchPagedAttention, quantize_kv
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def cpu_kernel_supports(backend: type, width_name: str, width: int, dtype: torch.dtype,
+                        kv_cache_dtype: torch.dtype, device_type: str) -> tuple[bool, str]:
+    """What the CPU C++ attention kernels take: the cpu, a cached row `width` (named
+    `width_name` in the reason) that is a multiple of 8, a model in one of DTYPES, and a
+    KV-cache dtype `backend` stores."""
+    if device_type != "cpu":
+        return False, f"runs on the cpu only, not {device_type}"
+    if width % 8:
+        return False, f"{width_name} {width} is not a multiple of 8"
+    if dtype not in DTYPES:
+        return False, (f"needs the model in one of "
+                       f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)}")
+    return backend.supports_kv_cache_dtype(dtype, kv_cache_dtype)
 ENCODER_HEAD_SIZES = (16, 32, 64, 128)
 
 
@@ -47,14 +62,8 @@ class CpuPagedAttention(TorchPagedAttention):
     @classmethod
     def supports(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
                  sliding_window: int | None, device_type: str) -> tuple[bool, str]:
-        if device_type != "cpu":
-            return False, f"runs on the cpu only, not {device_type}"
-        if head_size % 8:
-            return False, f"head size {head_size} is not a multiple of 8"
-        if dtype not in DTYPES:
-            return False, (f"needs the model in one of "
-                           f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)}")
-        return cls.supports_kv_cache_dtype(dtype, kv_cache_dtype)
+        return cpu_kernel_supports(cls, "head size", head_size, dtype, kv_cache_dtype,
+                                   device_type)
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.attention_backends.cpu_paged import cpu_kernel_supports
 from runtime.attention_backends.mla import TorchMLAAttention
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CpuMLAAttention(TorchMLAAttention):
@@ -20,14 +19,8 @@ class CpuMLAAttention(TorchMLAAttention):
     @classmethod
     def supports(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
                  sliding_window: int | None, device_type: str) -> tuple[bool, str]:
-        if device_type != "cpu":
-            return False, f"runs on the cpu only, not {device_type}"
-        if head_size % 8:
-            return False, f"latent width {head_size} is not a multiple of 8"
-        if dtype not in DTYPES:
-            return False, (f"needs the model in one of "
-                           f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)}")
-        return cls.supports_kv_cache_dtype(dtype, kv_cache_dtype)
+        return cpu_kernel_supports(cls, "latent width", head_size, dtype, kv_cache_dtype,
+                                   device_type)
 
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, scale: float,
