@@ -51,7 +51,8 @@ def _weights_fingerprint(source: ModelSource) -> list:
     else:
         paths = sorted(os.path.join(source.path, n) for n in os.listdir(source.path)
                        if n.endswith((".safetensors", ".bin", ".gguf", ".pt")))
-    return [[os.path.basename(p), os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in paths]
+    stats = [(os.path.basename(p), os.stat(p)) for p in paths]
+    return [[name, st.st_size, st.st_mtime_ns] for name, st in stats]
 
 
 def kv_namespace(config: EngineConfig, model_config: ModelConfig, source: ModelSource) -> str:
