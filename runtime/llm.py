@@ -56,7 +56,9 @@ class LLM:
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or
         "prompt_token_ids", and "multi_modal_data" ({"image": a PIL image or a list}) for a
-        vision-language model, its prompt holding one placeholder per image. `sampling_params` is one for all or one per prompt, and so is
+        vision-language model, its prompt holding one placeholder per image; with
+        `enable_prompt_embeds=True`, {"prompt_embeds": tensor} ([tokens, hidden size], as
+        transformers' `inputs_embeds`). `sampling_params` is one for all or one per prompt, and so is
         `lora_request` (None: the base model). Every prompt is validated before any is queued,
         so a bad one raises without starting the others.
         """
@@ -82,7 +84,8 @@ class LLM:
             if lora is not None:
                 engine.processor.check_lora(lora)
             tokenized.append({"prompt": text, "prompt_token_ids": ids,
-                              "mm_features": mm_features})
+                              "mm_features": mm_features,
+                              "prompt_embeds": engine.processor.prompt_embeds(prompt, p)})
         order = {engine.add_request(prompt, p, priority=prio, lora_request=lora): i
                  for i, (prompt, p, prio, lora) in
                  enumerate(zip(tokenized, params, priorities, loras))}

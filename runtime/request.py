@@ -4,8 +4,9 @@ from __future__ import annotations
 import enum
 import time
 
+from runtime.engine.prompt_embeds import digest
 from runtime.lora.request import LoRARequest
-from runtime.multimodal.inputs import MultiModalFeature
+from runtime.multimodal.inputs import MultiModalFeature, TensorData
 from runtime.pooling.params import PoolingParams
 from runtime.sampling_params import SamplingParams
 
@@ -43,7 +44,8 @@ class Request:
                  leader_id: str | None = None, lora_request: LoRARequest | None = None,
                  pooling_params: PoolingParams | None = None,
                  output_token_ids: list[int] | None = None,
-                 mm_features: list[MultiModalFeature] | None = None) -> None:
+                 mm_features: list[MultiModalFeature] | None = None,
+                 prompt_embeds: TensorData | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         # a request re-admitted onto a fresh engine core arrives with what it had generated
@@ -59,6 +61,10 @@ class Request:
         self.pooling_params = pooling_params
         # the prompt's images, in prompt order: their embeddings replace their placeholders
         self.mm_features = mm_features or []
+        # a prompt given as embeddings (runtime.engine.prompt_embeds): its token ids are
+        # placeholders, and the workers take these rows at the prompt's positions
+        self.prompt_embeds = prompt_embeds
+        self._cache_seed: bytes | None = None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
@@ -102,6 +108,15 @@ class Request:
         must not hit)."""
         return b"".join(f.identifier.encode() for f in self.mm_features
                         if f.overlaps(start, end))
+
+    def cache_seed(self) -> bytes | None:
+        """What the prefix-cache hash chain starts from: the adapter's id (two adapters never
+        share a block) and the prompt embeddings' digest (their placeholders say nothing)."""
+        if self._cache_seed is None and (self.lora_int_id or self.prompt_embeds is not None):
+            seed = self.lora_int_id.to_bytes(8, "little") if self.lora_int_id else b""
+            self._cache_seed = seed + (digest(self.prompt_embeds)
+                                       if self.prompt_embeds is not None else b"")
+        return self._cache_seed
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -172,6 +172,9 @@ class EngineConfig:
         False, "let a model folder's own Python code define its config and tokenizer")
     max_logprobs: int = option(
         MAX_LOGPROBS, "the most logprobs or prompt_logprobs a request may ask for")
+    enable_prompt_embeds: bool = option(
+        False, "accept prompts given as embeddings (prompt_embeds: a [tokens, hidden size] "
+               "tensor) in place of token ids")
     generation_config: str = option(
         "auto", "'auto': sampling defaults (temperature, top_p, top_k, repetition_penalty, "
                 "max_new_tokens) from the model's generation_config.json; 'vllm': none, "

@@ -54,9 +54,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         for i in range(len(hashes), num_tokens // bs):
-            # an adapter's chain starts from its id: two adapters never share a block
-            parent = hashes[-1] if hashes else \
-                request.lora_int_id.to_bytes(8, "little") if request.lora_int_id else None
+            parent = hashes[-1] if hashes else request.cache_seed()
             hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs],
                                      request.mm_keys(i * bs, (i + 1) * bs)))
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from runtime.lora.request import LoRARequest
-from runtime.multimodal.inputs import MultiModalFeature
+from runtime.multimodal.inputs import MultiModalFeature, TensorData
 from runtime.plugins.kv_connector import KVConnectorOutput
 from runtime.pooling.params import PoolingParams
 from runtime.sampling_params import SamplingParams
@@ -35,6 +35,7 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None  # set: a pooling request (runtime.pooling)
     state_slot: int | None = None  # its recurrent state slot (hybrid models)
     mm_features: list[MultiModalFeature] = field(default_factory=list)  # the prompt's images
+    prompt_embeds: TensorData | None = None  # a prompt given as embeddings: its rows
 
 
 @dataclass
@@ -99,6 +100,16 @@ class ScheduledRequest:
     pooling_params: PoolingParams | None = None
     state_slot: int | None = None  # its recurrent state slot (hybrid models)
     mm_features: list[MultiModalFeature] = field(default_factory=list)
+    # a prompt given as embeddings: [prompt tokens, hidden] on the host, its token ids
+    # placeholders
+    prompt_embeds: torch.Tensor | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's tokens as penalties read them: none for an embeddings prompt (its
+        ids are placeholders)."""
+        return [] if self.prompt_embeds is not None else \
+            self.all_token_ids[:self.num_prompt_tokens]
 
 
 @dataclass

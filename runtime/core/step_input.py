@@ -57,7 +57,7 @@ class StepInputBuilder:
                     sample_index=r.sample_index, block_ids=list(r.block_ids),
                     num_computed_tokens=r.num_computed_tokens, lora_request=r.lora_request,
                     pooling_params=r.pooling_params, state_slot=r.state_slot,
-                    mm_features=r.mm_features))
+                    mm_features=r.mm_features, prompt_embeds=r.prompt_embeds))
             else:
                 step.cached_requests.append(CachedRequestData(
                     request_id=r.request_id, new_token_ids=r.all_token_ids[num_sent:],

@@ -94,6 +94,22 @@ def refuse_for_hybrid(config: EngineConfig, architecture: str) -> None:
                          "the end of a block is not checkpointed)")
 
 
+def refuse_for_prompt_embeds(config: EngineConfig, model_config: ModelConfig) -> None:
+    """What --enable-prompt-embeds cannot run with, named."""
+    name = model_config.architecture
+    if not getattr(model_config.choice.model_class, "supports_prompt_embeds", False):
+        raise ValueError(f"--enable-prompt-embeds is not supported for {name} "
+                         f"({model_config.choice.impl}): its forward pass does not take "
+                         "inputs_embeds in place of token ids")
+    if config.runner == "pooling":
+        raise ValueError("--enable-prompt-embeds is not supported with the pooling runner: "
+                         "pooling steps embed their token ids")
+    if config.speculative_config is not None:
+        raise ValueError("--enable-prompt-embeds is not supported with speculative decoding: "
+                         "the proposers read the prompt's token ids, which an embeddings "
+                         "prompt does not have")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, platform: Platform, source: ModelSource,
                  model_config: ModelConfig) -> None:
@@ -107,6 +123,8 @@ class EngineCore:
         self.weights_source = source  # the weights served (update_weights changes them)
         if model_config.is_hybrid:
             refuse_for_hybrid(config, model_config.architecture)
+        if config.enable_prompt_embeds:
+            refuse_for_prompt_embeds(config, model_config)
         # An encoder's pooling requests keep no KV: one block, never handed out, keeps the
         # block pool well-formed.
         self.encoder_only = is_encoder_only(config, model_config)  # refuses what pooling lacks

@@ -36,7 +36,7 @@ import zmq
 from runtime.config import EngineConfig
 from runtime.engine.core import CoreOutput, EngineBusyError, EngineCore
 from runtime.lora.request import LoRARequest
-from runtime.multimodal.inputs import MultiModalFeature
+from runtime.multimodal.inputs import MultiModalFeature, TensorData
 from runtime.model_spec import ModelSpec
 from runtime.pooling.params import PoolingParams
 from runtime.request import Request, RequestStatus
@@ -69,18 +69,19 @@ class CoreRequest(msgspec.Struct, array_like=True):
     pooling_params: Union[PoolingParams, None] = None
     output_token_ids: list[int] = []  # generated on a core that died: it goes on from there
     mm_features: list[MultiModalFeature] = []
+    prompt_embeds: Union[TensorData, None] = None
 
     @classmethod
     def of(cls, r: Request) -> "CoreRequest":
         return cls(r.request_id, r.prompt_token_ids, r.params, r.max_tokens, r.priority,
                    r.arrival_time, r.parent_id, r.sample_index, r.leader_id, r.lora_request,
-                   r.pooling_params, r.output_token_ids, r.mm_features)
+                   r.pooling_params, r.output_token_ids, r.mm_features, r.prompt_embeds)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.params, self.max_tokens,
                        self.priority, self.arrival_time, self.parent_id, self.sample_index,
                        self.leader_id, self.lora_request, self.pooling_params,
-                       self.output_token_ids, self.mm_features)
+                       self.output_token_ids, self.mm_features, self.prompt_embeds)
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):

@@ -8,7 +8,8 @@ from runtime.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from runtime.model_loader.source import ModelSource
 
-# A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
+# A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids} (or, through
+# `Processor`, {"prompt_embeds": tensor}).
 PromptType = Union[str, list[int], dict]
 
 
@@ -45,6 +46,9 @@ class InputProcessor:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt_embeds" in prompt:
+                raise ValueError("prompt_embeds are taken by generate() and /v1/completions "
+                                 "only (not by beam search or pooling)")
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:

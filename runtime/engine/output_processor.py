@@ -60,7 +60,10 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, sample_ids: list[str], arrival_time: float,
-                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
+                    output_kind: OutputKind = OutputKind.CUMULATIVE,
+                    num_prompt_tokens: int | None = None) -> None:
+        """`num_prompt_tokens`: the prompt's length when it is not that of its token ids (a
+        prompt of embeddings has none)."""
         samples = {}
         ranked = params.num_samples > params.n  # best_of: cumulative logprobs pick the best n
         for index, sample_id in enumerate(sample_ids):
@@ -73,7 +76,9 @@ class OutputProcessor:
         if params.prompt_logprobs is not None:
             prompt_logprobs = [None] * len(prompt_token_ids)
         metrics = RequestMetrics(arrival_time=arrival_time,
-                                 num_prompt_tokens=len(prompt_token_ids), n=params.n,
+                                 num_prompt_tokens=len(prompt_token_ids)
+                                 if num_prompt_tokens is None else num_prompt_tokens,
+                                 n=params.n,
                                  max_tokens=params.max_tokens)
         self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
                                                  samples, prompt_logprobs, metrics, output_kind)

@@ -14,12 +14,13 @@ from runtime.config import EngineConfig
 from runtime.engine.core import CoreOutput
 from runtime.engine.input_processor import InputProcessor, PromptType, eos_token_ids
 from runtime.engine.output_processor import OutputKind, OutputProcessor
+from runtime.engine.prompt_embeds import FLAG, PLACEHOLDER_TOKEN_ID, check_prompt_embeds
 from runtime.generation_config import generation_defaults
 from runtime.model_loader.source import ModelSource, load_tokenizer
 from runtime.outputs import RequestOutput
 from runtime.lora.adapter import check_files, load_adapter
 from runtime.lora.request import LoRARequest
-from runtime.multimodal.inputs import MultiModalFeature
+from runtime.multimodal.inputs import MultiModalFeature, TensorData
 from runtime.multimodal.processing import build_multimodal_processor
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
@@ -58,6 +59,7 @@ class Processor:
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids, mm_features = self.prepare(prompt)
+        embeds = self.prompt_embeds(prompt, params)
         params = self.inputs.validate(token_ids, params)
         max_tokens = self.inputs.max_tokens(token_ids, params)
         arrival = time.monotonic()
@@ -67,21 +69,26 @@ class Processor:
                              "the best samples are known only at the end")
         sample_ids = [request_id] if num_samples == 1 else \
             [f"{request_id}#{k}" for k in range(num_samples)]
-        self.outputs.add_request(request_id, text, token_ids, params, sample_ids, arrival,
-                                 output_kind)
+        # an embeddings prompt reports no token ids (its ids are placeholders)
+        self.outputs.add_request(request_id, text, [] if embeds is not None else token_ids,
+                                 params, sample_ids, arrival, output_kind, len(token_ids))
         if num_samples > params.n and params.logprobs is None:
             params = params.clone(logprobs=0)  # the ranking needs each token's logprob
         return [Request(sample_id, token_ids, params, max_tokens, priority, arrival,
                         parent_id=request_id, sample_index=k,
                         leader_id=sample_ids[0] if k else None, lora_request=lora_request,
-                        mm_features=mm_features)
+                        mm_features=mm_features, prompt_embeds=embeds)
                 for k, sample_id in enumerate(sample_ids)]
 
     def prepare(self, prompt: PromptType) -> tuple[str | None, list[int], list[MultiModalFeature]]:
         """The prompt's text, its token ids (image placeholders expanded) and its images.
 
         A dict prompt may hold "multi_modal_data" ({"image": image or list}), or the
-        "mm_features" an earlier `prepare` made of it."""
+        "mm_features" an earlier `prepare` made of it. A {"prompt_embeds": tensor} prompt
+        (`prompt_embeds`) has one placeholder token per row."""
+        embeds = self.prompt_embeds(prompt)
+        if embeds is not None and "prompt_token_ids" not in prompt:
+            return None, [PLACEHOLDER_TOKEN_ID] * embeds.shape[0], []
         text, token_ids = self.inputs.tokenize(prompt)
         if not isinstance(prompt, dict):
             return text, token_ids, []
@@ -107,6 +114,29 @@ class Processor:
                              f"one step's encoder budget or cache ({most}), which without "
                              "chunked prefill must hold them all")
         return text, token_ids, features
+
+    def prompt_embeds(self, prompt: PromptType, params: SamplingParams | None = None
+                      ) -> TensorData | None:
+        """A {"prompt_embeds": tensor} prompt's embeddings, checked against the model (what
+        an earlier call made of them is taken as it is); None for any other prompt. Raises
+        ValueError when the engine takes no prompt embeddings, the tensor does not fit, or
+        `params` ask for what such a prompt cannot give."""
+        embeds = prompt.get("prompt_embeds") if isinstance(prompt, dict) else None
+        if embeds is None:
+            return None
+        if params is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported for a prompt given as "
+                             "prompt_embeds: it has no token ids to score")
+        if isinstance(embeds, TensorData):
+            return embeds
+        if not self.config.enable_prompt_embeds:
+            raise ValueError(f"prompt_embeds were given, but this engine takes none: start it "
+                             f"with {FLAG}")
+        if "multi_modal_data" in prompt:
+            raise ValueError("prompt_embeds cannot come with multi_modal_data: embed the "
+                             "images into the prompt embeddings")
+        return check_prompt_embeds(embeds, self.hf_config.get_text_config().hidden_size,
+                                   self.inputs.max_model_len)
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Raise ValueError if the engine cannot run this adapter (LoRA off, or the folder is

@@ -9,6 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from runtime.beam_search import BeamSearch, BeamSearchGroup
 from runtime.engine.async_llm import RequestStream
+from runtime.engine.prompt_embeds import decode_prompt_embeds
 from runtime.entrypoints.chat import ChatMedia, render_chat
 from runtime.entrypoints.errors import APIError, bad_request
 from runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
@@ -56,7 +57,9 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Any:
     model = check_model(state, body.model)
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
-    prompts = _completion_prompts(body.prompt)
+    prompts = _completion_prompts(body.prompt, body.prompt_embeds is not None)
+    if body.prompt_embeds is not None:
+        prompts = await state.off_loop(_embeds_prompts, state, body) + prompts
     if body.use_beam_search:
         if model in state.lora_modules:
             raise bad_request("use_beam_search does not run under a LoRA adapter yet",
@@ -151,14 +154,37 @@ async def _beam_search_completion(state: ServerState, body: CompletionRequest, m
                       "total_tokens": prompt_tokens + completion_tokens}}
 
 
-def _completion_prompts(prompt: str | list) -> list:
+def _completion_prompts(prompt: str | list | None, has_embeds: bool) -> list:
+    if prompt in (None, "") and has_embeds:
+        return []
+    if prompt is None:
+        raise bad_request("prompt is required (or prompt_embeds)", param="prompt")
+    if prompt == "":
+        raise bad_request("the prompt is empty", param="prompt")
     if isinstance(prompt, str):
         return [prompt]
-    if not prompt:
-        raise bad_request("the prompt is empty", param="prompt")
     if isinstance(prompt[0], int):
         return [prompt]
     return list(prompt)
+
+
+def _embeds_prompts(state: ServerState, body: CompletionRequest) -> list[dict]:
+    """The request's prompt_embeds as prompts; a 400 naming the field for what cannot be
+    served (the server started without --enable-prompt-embeds, echo or beam search, which
+    need the prompt's tokens, a payload that is not a saved tensor)."""
+    if not state.engine.config.enable_prompt_embeds:
+        raise bad_request("prompt_embeds needs the server started with --enable-prompt-embeds",
+                          param="prompt_embeds")
+    for name in ("echo", "use_beam_search"):
+        if getattr(body, name):
+            raise bad_request(f"{name} is not supported with prompt_embeds: the prompt has "
+                              "no token ids", param=name)
+    encoded = [body.prompt_embeds] if isinstance(body.prompt_embeds, str) \
+        else body.prompt_embeds
+    try:
+        return [{"prompt_embeds": decode_prompt_embeds(e)} for e in encoded]
+    except ValueError as e:
+        raise bad_request(str(e), param="prompt_embeds") from None
 
 
 def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:

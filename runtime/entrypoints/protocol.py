@@ -154,10 +154,14 @@ class SamplingFields(RequestBody):
 
 
 class CompletionRequest(SamplingFields):
+    # "" or absent only beside prompt_embeds (the clients send "" with them, as vLLM's docs do)
     prompt: Union[Text, Annotated[list[Text], Field(min_length=1)],
                   Annotated[list[TokenId], Field(min_length=1)],
                   Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
-                            Field(min_length=1)]]
+                            Field(min_length=1)], Literal[""], None] = None
+    # vLLM's extra (--enable-prompt-embeds): base64 of torch.save()d [tokens, hidden] tensors,
+    # served before the prompts
+    prompt_embeds: Union[Text, Annotated[list[Text], Field(min_length=1)], None] = None
     max_tokens: Count | None = 16
     logprobs: Logprobs | None = None
     echo: Bool = False

@@ -95,7 +95,8 @@ def _tokenize(state: ServerState, prompts: list[PromptType]) -> list[dict]:
     tokenized = []
     for prompt in prompts:
         text, ids, mm_features = state.engine.processor.prepare(prompt)
-        tokenized.append({"prompt": text, "prompt_token_ids": ids, "mm_features": mm_features})
+        tokenized.append({"prompt": text, "prompt_token_ids": ids, "mm_features": mm_features,
+                          "prompt_embeds": state.engine.processor.prompt_embeds(prompt)})
     return tokenized
 
 
@@ -186,7 +187,7 @@ async def open_streams(state: ServerState, request_id: str, prompts: list[Prompt
     except MediaError as e:  # an image that cannot be read: 400, or 413 for its size
         raise APIError(e.status, str(e), param="messages") from None
     except ValueError as e:
-        raise bad_request(str(e), param="prompt") from None
+        raise bad_request(str(e), param=_param_of(str(e))) from None
     for prompt in tokenized:
         check_budget(state, prompt["prompt_token_ids"], params.max_tokens, max_tokens_param)
     if state.log_requests:
@@ -208,7 +209,8 @@ async def open_streams(state: ServerState, request_id: str, prompts: list[Prompt
 def _param_of(message: str) -> str:
     """The request field a processor error is about (its first word when it names one)."""
     first = message.split(" ", 1)[0]
-    return first if first in ("best_of", "stop_token_ids", "n", "max_tokens") else "prompt"
+    return first if first in ("best_of", "stop_token_ids", "n", "max_tokens", "prompt_embeds",
+                              "prompt_logprobs") else "prompt"
 
 
 def engine_error(state: ServerState, e: BaseException) -> BaseException:

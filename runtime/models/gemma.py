@@ -96,10 +96,9 @@ class Gemma2Model(LlamaModel):
     layer_cls = Gemma2DecoderLayer
     norm_cls = GemmaRMSNorm
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def scale_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
         # the normaliser is rounded to the activation dtype first, as in transformers
-        return hidden * torch.tensor(self.hidden_size ** 0.5, dtype=hidden.dtype)
+        return embeds * torch.tensor(self.hidden_size ** 0.5, dtype=embeds.dtype)
 
 
 class Gemma3Model(Gemma2Model):

@@ -249,6 +249,11 @@ class Gemma4ForCausalLM(MoeForCausalLM, Gemma2ForCausalLM):
     or per expert)."""
 
     model_cls = Gemma4Model
+    supports_prompt_embeds = False  # its per-layer embeddings are looked up by token id
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: Intermediate | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         own: set[str] = set()

@@ -52,8 +52,8 @@ class GraniteModel(LlamaModel):
         super().__init__(config, ctx)
         self.embedding_multiplier = config.embedding_multiplier
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embedding_multiplier
+    def scale_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
+        return embeds * self.embedding_multiplier
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

@@ -131,6 +131,7 @@ class Lfm2Model(nn.Module):
 class Lfm2ForCausalLM(LlamaForCausalLM):
     model_cls = Lfm2Model
     is_hybrid = True
+    supports_prompt_embeds = False  # its model embeds the token ids itself
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -150,7 +150,12 @@ class LlamaModel(nn.Module):
                      if ctx.pp.is_last else None)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        return self.scale_embeds(self.embed_tokens(input_ids))
+
+    def scale_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
+        """What the first layer takes of rows of the embedding table (a family that scales
+        them, Gemma or Granite, does it here)."""
+        return embeds
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: Intermediate | None = None,
@@ -174,6 +179,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     model_cls = LlamaModel
+    # prompts given as embeddings (runtime.engine.prompt_embeds) replace the token embeddings
+    supports_prompt_embeds = True
     # checkpoint name -> (our fused parameter, shard id)
     stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
                       "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
@@ -191,8 +198,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
-        return self.model(input_ids, positions, intermediate)
+                intermediate: Intermediate | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | Intermediate:
+        return self.model(input_ids, positions, intermediate, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
+
+    def scale_inputs_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
+        """Prompt embeddings as transformers takes `inputs_embeds` (rows of the input
+        embedding table), made what the first layer takes."""
+        return self.model.scale_embeds(embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

@@ -37,6 +37,8 @@ class LlavaMultiModalProjector(nn.Module):
 
 
 class LlavaForConditionalGeneration(nn.Module):
+    supports_prompt_embeds = True  # a prompt of embeddings carries no image
+
     def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
         vision, text = config.vision_config, config.text_config
@@ -72,6 +74,9 @@ class LlavaForConditionalGeneration(nn.Module):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.embed(input_ids)
+
+    def scale_inputs_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
+        return self.language_model.scale_inputs_embeds(embeds)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:

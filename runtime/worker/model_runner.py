@@ -23,6 +23,7 @@ from runtime.spec_decode.proposer import Proposer
 from runtime.spec_decode.rejection import Verification, rejection_sample
 from runtime.worker.encoder_runner import EncoderRunner
 from runtime.worker.pooling_runner import PoolingRunner
+from runtime.worker.prompt_embeds import merge_prompt_embeds
 from runtime.worker.request_states import RequestStates
 from runtime.worker.step_hooks import StepHook
 
@@ -168,8 +169,11 @@ class ModelRunner:
         reqs = sorted(reqs, key=lambda r: len(r.token_ids) > 1)
         batch = self._build(reqs)
         embeds = None if self.encoder is None else self.encoder.inputs_embeds(reqs, batch)
+        if self.pp.is_first:
+            embeds = merge_prompt_embeds(self.model, reqs, batch, embeds)
         with forward_context(batch.metadata):
-            # graph runners record token-id steps: a step with images runs eagerly
+            # graph runners record token-id steps: a step with images or prompt embeddings
+            # runs eagerly
             hidden = self._forward(self.graph_runner.run if embeds is None else self.model,
                                    batch, embeds)
         if hidden is None:  # a pipeline stage before the last: it sent its output on
@@ -192,8 +196,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])
         sreqs = [reqs[i] for i in sampling]
         batch = SamplingBatch.build(
-            [r.params for r in sreqs],
-            [r.all_token_ids[:r.num_prompt_tokens] for r in sreqs],
+            [r.params for r in sreqs], [r.prompt_token_ids for r in sreqs],
             [r.all_token_ids[r.num_prompt_tokens:] for r in sreqs],
             [self._generator(r) for r in sreqs], self.device, self.vocab_size,
             [None if r.grammar_bitmask is None else r.grammar_bitmask[0] for r in sreqs])
@@ -226,7 +229,7 @@ class ModelRunner:
             history = r.all_token_ids[r.num_prompt_tokens:]
             for j in range(k + 1):  # row j follows the first j proposals
                 params.append(r.params)
-                prompts.append(r.all_token_ids[:r.num_prompt_tokens])
+                prompts.append(r.prompt_token_ids)
                 outputs.append(history + r.spec_token_ids[:j])
                 generators.append(generator)
                 bitmasks.append(None if r.grammar_bitmask is None else r.grammar_bitmask[j])

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from runtime.lora.request import LoRARequest
 from runtime.multimodal.inputs import MultiModalFeature
 from runtime.pooling.params import PoolingParams
@@ -24,6 +26,7 @@ class RequestState:
     pooling_params: PoolingParams | None = None
     state_slot: int | None = None
     mm_features: list[MultiModalFeature] = field(default_factory=list)
+    prompt_embeds: torch.Tensor | None = None
 
 
 class RequestStates:
@@ -39,7 +42,8 @@ class RequestStates:
                 new.params, new.sample_index, len(new.prompt_token_ids),
                 list(new.prompt_token_ids) + new.output_token_ids, list(new.block_ids),
                 new.num_computed_tokens, new.lora_request, new.pooling_params, new.state_slot,
-                new.mm_features)
+                new.mm_features,
+                None if new.prompt_embeds is None else new.prompt_embeds.tensor())
         for change in step.cached_requests:
             state = self.requests[change.request_id]
             state.token_ids.extend(change.new_token_ids)
@@ -66,4 +70,4 @@ class RequestStates:
             grammar_bitmask=None if row is None else
             step.grammar_bitmask[row:row + 1 + len(spec)], lora_request=state.lora_request,
             pooling_params=state.pooling_params, state_slot=state.state_slot,
-            mm_features=state.mm_features)
+            mm_features=state.mm_features, prompt_embeds=state.prompt_embeds)

@@ -51,6 +51,7 @@ VALUES = {
     "revision": ("--revision v1", "v1"),
     "download_dir": ("--download-dir /nowhere", "/nowhere"),
     "trust_remote_code": ("--trust-remote-code", True),
+    "enable_prompt_embeds": ("--enable-prompt-embeds", True),
     "max_logprobs": ("--max-logprobs 5", 5),
     "generation_config": ("--generation-config vllm", "vllm"),
     "engine_stall_timeout": ("--engine-stall-timeout 5", 5.0),
