@@ -13,7 +13,7 @@ API_KEY_SCOPES = ("v1", "all")
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 METRICS_PREFIXES = ("both", "vllm", "runtime")  # runtime.metrics.METRICS_PREFIXES
 # runtime.entrypoints.reasoning.REASONING_PARSERS (a copy: the parser imports nothing heavy)
-REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
+REASONING_PARSER_NAMES = ("deepseek_r1", "granite", "openai_gptoss", "qwen3")
 
 
 class _Default:

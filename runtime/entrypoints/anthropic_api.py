@@ -32,7 +32,7 @@ async def create_message(body: MessagesRequest, raw: Request) -> Any:
                              "tool_choice")
     reasoning = state.reasoning_parser
     if reasoning is not None:
-        params = reasoning.hold_grammar(params)
+        params = reasoning.request_params(params)
     message_id = new_id("msg")
     streams = await open_streams(state, message_id, [prompt], params,
                                  body.stream, model=model, raw=raw, constraint_param="tools")

@@ -44,6 +44,31 @@ _TEMPLATE_CALL_ARGS = frozenset((
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"))
 
 
+def template_variables(tokenizer: Any, chat_template: str | None) -> set[str]:
+    """The variables the chat template reads that it does not set itself."""
+    import jinja2
+    from jinja2 import meta
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return set()
+    try:
+        return meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateSyntaxError:
+        return set()
+
+
+def effort_kwargs(tokenizer: Any, chat_template: str | None, effort: str | None,
+                  param: str) -> dict[str, Any]:
+    """`reasoning_effort` as a template variable, as vLLM passes it (gpt-oss's template puts
+    it in the system message); a 400 naming `param` when the template does not read it."""
+    if effort is None:
+        return {}
+    if "reasoning_effort" not in template_variables(tokenizer, chat_template):
+        raise bad_request(f"{param} is not supported for this model: its chat template does "
+                          "not read reasoning_effort (it would be ignored)", param=param)
+    return {"reasoning_effort": effort}
+
+
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None,
                 add_generation_prompt: bool = True, tools: list[dict] | None = None,
                 continue_final_message: bool = False,

@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 from runtime.beam_search import BeamSearch, BeamSearchGroup
 from runtime.engine.async_llm import RequestStream
 from runtime.engine.prompt_embeds import decode_prompt_embeds
-from runtime.entrypoints.chat import ChatMedia, render_chat
+from runtime.entrypoints.chat import ChatMedia, effort_kwargs, render_chat
 from runtime.entrypoints.errors import APIError, bad_request
 from runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from runtime.entrypoints.reasoning import ReasoningParser, ReasoningReader
@@ -88,16 +88,18 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
     tools = ToolChoice.of(body, state.tool_call_parser, state.enable_auto_tool_choice)
     media = ChatMedia(state.engine.processor.multimodal)
     messages = template_messages(body.messages, media.text_of)
+    template_kwargs = {**(body.chat_template_kwargs or {}), **effort_kwargs(
+        state.engine.tokenizer, state.chat_template, body.reasoning_effort, "reasoning_effort")}
     prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
                                   state.chat_template, body.add_generation_prompt, tools.tools,
-                                  body.continue_final_message, body.chat_template_kwargs)
+                                  body.continue_final_message, template_kwargs)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     budget = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs,
                                   defaults=state.engine.processor.sampling_defaults)
     params = tools.constrain(params, "response_format")
     if state.reasoning_parser is not None:
-        params = state.reasoning_parser.hold_grammar(params)
+        params = state.reasoning_parser.request_params(params)
     request_id = new_id("chatcmpl")
     streams = await open_streams(state, request_id, [media.prompt(prompt)], params,
                                  body.stream, body.priority, budget, model, raw,

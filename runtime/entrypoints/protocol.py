@@ -29,6 +29,8 @@ Logprobs = Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)]
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Text = Annotated[str, Field(min_length=1)]
 Bool = Annotated[bool, Field(strict=True)]  # true or false, never 0 or "yes"
+# OpenAI's reasoning_effort values: the template decides what each means
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 TOKEN_ID_TEXT = re.compile(r"[0-9]{1,19}")  # a logit_bias key: int64 at most, no "²" or "٣"
 # Each banned word is tokenized per request and its tokens checked at every step of the batch.
 MAX_BAD_WORDS = 1024
@@ -264,6 +266,8 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_key: str | None = None
     # vLLM's chat extras
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    # a template variable (as vLLM): taken where the chat template reads it, else a 400
+    reasoning_effort: ReasoningEffort | None = None
     continue_final_message: Bool = False  # continue the last (assistant) message
     # vLLM's chat extras this server does not honour: a 400 names them
     add_special_tokens: only(False) = None  # the template writes the special tokens
@@ -279,7 +283,6 @@ class ChatCompletionRequest(SamplingFields):
     prediction: only() = None
     prompt_cache_options: only() = None
     prompt_cache_retention: only() = None
-    reasoning_effort: only() = None
     service_tier: only("auto", "default") = None
     store: only(False) = None
     verbosity: only() = None

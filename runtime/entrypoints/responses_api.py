@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from runtime.engine.async_llm import RequestStream
-from runtime.entrypoints.chat import ChatMedia, render_chat
+from runtime.entrypoints.chat import ChatMedia, effort_kwargs, render_chat
 from runtime.entrypoints.errors import bad_request
 from runtime.entrypoints.reasoning import ReasoningParser
 from runtime.entrypoints.responses_protocol import ResponsesRequest
@@ -32,12 +32,15 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Any:
         messages = template_messages(body.chat_messages(), media.text_of, "input")
     except ValueError as e:
         raise bad_request(str(e), param="input") from None
+    effort = body.reasoning.effort if body.reasoning is not None else None
     prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,
-                                  state.chat_template, True, tools.tools)
+                                  state.chat_template, True, tools.tools, False,
+                                  effort_kwargs(state.engine.tokenizer, state.chat_template,
+                                                effort, "reasoning"))
     params = tools.constrain(body.sampling_params(state.engine.processor.sampling_defaults),
                              "text.format")
     if state.reasoning_parser is not None:
-        params = state.reasoning_parser.hold_grammar(params)
+        params = state.reasoning_parser.request_params(params)
     response_id = new_id("resp")
     streams = await open_streams(state, response_id, [media.prompt(prompt)], params,
                                  body.stream, max_tokens_param="max_output_tokens", model=model,

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Discriminator, Field, Tag
 
 from runtime.entrypoints.protocol import (Body, Bool, ChatMessage, Count, Float,
-                                          FunctionDefinition, RequestBody,
+                                          FunctionDefinition, ReasoningEffort, RequestBody,
                                           make_sampling_params, only)
 from runtime.entrypoints.structured import checked
 from runtime.entrypoints.tool_parsers import ToolChoice
@@ -115,6 +115,14 @@ class TextConfig(Body):
     verbosity: only() = None
 
 
+class ReasoningConfig(Body):
+    effort: ReasoningEffort | None = None  # reasoning_effort, where the template reads it
+    summary: only() = None  # no summaries are written
+    generate_summary: only() = None
+    context: only() = None  # earlier turns' reasoning goes back as the template renders it
+    mode: only() = None
+
+
 class ResponsesRequest(RequestBody):
     model: str | None = None
     input: Union[str, Annotated[list[InputItem], Field(min_length=1)]]
@@ -147,7 +155,7 @@ class ResponsesRequest(RequestBody):
     prompt: only() = None
     prompt_cache_options: only() = None
     prompt_cache_retention: only() = None
-    reasoning: only() = None
+    reasoning: ReasoningConfig | None = None
     service_tier: only("auto", "default") = None
     store: only(False) = None
     stream_options: only({}, {"include_obfuscation": False}) = None
@@ -210,7 +218,8 @@ class ResponsesRequest(RequestBody):
         return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
                 "max_tool_calls": self.max_tool_calls, "metadata": self.metadata or {},
                 "parallel_tool_calls": self.parallel_tool_calls, "previous_response_id": None,
-                "reasoning": None, "service_tier": "default", "store": False,
+                "reasoning": {"effort": self.reasoning.effort, "summary": None}
+                if self.reasoning is not None else None, "service_tier": "default", "store": False,
                 "temperature": self.temperature,
                 "top_p": 1.0 if self.top_p is None else self.top_p, "truncation": "disabled",
                 "text": self.text.model_dump(by_alias=True, exclude_none=True)

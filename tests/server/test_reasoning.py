@@ -2,7 +2,7 @@
 streamed or whole), `reasoning` on chat messages and deltas, reasoning items on /v1/responses,
 and structured outputs held back until the reasoning ends. The server runs a tiny random Qwen3
 whose tokenizer has <think> and </think> tokens and a template that closes the thinking in the
-prompt when chat_template_kwargs asks enable_thinking false."""
+prompt when chat_template_kwargs asks enable_thinking false, and that reads reasoning_effort."""
 from __future__ import annotations
 
 import httpx
@@ -10,11 +10,15 @@ import openai
 import pytest
 
 from runtime.entrypoints.reasoning import REASONING_PARSERS
-from runtime.entrypoints.reasoning.base import ReasoningReader
+from runtime.entrypoints.errors import APIError
+from runtime.sampling_params import SamplingParams
+from runtime.structured_output.params import StructuredOutputsParams
 from tests.conftest import TINY
 from tests.server.conftest import TINY_ARGS, Server
 
 TEMPLATE = (
+    "{%- if reasoning_effort is defined %}<|im_start|>system\nReasoning: {{ reasoning_effort }}"
+    "<|im_end|>\n{%- endif %}"
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
     "{%- if m.role == 'assistant' and m.reasoning_content %}<think>{{ m.reasoning_content }}"
     "</think>{%- endif %}{{ m.content }}<|im_end|>\n{%- endfor %}"
@@ -35,16 +39,27 @@ VLLM_CASES = [
     ("qwen3", "<think></think>\n\nC", ("", "\n\nC")),
     ("qwen3", "no thinking", (None, "no thinking")),
     ("qwen3", "R</think>C", (None, "R</think>C")),
+    # granite_reasoning_parser: phrases, "Here's" as well as "Here is"
+    ("granite", "Here is my thought process:R Here is my response:C", ("R ", "C")),
+    ("granite", "Here's my thought process:\nR\nHere's my response:\nC", ("\nR\n", "\nC")),
+    ("granite", "Here is my thought process:R Here is my response:", ("R ", None)),
+    ("granite", "Here is my answer: C", (None, "Here is my answer: C")),
+    # gptoss_reasoning_parser: harmony's analysis channel, then the final one
+    ("openai_gptoss", "<|channel|>analysis<|message|>R<|end|><|start|>assistant<|channel|>"
+     "final<|message|>C", ("R", "C")),
+    ("openai_gptoss", "<|channel|>final<|message|>C", (None, "C")),
+    ("openai_gptoss", "<|channel|>analysis<|message|>R", ("R", None)),
+    ("openai_gptoss", "<|channel|>analysis<|message|>R<|end|><|start|>assistant<|channel|>"
+     "commentary to=functions.f <|constrain|>json<|message|>{}<|call|>", ("R", None)),
 ]
 
 
 @pytest.mark.parametrize("family, output, expected", VLLM_CASES)
 def test_split_follows_vllms_rules_streamed_or_whole(family, output, expected):
     parser = REASONING_PARSERS[family]
-    assert ReasoningReader(parser.start, parser.end, parser.implied_start).read(output) == \
-        expected
-    for size in (1, 2, 3):  # deltas cut anywhere, markers included
-        reader = ReasoningReader(parser.start, parser.end, parser.implied_start)
+    assert parser.reader().read(output) == expected
+    for size in (1, 2, 3, 7):  # deltas cut anywhere, markers included
+        reader = parser.reader()
         pieces = [output[i:i + size] for i in range(0, len(output), size)] or [""]
         splits = [reader.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
         assert "".join(s.reasoning for s in splits) == (expected[0] or "")
@@ -170,11 +185,52 @@ def test_earlier_reasoning_goes_back_to_the_template(server):
     assert prompt > without
 
 
+def test_reasoning_effort_reaches_a_template_that_reads_it(server, client):
+    """As vLLM: chat's reasoning_effort (and Responses' reasoning.effort) is a template
+    variable; a template that does not read it refuses it (test_request_fields)."""
+    def prompt_tokens(**extra) -> int:
+        return httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": ASK, "max_tokens": 1, **extra}).json()["usage"]["prompt_tokens"]
+    plain, low = prompt_tokens(), prompt_tokens(reasoning_effort="low")
+    assert low > plain
+    assert prompt_tokens(chat_template_kwargs={"reasoning_effort": "low"}) == low
+    response = client.responses.create(model="thinker", input=ASK, max_output_tokens=1,
+                                       reasoning={"effort": "low"})
+    assert response.usage.input_tokens == low and response.reasoning.effort == "low"
+
+
 def test_a_parser_needs_its_markers(tokenizer_dir):
     import transformers
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)  # SmolLM2's: none
     with pytest.raises(ValueError, match="no token <think> or </think>"):
         REASONING_PARSERS["qwen3"](tokenizer)
+
+
+def test_harmony_text_outside_its_channels(tokenizer_dir):
+    """Not harmony at all: content. A header still arriving is held back, never shown."""
+    parser = REASONING_PARSERS["openai_gptoss"]
+    assert parser.reader().read("plain text") == (None, "plain text")
+    reader = parser.reader()
+    assert reader.feed("Hi<|start|>assistant<|chan").content == "Hi"
+    assert reader.feed("nel|>final<|message|>Yes").content == "Yes"
+
+
+def test_parsers_of_phrases_or_headers_refuse_a_grammar(tokenizer_dir):
+    """granite's and gpt-oss's reasoning ends with no single token to start a grammar at: a
+    400. gpt-oss requests keep the special tokens that frame harmony's channels."""
+    import transformers
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|channel|>", "<|message|>", "<|end|>", "<|start|>"]})
+    constrained = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"]))
+    for name in ("granite", "openai_gptoss"):
+        parser = REASONING_PARSERS[name](tokenizer)
+        with pytest.raises(APIError, match=f"--reasoning-parser {name}"):
+            parser.request_params(constrained)
+    assert parser.request_params(SamplingParams()).skip_special_tokens is False
+    with pytest.raises(ValueError, match="no token <|channel|>"):
+        REASONING_PARSERS["openai_gptoss"](transformers.AutoTokenizer.from_pretrained(
+            tokenizer_dir))
 
 
 def test_the_flags_choices_are_the_registry():

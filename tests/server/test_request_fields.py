@@ -23,7 +23,8 @@ from runtime.entrypoints.protocol import (AnthropicTool, AnthropicToolChoice,
                                           JsonSchemaFormat, MessagesRequest, NamedToolChoice,
                                           StreamOptions, Tool)
 from runtime.entrypoints.responses_protocol import (FunctionChoice, FunctionTool,
-                                                    ResponsesRequest, TextConfig, TextJsonSchema)
+                                                    ReasoningConfig, ResponsesRequest,
+                                                    TextConfig, TextJsonSchema)
 from tests.server.conftest import API_KEY
 
 APIS = {
@@ -76,6 +77,7 @@ NESTED = {
     "responses text.format": (responses_params.ResponseFormatTextJSONSchemaConfigParam,
                               TextJsonSchema),
     "responses tool_choice": (responses_params.ToolChoiceFunctionParam, FunctionChoice),
+    "responses reasoning": (shared_params.Reasoning, ReasoningConfig),
 }
 
 

@@ -7,10 +7,14 @@ from typing import Any
 
 from runtime.entrypoints.reasoning.base import ReasoningParser, ReasoningReader
 from runtime.entrypoints.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from runtime.entrypoints.reasoning.gpt_oss import GptOssReasoningParser
+from runtime.entrypoints.reasoning.granite import GraniteReasoningParser
 from runtime.entrypoints.reasoning.qwen3 import Qwen3ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "granite": GraniteReasoningParser,
+    "openai_gptoss": GptOssReasoningParser,  # vLLM's name for it
     "qwen3": Qwen3ReasoningParser,
 }
 

@@ -1,10 +1,13 @@
-"""What every reasoning parser shares: the reasoning sits between a start and an end marker,
-each one token of the vocabulary (`<think>` and `</think>` for most families)."""
+"""What the reasoning parsers share: the reasoning sits between a start and an end marker,
+each one token of the vocabulary (`<think>` and `</think>` for most families), or, for a
+family that writes phrases (Granite), one of a few texts."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from runtime.entrypoints.errors import bad_request
 from runtime.sampling_params import SamplingParams
 
 BEFORE, REASONING, CONTENT = "before", "reasoning", "content"
@@ -24,11 +27,13 @@ class ReasoningReader:
     the family's reasoning starts without one (`implied_start`: the template opened it in the
     prompt); a start marker met before any end is dropped; after the end marker all is
     content. Text that may be the beginning of a marker is held back until the next delta, or
-    the last (`final`)."""
+    the last (`final`). `start` and `end` are a marker each, or each a tuple of markers any
+    of which counts."""
 
-    def __init__(self, start: str, end: str, implied_start: bool) -> None:
-        self.start = start
-        self.end = end
+    def __init__(self, start: str | tuple[str, ...], end: str | tuple[str, ...],
+                 implied_start: bool) -> None:
+        self.starts = (start,) if isinstance(start, str) else start
+        self.ends = (end,) if isinstance(end, str) else end
         self.state = REASONING if implied_start else BEFORE
         self.started = False  # a start marker was read
         self.pending = ""
@@ -40,19 +45,19 @@ class ReasoningReader:
             if self.state == CONTENT:
                 split.content += text
                 break
-            markers = [self.end] if self.state == REASONING else []
+            markers = list(self.ends) if self.state == REASONING else []
             if not self.started:
-                markers.append(self.start)
+                markers += self.starts
             found = [(text.find(m), m) for m in markers if m in text]
             if not found:
-                keep = 0 if final else _partial_suffix(text, markers)
+                keep = 0 if final else partial_suffix(text, markers)
                 self._add(split, text[:len(text) - keep])
                 self.pending = text[len(text) - keep:]
                 break
             at, marker = min(found)
             self._add(split, text[:at])
             text = text[at + len(marker):]
-            if marker == self.end and self.state == REASONING:
+            if marker in self.ends and self.state == REASONING:
                 self.state = CONTENT
             else:
                 self.started, self.state = True, REASONING
@@ -72,7 +77,7 @@ class ReasoningReader:
             split.content += text
 
 
-def _partial_suffix(text: str, markers: list[str]) -> int:
+def partial_suffix(text: str, markers: Sequence[str]) -> int:
     """The length of the longest end of `text` that begins one of `markers`."""
     best = 0
     for marker in markers:
@@ -100,13 +105,25 @@ class ReasoningParser:
         self.start_token_id: int = vocab[self.start]
         self.end_token_id: int = vocab[self.end]
 
-    def reader(self) -> ReasoningReader:
+    @classmethod
+    def reader(cls) -> ReasoningReader:
         """A reader for one output (one per sample)."""
-        return ReasoningReader(self.start, self.end, self.implied_start)
+        return ReasoningReader(cls.start, cls.end, cls.implied_start)
 
-    def hold_grammar(self, params: SamplingParams) -> SamplingParams:
-        """`params` whose grammar (structured outputs, a forced tool call) starts after the
-        reasoning, as vLLM applies it; unconstrained params as they are."""
+    def request_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` as a request read by this parser runs: its grammar (structured outputs, a
+        forced tool call) starts after the reasoning, as vLLM applies it; unconstrained params
+        as they are."""
         if params.structured_outputs is None:
             return params
         return params.clone(_reasoning_token_ids=(self.start_token_id, self.end_token_id))
+
+
+def refuse_grammar(params: SamplingParams, parser: str, why: str) -> SamplingParams:
+    """`params` unchanged when they hold no grammar; a 400 naming the parser when they do (its
+    end of reasoning is no single token, at which the grammar could start)."""
+    if params.structured_outputs is not None:
+        raise bad_request(f"structured outputs (response_format, a required or named tool "
+                         f"choice) are not supported with --reasoning-parser {parser}: {why}, "
+                         "so the grammar cannot be held until the reasoning ends")
+    return params

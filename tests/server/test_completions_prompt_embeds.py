@@ -27,12 +27,6 @@ def server(tiny_llama, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
-
-
-@pytest.fixture(scope="module")
 def embeds(tiny_llama) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama,
                                                               torch_dtype=torch.float32)
@@ -50,7 +44,8 @@ GREEDY = dict(model="tiny", max_tokens=6, temperature=0, logprobs=1,
               extra_body={"ignore_eos": True})
 
 
-def test_base64_embeddings_complete_as_their_token_ids(client, embeds):
+def test_base64_embeddings_complete_as_their_token_ids(server, embeds):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     by_ids = client.completions.create(prompt=IDS, **GREEDY).choices[0]
     reply = client.completions.create(
         prompt="", **{**GREEDY, "extra_body": {"ignore_eos": True,
