@@ -81,6 +81,18 @@ def test_preempted_requests_recompute_from_their_embeddings(model_path, hf_model
     assert_matches_hf(outputs, [hf_greedy(hf_model, ids, 40) for ids in prompts])
 
 
+def test_a_family_that_scales_its_embeddings_scales_given_ones_too(tiny_model_factory):
+    """As transformers' inputs_embeds: rows of the embedding table, which Granite multiplies
+    by embedding_multiplier (Gemma by sqrt(hidden)) after, as it does its own."""
+    path = tiny_model_factory("GraniteForCausalLM", embedding_multiplier=6.0,
+                              attention_multiplier=0.2, residual_multiplier=0.4,
+                              logits_scaling=4.0, tie_word_embeddings=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", enable_prompt_embeds=True)
+    outputs = llm.generate([{"prompt_embeds": embeds_of(hf, ids)} for ids in PROMPTS], greedy())
+    assert_matches_hf(outputs, [hf_greedy(hf.eval(), ids, 8) for ids in PROMPTS])
+
+
 @pytest.mark.parametrize("tensor, message", [
     (torch.zeros(4, 32), "hidden size 64, got 32"),
     (torch.zeros(2, 4, 64), "must be 2-D"),
