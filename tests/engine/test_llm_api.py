@@ -139,6 +139,7 @@ def test_abort_frees_the_request_blocks(llm):
     ([], SamplingParams(), "empty"),
     ([10**6], SamplingParams(), "token ids must be in"),
     ([5] * 1024, SamplingParams(), "max_model_len"),
+    ({"prompt_embeds": torch.zeros(2, 64)}, SamplingParams(), "enable_prompt_embeds=True"),
 ])
 def test_bad_input_is_rejected_and_other_requests_survive(llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):
