@@ -5,6 +5,8 @@ whose tokenizer has <think> and </think> tokens and a template that closes the t
 prompt when chat_template_kwargs asks enable_thinking false, and that reads reasoning_effort."""
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
@@ -220,6 +222,8 @@ def test_parsers_of_phrases_or_headers_refuse_a_grammar(tokenizer_dir):
     400. gpt-oss requests keep the special tokens that frame harmony's channels."""
     import transformers
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    with pytest.raises(ValueError, match=re.escape("no token <|channel|>")):
+        REASONING_PARSERS["openai_gptoss"](tokenizer)
     tokenizer.add_special_tokens({"additional_special_tokens": [
         "<|channel|>", "<|message|>", "<|end|>", "<|start|>"]})
     constrained = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"]))
@@ -228,9 +232,6 @@ def test_parsers_of_phrases_or_headers_refuse_a_grammar(tokenizer_dir):
         with pytest.raises(APIError, match=f"--reasoning-parser {name}"):
             parser.request_params(constrained)
     assert parser.request_params(SamplingParams()).skip_special_tokens is False
-    with pytest.raises(ValueError, match="no token <|channel|>"):
-        REASONING_PARSERS["openai_gptoss"](transformers.AutoTokenizer.from_pretrained(
-            tokenizer_dir))
 
 
 def test_the_flags_choices_are_the_registry():
