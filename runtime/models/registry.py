@@ -37,6 +37,9 @@ _BUILTIN: dict[str, str] = {
     "Lfm2ForCausalLM": "runtime.models.lfm2:Lfm2ForCausalLM",
     # vision-language models (runtime.multimodal processes their images)
     "LlavaForConditionalGeneration": "runtime.models.llava:LlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration": "runtime.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration":
+        "runtime.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     # pooling models (runner="pooling"): encoders and classifiers
     "BertModel": "runtime.models.bert:BertModel",
     "BertForSequenceClassification": "runtime.models.bert:BertForSequenceClassification",
