@@ -27,6 +27,8 @@ class ImageLayout:
     text a chat image part becomes), what of the image processor's output an item keeps,
     and how many embeddings it gives. LLaVA's: a fixed count per image."""
 
+    mrope = False  # the model's positions are M-RoPE's (runtime.multimodal.mrope)
+
     def __init__(self, placeholder_token_id: int, tokens_per_image: int = 0,
                  prompt_text: str | None = None) -> None:
         self.placeholder_token_id = placeholder_token_id
@@ -44,10 +46,18 @@ class ImageLayout:
         """The item's (t, h, w) in M-RoPE positions; None for a model without M-RoPE."""
         return None
 
+    def hf_inputs(self, features: list[MultiModalFeature]) -> dict[str, Any]:
+        """What transformers' model takes for a prompt's items (the bench's reference), each
+        tensor batched on dim 0 (prompts concatenate)."""
+        import torch
+        return {"pixel_values": torch.stack([f.tensors()["pixel_values"] for f in features])}
+
 
 class QwenVLLayout(ImageLayout):
     """Qwen2-VL / Qwen2.5-VL: an image takes as many tokens as it has merge units (its
     `image_grid_thw`, from its size), between <|vision_start|> and <|vision_end|>."""
+
+    mrope = True
 
     def __init__(self, hf_config: Any, tokenizer: Any) -> None:
         ids = (hf_config.vision_start_token_id, hf_config.image_token_id,
@@ -65,6 +75,12 @@ class QwenVLLayout(ImageLayout):
     def mrope_grid(self, item: dict[str, Any]) -> list[int]:
         t, h, w = item["image_grid_thw"].tolist()
         return [t, h // self.merge, w // self.merge]
+
+    def hf_inputs(self, features: list[MultiModalFeature]) -> dict[str, Any]:
+        import torch
+        items = [f.tensors() for f in features]
+        return {"pixel_values": torch.cat([i["pixel_values"] for i in items]),
+                "image_grid_thw": torch.stack([i["image_grid_thw"] for i in items])}
 
 
 def llava_layout(hf_config: Any, tokenizer: Any) -> ImageLayout:
