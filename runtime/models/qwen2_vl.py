@@ -34,6 +34,7 @@ from runtime.layers.rotary import (MRotaryOp, _base_inv_freq, mrope_axes, rope_p
 from runtime.models.clip import vision_activation
 from runtime.models.llama import default_weight_loader
 from runtime.models.qwen import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2Model
+from runtime.models.vlm import VisionLanguageModel
 
 
 class VisionRotary(nn.Module):
@@ -250,7 +251,7 @@ class Qwen2VLTextForCausalLM(Qwen2ForCausalLM):
     model_cls = Qwen2VLTextModel
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     vision_cls = Qwen2VisionTransformer
 
     def __init__(self, config, ctx: BuildContext) -> None:
@@ -270,17 +271,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         out = self.visual(torch.cat([item["pixel_values"] for item in items]), grids)
         merge = self.visual.merge ** 2
         return list(out.split([t * h * w // merge for t, h, w in grids]))
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.model.embed(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """`positions`: [T], or [3, T] (t, h, w) in a step that reaches image tokens."""
-        return self.language_model.model(input_ids, positions, intermediate, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.visual.named_parameters())
