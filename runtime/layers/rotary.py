@@ -238,7 +238,7 @@ def mrope_axes(rotary_dim: int, section: list[int], interleaved: bool = False) -
         return [axis for axis, n in enumerate(section) for _ in range(n)]
     axes = [0] * (rotary_dim // 2)
     for axis in (1, 2):
-        for j in range(axis, 3 * section[axis], 3):
+        for j in range(axis, min(3 * section[axis], rotary_dim // 2), 3):
             axes[j] = axis
     return axes
 

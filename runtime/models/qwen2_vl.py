@@ -37,6 +37,23 @@ from runtime.models.qwen import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausa
 from runtime.models.vlm import VisionLanguageModel
 
 
+def patch_rows_cols(grids: list[list[int]], merge: int) -> np.ndarray:
+    """[2, N]: each patch's row and column in its image, in merge-unit order (the image
+    processor's: the merge x merge patches of each unit together)."""
+    out = []
+    for t, h, w in grids:
+        rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        shape = (h // merge, merge, w // merge, merge)
+        unit_order = [a.reshape(shape).transpose(0, 2, 1, 3).reshape(-1) for a in (rows, cols)]
+        out.append(np.tile(np.stack(unit_order), (1, t)))
+    return np.concatenate(out, axis=1)
+
+
+def frames(grids: list[list[int]], device: torch.device):
+    """The metadata of attention within each frame of each image."""
+    return prefill_only_metadata([h * w for t, h, w in grids for _ in range(t)], False, device)
+
+
 class VisionRotary(nn.Module):
     """The ViT's 2-D rotary: the first half of each head's frequencies turn with the patch's
     row, the second half with its column."""
@@ -80,14 +97,13 @@ class VisionAttention(nn.Module):
 
 
 class VisionMlp(nn.Module):
-    """Qwen2-VL: fc1, activation, fc2."""
+    """fc1, activation, fc2 (Qwen2-VL's and Qwen3-VL's)."""
 
-    def __init__(self, config, dim: int, ctx: BuildContext) -> None:
+    def __init__(self, dim: int, hidden: int, act: str, ctx: BuildContext) -> None:
         super().__init__()
-        hidden = int(dim * config.mlp_ratio)
         self.fc1 = ReplicatedLinear(dim, hidden, True, ctx)
         self.fc2 = ReplicatedLinear(hidden, dim, True, ctx)
-        self.act = vision_activation(config.hidden_act)
+        self.act = vision_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -115,13 +131,13 @@ def layer_norm(dim: int, rms: bool, ctx: BuildContext) -> nn.Module:
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, config, dim: int, rotary: VisionRotary, ctx: BuildContext,
-                 v2_5: bool) -> None:
+    def __init__(self, dim: int, heads: int, mlp: nn.Module, rotary: VisionRotary,
+                 ctx: BuildContext, rms: bool) -> None:
         super().__init__()
-        self.norm1 = layer_norm(dim, v2_5, ctx)
-        self.norm2 = layer_norm(dim, v2_5, ctx)
-        self.attn = VisionAttention(dim, config.num_heads, rotary, ctx)
-        self.mlp = (VisionGatedMlp if v2_5 else VisionMlp)(config, dim, ctx)
+        self.norm1 = layer_norm(dim, rms, ctx)
+        self.norm2 = layer_norm(dim, rms, ctx)
+        self.attn = VisionAttention(dim, heads, rotary, ctx)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), table)
@@ -129,16 +145,20 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, out_dim: int, dim: int, merge: int, ctx: BuildContext,
-                 v2_5: bool) -> None:
+    """Each merge unit's patches side by side, through norm, fc1, GELU and fc2; the norm is
+    over each patch, or with `postshuffle` (Qwen3-VL's deepstack mergers) over the unit."""
+
+    def __init__(self, out_dim: int, dim: int, merge: int, ctx: BuildContext, rms: bool,
+                 postshuffle: bool = False) -> None:
         super().__init__()
         self.width = dim * merge ** 2
-        self.ln_q = layer_norm(dim, v2_5, ctx)
+        self.postshuffle = postshuffle
+        self.ln_q = layer_norm(self.width if postshuffle else dim, rms, ctx)
         self.fc1 = ReplicatedLinear(self.width, self.width, True, ctx)
         self.fc2 = ReplicatedLinear(self.width, out_dim, True, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.ln_q(x).view(-1, self.width)
+        x = self.ln_q(x.view(-1, self.width) if self.postshuffle else x).view(-1, self.width)
         return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
@@ -158,34 +178,22 @@ class Qwen2VisionTransformer(nn.Module):
         self.patch_embed = ReplicatedLinear(patch, dim, False, ctx)
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         self.rotary = VisionRotary(dim // config.num_heads, theta, ctx)
-        self.blocks = nn.ModuleList(VisionBlock(config, dim, self.rotary, ctx, self.v2_5)
-                                    for _ in range(config.depth))
+        self.blocks = nn.ModuleList(
+            VisionBlock(dim, config.num_heads, VisionGatedMlp(config, dim, ctx) if self.v2_5
+                        else VisionMlp(dim, int(dim * config.mlp_ratio), config.hidden_act, ctx),
+                        self.rotary, ctx, self.v2_5)
+            for _ in range(config.depth))
         self.merger = PatchMerger(out_dim, dim, self.merge, ctx, self.v2_5)
         self.to(ctx.dtype)  # torch.nn layers are made in float32
 
-    def rows_cols(self, grids: list[list[int]]) -> np.ndarray:
-        """[2, N]: each patch's row and column in its image, in merge-unit order."""
-        m, out = self.merge, []
-        for t, h, w in grids:
-            rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-            shape = (h // m, m, w // m, m)
-            unit_order = [a.reshape(shape).transpose(0, 2, 1, 3).reshape(-1) for a in (rows, cols)]
-            out.append(np.tile(np.stack(unit_order), (1, t)))
-        return np.concatenate(out, axis=1)
-
     def forward(self, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
         x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))
-        table = self.rotary.table(torch.from_numpy(self.rows_cols(grids)).to(x.device))
-        with forward_context(self.frames(grids, x.device)):
+        table = self.rotary.table(torch.from_numpy(patch_rows_cols(grids, self.merge)).to(
+            x.device))
+        with forward_context(frames(grids, x.device)):
             for block in self.blocks:
                 x = block(x, table)
         return self.merger(x)
-
-    @staticmethod
-    def frames(grids: list[list[int]], device: torch.device):
-        """Attention within each frame of each image."""
-        return prefill_only_metadata([h * w for t, h, w in grids for _ in range(t)], False,
-                                     device)
 
 
 class Qwen2_5VisionTransformer(Qwen2VisionTransformer):
@@ -214,29 +222,36 @@ class Qwen2_5VisionTransformer(Qwen2VisionTransformer):
 
     def forward(self, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
         x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))
-        table = self.rotary.table(torch.from_numpy(self.rows_cols(grids)).to(x.device))
+        table = self.rotary.table(torch.from_numpy(patch_rows_cols(grids, self.merge)).to(x.device))
         order, lens = self.windows(grids)
         unit = torch.from_numpy(order).to(x.device)
         n = unit.numel()
         x = x.view(n, -1, x.size(-1))[unit].reshape(x.shape)
         table = table.view(n, -1, table.size(-1))[unit].reshape(table.shape)
-        frames = self.frames(grids, x.device)
+        full = frames(grids, x.device)
         windows = prefill_only_metadata(lens, False, x.device)
         for i, block in enumerate(self.blocks):
-            with forward_context(frames if i in self.full_layers else windows):
+            with forward_context(full if i in self.full_layers else windows):
                 x = block(x, table)
         return self.merger(x)[torch.argsort(unit)]
+
+
+def mrope_op(attention: nn.Module, config, default_section: list[int],
+             interleaved: bool = False) -> MRotaryOp:
+    """An attention layer's rotary op, as M-RoPE over the config's `mrope_section`."""
+    params = rope_parameters(config)
+    if params["rope_type"] != "default":
+        raise ValueError(f"M-RoPE with rope_type {params['rope_type']!r} is not supported; "
+                         "supported: default")
+    return MRotaryOp(attention.rotary_op, mrope_axes(
+        attention.rotary_emb.rotary_dim, params.get("mrope_section", default_section),
+        interleaved))
 
 
 class Qwen2VLAttention(Qwen2Attention):
     def __init__(self, config, layer_idx: int, ctx: BuildContext, prefix: str) -> None:
         super().__init__(config, layer_idx, ctx, prefix)
-        params = rope_parameters(config)
-        if params["rope_type"] != "default":
-            raise ValueError(f"M-RoPE with rope_type {params['rope_type']!r} is not "
-                             "supported; supported: default")
-        self.rotary_op = MRotaryOp(self.rotary_op, mrope_axes(
-            self.rotary_emb.rotary_dim, params.get("mrope_section", [16, 24, 24])))
+        self.rotary_op = mrope_op(self, config, [16, 24, 24])
 
 
 class Qwen2VLDecoderLayer(Qwen2DecoderLayer):
@@ -253,6 +268,7 @@ class Qwen2VLTextForCausalLM(Qwen2ForCausalLM):
 
 class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     vision_cls = Qwen2VisionTransformer
+    text_cls = Qwen2VLTextForCausalLM
 
     def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
@@ -263,7 +279,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         self.visual = self.vision_cls(config.vision_config, ctx)
         text = copy.copy(config.text_config)
         text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.language_model = Qwen2VLTextForCausalLM(text, ctx)
+        self.language_model = self.text_cls(text, ctx)
 
     def embed_multimodal(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each image's embeddings [t * h * w / merge**2, text hidden]."""

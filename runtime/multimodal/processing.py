@@ -54,7 +54,7 @@ class ImageLayout:
 
 
 class QwenVLLayout(ImageLayout):
-    """Qwen2-VL / Qwen2.5-VL: an image takes as many tokens as it has merge units (its
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL: an image takes as many tokens as it has merge units (its
     `image_grid_thw`, from its size), between <|vision_start|> and <|vision_end|>."""
 
     mrope = True
@@ -92,7 +92,8 @@ def llava_layout(hf_config: Any, tokenizer: Any) -> ImageLayout:
 
 LAYOUTS = {"LlavaForConditionalGeneration": llava_layout,
            "Qwen2VLForConditionalGeneration": QwenVLLayout,
-           "Qwen2_5_VLForConditionalGeneration": QwenVLLayout}
+           "Qwen2_5_VLForConditionalGeneration": QwenVLLayout,
+           "Qwen3VLForConditionalGeneration": QwenVLLayout}
 
 
 def is_multimodal_architecture(architecture: str) -> bool:

@@ -82,9 +82,11 @@ def save_qwen_vl_tokenizer(path: str) -> None:
 
 def build_tiny_qwen_vl(path: str, version: str = "2", seed: int = 0) -> str:
     """A Qwen2VLForConditionalGeneration (`version` "2") or Qwen2_5_VLForConditionalGeneration
-    ("2.5": RMSNorm, gated MLP, window attention in layer 0, full in layer 1): 14-pixel
-    patches merged 2x2, so a 56x56 image gives 4 image tokens; M-RoPE sections (2, 3, 3) over
-    32-dim heads; the Qwen2-VL image processor (PIL backend)."""
+    ("2.5": RMSNorm, gated MLP, window attention in layer 0, full in layer 1) or
+    Qwen3VLForConditionalGeneration ("3": 16-pixel patches, a 4x4 learned position table,
+    DeepStack from layer 0, interleaved M-RoPE, Qwen3 text): patches merged 2x2, so a 56x56
+    image gives 4 image tokens and a 112x84 one 12; M-RoPE sections (4, 6, 6), Qwen3-VL's
+    (6, 5, 5), over 32-dim heads; the Qwen2-VL image processor (PIL backend)."""
     from transformers import Qwen2VLImageProcessorPil
     torch.manual_seed(seed)
     text = dict(TINY_LLAMA, num_attention_heads=2, num_key_value_heads=1,
@@ -103,12 +105,21 @@ def build_tiny_qwen_vl(path: str, version: str = "2", seed: int = 0) -> str:
         vision = dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=2,
                       out_hidden_size=64, patch_size=14, spatial_merge_size=2,
                       temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    elif version == "3":
+        from transformers import Qwen3VLConfig as Config
+        from transformers import Qwen3VLForConditionalGeneration as Model
+        text["head_dim"] = 32
+        text["rope_parameters"].update(mrope_section=[6, 5, 5], mrope_interleaved=True)
+        vision = dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=2,
+                      out_hidden_size=64, patch_size=16, spatial_merge_size=2,
+                      temporal_patch_size=2, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0])
     else:
-        raise ValueError(f"Qwen-VL version {version!r}: '2' or '2.5'")
+        raise ValueError(f"Qwen-VL version {version!r}: '2', '2.5' or '3'")
     config = Config(text_config=text, vision_config={**vision, "initializer_range": 0.2},
                     initializer_range=0.2, **ids)
     Model(config).eval().save_pretrained(path)
     save_qwen_vl_tokenizer(path)
-    Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2).save_pretrained(
-        path)
+    Qwen2VLImageProcessorPil(patch_size=vision["patch_size"], merge_size=2,
+                             temporal_patch_size=2).save_pretrained(path)
     return path

@@ -1,4 +1,4 @@
-"""Qwen2-VL and Qwen2.5-VL against transformers on tiny random models: greedy tokens and
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL against transformers on tiny random models: greedy tokens and
 logprobs for text-only prompts and prompts of one and two images of different sizes (so of
 different token counts), with each image's placeholder run split over prefill chunks; M-RoPE
 positions equal to transformers' `get_rope_index`; the encoder cache and the prefix cache
@@ -19,13 +19,14 @@ from runtime.testing.tiny_vlm import QWEN_VL_TOKENS, build_tiny_qwen_vl, random_
 
 PAD = QWEN_VL_TOKENS["<|image_pad|>"]
 LOGPROB_TOL = 2e-3
-# 56x56: 4 image tokens; 112x84: 12 (a 3x4 grid of merge units, two windows in Qwen2.5-VL)
+# 56x56: 4 image tokens; 112x84: 12 (a 3x4 grid of merge units, two windows in Qwen2.5-VL;
+# Qwen3-VL resamples its 4x4 position table to it)
 PROMPTS = [("w10 w11 w12 w13", []),
            (f"w10 {IMAGE} w11 w12", [(1, (56, 56))]),
            (f"w20 {IMAGE} w21 {IMAGE} w22", [(2, (112, 84)), (3, (84, 112))])]
 
 
-@pytest.fixture(scope="module", params=["2", "2.5"])
+@pytest.fixture(scope="module", params=["2", "2.5", "3"])
 def version(request):
     return request.param
 
@@ -145,7 +146,7 @@ def test_chat_image_part_equals_the_prompt_with_the_vision_tokens(llm):
 
 def test_preempted_requests_resume_at_their_positions(version, model_path, hf):
     if version != "2":
-        pytest.skip("the positions are the same code for both architectures")
+        pytest.skip("the positions are the same code for every architecture")
     # 6 blocks of 8 tokens: two 21-token prompts growing to 37 cannot both stay
     small = LLM(model_path, dtype="float32", block_size=8, kv_cache_memory="24KiB",
                 max_num_batched_tokens=16, max_num_encoder_input_tokens=16,
