@@ -229,8 +229,9 @@ def table_positions(cos_sin_cache: torch.Tensor, positions: torch.Tensor,
 
 def mrope_axes(rotary_dim: int, section: list[int], interleaved: bool = False) -> list[int]:
     """The axis (0: t, 1: h, 2: w) of each of the rotary_dim // 2 frequencies: consecutive
-    runs of `section` sizes (Qwen2-VL's `mrope_section`), or with `interleaved` t, h, w
-    in turn over the first 3 * min(section) frequencies, t after (Qwen3-VL)."""
+    runs of `section` sizes (Qwen2-VL's `mrope_section`), or with `interleaved` (Qwen3-VL's)
+    t, h, w in turn: frequency j = 1 (mod 3) below 3 * section[1] turns with h, j = 2 (mod 3)
+    below 3 * section[2] with w, every other with t."""
     if sum(section) != rotary_dim // 2:
         raise ValueError(f"mrope_section {section} must sum to half the rotary dimension "
                          f"({rotary_dim // 2})")
