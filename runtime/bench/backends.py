@@ -214,10 +214,9 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["num_threads"])
     images = images_of(spec)
     if any(images):
-        from transformers import AutoImageProcessor, AutoModelForImageTextToText
+        from transformers import AutoModelForImageTextToText
         model = AutoModelForImageTextToText.from_pretrained(
             spec["model"], dtype=getattr(torch, spec["dtype"])).eval()
-        image_processor = AutoImageProcessor.from_pretrained(spec["model"], backend="pil")
     else:
         model = load_hf_model(spec["model"], getattr(torch, spec["dtype"])).eval()
     cfg = model.config.get_text_config()
@@ -225,16 +224,17 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
     pad = spec["pad_token_id"]
-    pixels = {}
-    if any(images):  # the same processor output and placeholder expansion as ours
-        from runtime.multimodal.processing import LAYOUTS
-        layout = LAYOUTS[model.config.architectures[0]](model.config)
+    mm_inputs = {}  # expanded prompt ids -> what the model takes for its images
+    if any(images):  # our processor's output and placeholder expansion, as our engine gets
+        from runtime.bench.common import load_tokenizer
+        from runtime.multimodal.processing import MultiModalProcessor
+        mm = MultiModalProcessor(spec["model"], model.config,
+                                 load_tokenizer(spec["model"], spec.get("tokenizer")))
         expanded = []
         for (ids, n), items in zip(requests_of(spec), images):
-            ids = [t for i in ids for t in ([i] * layout.tokens_per_image
-                                            if i == layout.placeholder_token_id else [i])]
-            pixels[tuple(ids)] = image_processor(images=items, return_tensors="pt")[
-                "pixel_values"]
+            if items:
+                ids, features = mm.process(ids, {"image": items})
+                mm_inputs[tuple(ids)] = mm.layout.hf_inputs(features)
             expanded.append((ids, n))
         spec = {**spec, "requests": expanded}
     requests = sorted(requests_of(spec), key=lambda r: len(r[0]))
@@ -245,8 +245,12 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
         width, new = max(len(ids) for ids, _ in batch), max(n for _, n in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
-        extra = {"pixel_values": torch.cat([pixels[tuple(p)] for p, _ in batch])} \
-            if pixels else {}
+        extra = {}
+        if mm_inputs:
+            parts = [mm_inputs[tuple(p)] for p, _ in batch]
+            extra = {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
+            if mm.layout.mrope:  # transformers' M-RoPE reads which tokens are images
+                extra["mm_token_type_ids"] = (ids == mm.layout.placeholder_token_id).int()
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
                            min_new_tokens=new, do_sample=False, pad_token_id=pad, use_cache=True,

@@ -216,3 +216,53 @@ def _cached_rope(
     rotary_dim = (head_size if params["rope_type"] == "proportional"  # zero frequencies instead
                   else int(head_size * params.get("partial_rotary_factor", 1.0)))
     return RotaryEmbedding(head_size, rotary_dim, max_position, params, dtype)
+
+
+def table_positions(cos_sin_cache: torch.Tensor, positions: torch.Tensor,
+                    axes: torch.Tensor) -> torch.Tensor:
+    """Per-token cos | sin [T, rotary_dim] for multi-axis `positions` [A, T]: frequency j
+    takes its angle from the position on axis `axes[j]` (`axes`: [rotary_dim // 2])."""
+    rows = cos_sin_cache[positions]  # [A, T, rotary_dim]
+    index = torch.cat((axes, axes)).expand(1, positions.size(1), -1)
+    return rows.gather(0, index).squeeze(0)
+
+
+def mrope_axes(rotary_dim: int, section: list[int], interleaved: bool = False) -> list[int]:
+    """The axis (0: t, 1: h, 2: w) of each of the rotary_dim // 2 frequencies: consecutive
+    runs of `section` sizes (Qwen2-VL's `mrope_section`), or with `interleaved` (Qwen3-VL's)
+    t, h, w in turn: frequency j = 1 (mod 3) below 3 * section[1] turns with h, j = 2 (mod 3)
+    below 3 * section[2] with w, every other with t."""
+    if sum(section) != rotary_dim // 2:
+        raise ValueError(f"mrope_section {section} must sum to half the rotary dimension "
+                         f"({rotary_dim // 2})")
+    if not interleaved:
+        return [axis for axis, n in enumerate(section) for _ in range(n)]
+    axes = [0] * (rotary_dim // 2)
+    for axis in (1, 2):
+        for j in range(axis, min(3 * section[axis], rotary_dim // 2), 3):
+            axes[j] = axis
+    return axes
+
+
+class MRotaryOp:
+    """M-RoPE (multimodal rotary: Qwen2-VL's): positions [3, T] hold each token's t, h and w
+    position, and each frequency takes its angle from one of them (`mrope_axes`). It runs as
+    the plain `rotary_embedding` op over a per-token cos | sin table (positions 0 … T - 1),
+    so a platform's rotary kernel takes it as it takes any cache; positions [T] (text, whose
+    three rows are equal) go to the op as they are."""
+
+    def __init__(self, op, axes: list[int]) -> None:
+        self.op = op
+        self.axes = axes
+        self._axes_on: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return self.op(positions, query, key, cos_sin_cache, head_size)
+        device = cos_sin_cache.device
+        if device not in self._axes_on:
+            self._axes_on[device] = torch.tensor(self.axes, device=device)
+        table = table_positions(cos_sin_cache, positions, self._axes_on[device])
+        rows = torch.arange(positions.size(1), device=device)
+        return self.op(rows, query, key, table, head_size)

@@ -18,6 +18,7 @@ from runtime.layers.build_context import BuildContext
 from runtime.layers.linear import ReplicatedLinear
 from runtime.models.clip import CLIPVisionTower, vision_activation
 from runtime.models.llama import LlamaForCausalLM, MistralForCausalLM, default_weight_loader
+from runtime.models.vlm import VisionLanguageModel
 
 LANGUAGE_MODELS = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM}
 VISION_QKV = {".q_proj.": "q", ".k_proj.": "k", ".v_proj.": "v"}
@@ -36,7 +37,7 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     supports_prompt_embeds = True  # a prompt of embeddings carries no image
 
     def __init__(self, config, ctx: BuildContext) -> None:
@@ -71,19 +72,6 @@ class LlavaForConditionalGeneration(nn.Module):
         if self.drop_cls:
             features = features[:, 1:]
         return list(self.multi_modal_projector(features))
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.model.embed(input_ids)
-
-    def scale_inputs_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
-        return self.language_model.scale_inputs_embeds(embeds)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, intermediate, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())

@@ -37,6 +37,10 @@ _BUILTIN: dict[str, str] = {
     "Lfm2ForCausalLM": "runtime.models.lfm2:Lfm2ForCausalLM",
     # vision-language models (runtime.multimodal processes their images)
     "LlavaForConditionalGeneration": "runtime.models.llava:LlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration": "runtime.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration":
+        "runtime.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration": "runtime.models.qwen3_vl:Qwen3VLForConditionalGeneration",
     # pooling models (runner="pooling"): encoders and classifiers
     "BertModel": "runtime.models.bert:BertModel",
     "BertForSequenceClassification": "runtime.models.bert:BertForSequenceClassification",

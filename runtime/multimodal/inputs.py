@@ -36,6 +36,9 @@ class MultiModalFeature(msgspec.Struct, array_like=True, frozen=True):
     offset: int
     length: int
     data: dict[str, TensorData]  # the processor's output for this item (pixel_values ...)
+    # M-RoPE models (Qwen2-VL): the item's (t, h, w) extent in position units, whose
+    # positions its placeholders take (runtime.multimodal.mrope); None for other models
+    mrope_grid: list[int] | None = None
 
     @property
     def end(self) -> int:

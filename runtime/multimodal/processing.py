@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from runtime.multimodal.inputs import MultiModalFeature, TensorData
 from runtime.multimodal.media import MediaError, MediaPolicy, load_image
@@ -21,22 +22,78 @@ DEFAULT_ITEMS_PER_PROMPT = 999  # vLLM's default limit per modality
 PROCESSED_CACHE_ITEMS = 256
 
 
-@dataclass(frozen=True)
 class ImageLayout:
-    """How one architecture lays an image into the prompt."""
+    """How one architecture lays an image into the prompt: its placeholder token (and the
+    text a chat image part becomes), what of the image processor's output an item keeps,
+    and how many embeddings it gives. LLaVA's: a fixed count per image."""
 
-    placeholder_token_id: int
-    tokens_per_image: int
+    mrope = False  # the model's positions are M-RoPE's (runtime.multimodal.mrope)
+
+    def __init__(self, placeholder_token_id: int, tokens_per_image: int = 0,
+                 prompt_text: str | None = None) -> None:
+        self.placeholder_token_id = placeholder_token_id
+        self.tokens_per_image = tokens_per_image
+        self.prompt_text = prompt_text  # None: the placeholder token itself
+
+    def item(self, out: Any) -> dict[str, Any]:
+        """The processor's output for one image, as the encoder reads it."""
+        return {"pixel_values": out["pixel_values"][0]}
+
+    def num_tokens(self, item: dict[str, Any]) -> int:
+        return self.tokens_per_image
+
+    def mrope_grid(self, item: dict[str, Any]) -> list[int] | None:
+        """The item's (t, h, w) in M-RoPE positions; None for a model without M-RoPE."""
+        return None
+
+    def hf_inputs(self, features: list[MultiModalFeature]) -> dict[str, Any]:
+        """What transformers' model takes for a prompt's items (the bench's reference), each
+        tensor batched on dim 0 (prompts concatenate)."""
+        import torch
+        return {"pixel_values": torch.stack([f.tensors()["pixel_values"] for f in features])}
 
 
-def llava_layout(hf_config: Any) -> ImageLayout:
+class QwenVLLayout(ImageLayout):
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL: an image takes as many tokens as it has merge units (its
+    `image_grid_thw`, from its size), between <|vision_start|> and <|vision_end|>."""
+
+    mrope = True
+
+    def __init__(self, hf_config: Any, tokenizer: Any) -> None:
+        ids = (hf_config.vision_start_token_id, hf_config.image_token_id,
+               hf_config.vision_end_token_id)
+        super().__init__(hf_config.image_token_id,
+                         prompt_text="".join(tokenizer.convert_ids_to_tokens(list(ids))))
+        self.merge = hf_config.vision_config.spatial_merge_size
+
+    def item(self, out: Any) -> dict[str, Any]:
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"][0]}
+
+    def num_tokens(self, item: dict[str, Any]) -> int:
+        return int(item["image_grid_thw"].prod()) // self.merge ** 2
+
+    def mrope_grid(self, item: dict[str, Any]) -> list[int]:
+        t, h, w = item["image_grid_thw"].tolist()
+        return [t, h // self.merge, w // self.merge]
+
+    def hf_inputs(self, features: list[MultiModalFeature]) -> dict[str, Any]:
+        import torch
+        items = [f.tensors() for f in features]
+        return {"pixel_values": torch.cat([i["pixel_values"] for i in items]),
+                "image_grid_thw": torch.stack([i["image_grid_thw"] for i in items])}
+
+
+def llava_layout(hf_config: Any, tokenizer: Any) -> ImageLayout:
     vision = hf_config.vision_config
     num_patches = (vision.image_size // vision.patch_size) ** 2
     full = hf_config.vision_feature_select_strategy == "full"  # "default" drops CLS
     return ImageLayout(hf_config.image_token_id, num_patches + int(full))
 
 
-LAYOUTS = {"LlavaForConditionalGeneration": llava_layout}
+LAYOUTS = {"LlavaForConditionalGeneration": llava_layout,
+           "Qwen2VLForConditionalGeneration": QwenVLLayout,
+           "Qwen2_5_VLForConditionalGeneration": QwenVLLayout,
+           "Qwen3VLForConditionalGeneration": QwenVLLayout}
 
 
 def is_multimodal_architecture(architecture: str) -> bool:
@@ -51,12 +108,14 @@ class MultiModalProcessor:
                  policy: MediaPolicy = MediaPolicy()) -> None:
         from transformers import AutoImageProcessor
         architecture = hf_config.architectures[0]
-        self.layout = LAYOUTS[architecture](hf_config)
+        self.layout = LAYOUTS[architecture](hf_config, tokenizer)
         self.image_processor = AutoImageProcessor.from_pretrained(model_path, backend="pil")
-        self.placeholder = tokenizer.convert_ids_to_tokens(self.layout.placeholder_token_id)
+        # the text an image takes in a prompt (a chat image part becomes it)
+        self.placeholder = self.layout.prompt_text or tokenizer.convert_ids_to_tokens(
+            self.layout.placeholder_token_id)
         self.limits = {"image": DEFAULT_ITEMS_PER_PROMPT, **(limits or {})}
         self.policy = policy
-        self._processed: OrderedDict[str, dict[str, TensorData]] = OrderedDict()
+        self._processed: OrderedDict[str, MultiModalFeature] = OrderedDict()
         self.num_processed_hits = 0
 
     def process(self, token_ids: list[int], mm_data: dict[str, Any]
@@ -83,37 +142,39 @@ class MultiModalProcessor:
             raise ValueError(f"the prompt has {len(positions)} image placeholders "
                              f"({self.placeholder!r}) for {len(images)} images: put one "
                              f"{self.placeholder!r} where each image goes")
-        n = self.layout.tokens_per_image
         expanded: list[int] = []
         features = []
         last = 0
         for k, (pos, item) in enumerate(zip(positions, images)):
             expanded += token_ids[last:pos]
             try:
-                identifier, data = self._processed_image(load_image(item, self.policy))
+                feature = self._processed_image(load_image(item, self.policy))
             except MediaError as e:
                 raise MediaError(f"image {k}: {e}", e.status) from None
-            features.append(MultiModalFeature("image", identifier, len(expanded), n, data))
-            expanded += [placeholder_id] * n
+            features.append(msgspec.structs.replace(feature, offset=len(expanded)))
+            expanded += [placeholder_id] * feature.length
             last = pos + 1
         return expanded + token_ids[last:], features
 
-    def _processed_image(self, image: Any) -> tuple[str, dict[str, TensorData]]:
+    def _processed_image(self, image: Any) -> MultiModalFeature:
+        """The image as an item at offset 0."""
         h = hashlib.blake2b(digest_size=16)
         h.update(f"{type(self.image_processor).__name__}:{image.mode}:{image.size}".encode())
         h.update(image.tobytes())
         identifier = h.hexdigest()
-        data = self._processed.get(identifier)
-        if data is not None:
+        feature = self._processed.get(identifier)
+        if feature is not None:
             self._processed.move_to_end(identifier)
             self.num_processed_hits += 1
-            return identifier, data
-        out = self.image_processor(images=[image], return_tensors="pt")
-        data = {"pixel_values": TensorData.of(out["pixel_values"][0])}
-        self._processed[identifier] = data
+            return feature
+        item = self.layout.item(self.image_processor(images=[image], return_tensors="pt"))
+        feature = MultiModalFeature(
+            "image", identifier, 0, self.layout.num_tokens(item),
+            {name: TensorData.of(t) for name, t in item.items()}, self.layout.mrope_grid(item))
+        self._processed[identifier] = feature
         if len(self._processed) > PROCESSED_CACHE_ITEMS:
             self._processed.popitem(last=False)
-        return identifier, data
+        return feature
 
 
 def build_multimodal_processor(config: Any, source: Any, hf_config: Any,

@@ -55,3 +55,71 @@ def random_image(seed: int, size: tuple[int, int] = (48, 40)):
     from PIL import Image
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+QWEN_VL_TOKENS = {"<|image_pad|>": 3, "<|vision_start|>": 4, "<|vision_end|>": 5,
+                  "<|video_pad|>": 6}
+QWEN_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # an image in a Qwen-VL prompt
+
+
+def save_qwen_vl_tokenizer(path: str) -> None:
+    """Word-level, with Qwen-VL's vision tokens as special tokens (so that a run of
+    `<|image_pad|>` with no spaces between splits), then made-up words "w7" …"""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **QWEN_VL_TOKENS}
+    vocab.update({f"w{i}": i for i in range(len(vocab), VOCAB_SIZE)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in QWEN_VL_TOKENS])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>", pad_token="<unk>",
+                            extra_special_tokens={"image_token": "<|image_pad|>",
+                                                  "video_token": "<|video_pad|>"},
+                            chat_template=CHAT_TEMPLATE).save_pretrained(path)
+
+
+def build_tiny_qwen_vl(path: str, version: str = "2", seed: int = 0) -> str:
+    """A Qwen2VLForConditionalGeneration (`version` "2") or Qwen2_5_VLForConditionalGeneration
+    ("2.5": RMSNorm, gated MLP, window attention in layer 0, full in layer 1) or
+    Qwen3VLForConditionalGeneration ("3": 16-pixel patches, a 4x4 learned position table,
+    DeepStack from layer 0, interleaved M-RoPE, Qwen3 text): patches merged 2x2, so a 56x56
+    image gives 4 image tokens and a 112x84 one 12; M-RoPE sections (4, 6, 6), Qwen3-VL's
+    (6, 5, 5), over 32-dim heads; the Qwen2-VL image processor (PIL backend)."""
+    from transformers import Qwen2VLImageProcessorPil
+    torch.manual_seed(seed)
+    text = dict(TINY_LLAMA, num_attention_heads=2, num_key_value_heads=1,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [4, 6, 6]})
+    ids = {"image_token_id": 3, "vision_start_token_id": 4, "vision_end_token_id": 5,
+           "video_token_id": 6}
+    if version == "2":
+        from transformers import Qwen2VLConfig as Config
+        from transformers import Qwen2VLForConditionalGeneration as Model
+        vision = dict(depth=2, embed_dim=64, hidden_size=64, num_heads=2, mlp_ratio=2,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    elif version == "2.5":
+        from transformers import Qwen2_5_VLConfig as Config
+        from transformers import Qwen2_5_VLForConditionalGeneration as Model
+        vision = dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=2,
+                      out_hidden_size=64, patch_size=14, spatial_merge_size=2,
+                      temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    elif version == "3":
+        from transformers import Qwen3VLConfig as Config
+        from transformers import Qwen3VLForConditionalGeneration as Model
+        text["head_dim"] = 32
+        text["rope_parameters"].update(mrope_section=[6, 5, 5], mrope_interleaved=True)
+        vision = dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=2,
+                      out_hidden_size=64, patch_size=16, spatial_merge_size=2,
+                      temporal_patch_size=2, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0])
+    else:
+        raise ValueError(f"Qwen-VL version {version!r}: '2', '2.5' or '3'")
+    config = Config(text_config=text, vision_config={**vision, "initializer_range": 0.2},
+                    initializer_range=0.2, **ids)
+    Model(config).eval().save_pretrained(path)
+    save_qwen_vl_tokenizer(path)
+    Qwen2VLImageProcessorPil(patch_size=vision["patch_size"], merge_size=2,
+                             temporal_patch_size=2).save_pretrained(path)
+    return path

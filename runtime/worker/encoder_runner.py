@@ -15,6 +15,7 @@ from torch import nn
 from runtime.batch import Batch
 from runtime.core.messages import ScheduledRequest
 from runtime.multimodal.inputs import MultiModalFeature
+from runtime.multimodal.mrope import mrope_positions
 
 
 class EncoderRunner:
@@ -48,6 +49,22 @@ class EncoderRunner:
             [self.cache[f.identifier][first:first + n] for f, first, _, n in spans]
         ).to(embeds.dtype)
         return embeds
+
+    def positions(self, reqs: list[ScheduledRequest], batch: Batch) -> torch.Tensor | None:
+        """The step's positions for an M-RoPE model when a request has items: [3, T] when a
+        chunk reaches an item's placeholders, else [T] (text: the three rows are equal);
+        None when no request has items (the batch's own positions hold)."""
+        if not any(r.mm_features and r.mm_features[0].mrope_grid for r in reqs):
+            return None
+        cu = batch.query_start_loc
+        out = np.empty((3, int(cu[-1])), dtype=np.int64)
+        spans = False
+        for i, r in enumerate(reqs):
+            start, end = r.start_pos, r.start_pos + len(r.token_ids)
+            out[:, cu[i]:cu[i + 1]] = mrope_positions(r.mm_features, start, end) \
+                if r.mm_features else np.arange(start, end)
+            spans = spans or any(f.overlaps(start, end) for f in r.mm_features)
+        return torch.from_numpy(out if spans else out[0]).to(self.device)
 
     def _encode_missing(self, features: list[MultiModalFeature]) -> None:
         missing = list({f.identifier: f for f in features

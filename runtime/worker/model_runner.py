@@ -168,7 +168,12 @@ class ModelRunner:
         # Decodes first: the attention backend batches them.
         reqs = sorted(reqs, key=lambda r: len(r.token_ids) > 1)
         batch = self._build(reqs)
-        embeds = None if self.encoder is None else self.encoder.inputs_embeds(reqs, batch)
+        embeds = None
+        if self.encoder is not None:
+            embeds = self.encoder.inputs_embeds(reqs, batch)
+            positions = self.encoder.positions(reqs, batch)  # M-RoPE
+            if positions is not None:
+                batch.positions = positions
         if self.pp.is_first:
             embeds = merge_prompt_embeds(self.model, reqs, batch, embeds)
         with forward_context(batch.metadata):

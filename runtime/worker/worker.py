@@ -99,8 +99,9 @@ class Worker:
         vision = getattr(self.model_config.hf_config, "vision_config", None)
         if vision is not None:  # the vision tower's bidirectional attention, no KV cache
             heads = vision.num_attention_heads
+            width = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL's
             self.ctx.encoder_attention_backend = self.answers.attention_backend(
-                dataclasses.replace(info, head_size=vision.hidden_size // heads,
+                dataclasses.replace(info, head_size=width // heads,
                                     num_heads=heads, num_kv_heads=heads, sliding_window=None,
                                     pooling=True), about="vision encoder")
         self._build_runner(self.source)
