@@ -158,13 +158,16 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            initial_state: torch.Tensor | None = None,
                            has_initial_state: torch.Tensor | None = None,
                            use_qk_l2norm: bool = False, scale: float | None = None,
-                           chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                           chunk_size: int = 64, checkpoint_rows: torch.Tensor | None = None,
+                           checkpoint_states: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel runs the recurrence token by token (each work item's block of the state stays
-    in L1): the same contract, and the same result to float32 rounding."""
-    if not _gdn_fits(q, v):
+    in L1): the same contract, and the same result to float32 rounding. It keeps no states
+    inside a sequence: a step that checkpoints some runs the portable op."""
+    if not _gdn_fits(q, v) or checkpoint_rows is not None:
         return portable_recurrent.chunk_gated_delta_rule(
             q, k, v, g, beta, query_start_loc, initial_state, has_initial_state, use_qk_l2norm,
-            scale, chunk_size)
+            scale, chunk_size, checkpoint_rows, checkpoint_states)
     seqs = query_start_loc.numel() - 1
     state, has = _prefill_states(initial_state, has_initial_state,
                                  (seqs, v.size(1), k.size(-1), v.size(-1)), torch.float32)

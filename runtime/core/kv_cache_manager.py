@@ -5,11 +5,15 @@ so the engine can send the workers only the new part (`take_block_changes`).
 
 A hybrid model's recurrent layers keep a fixed-size state per request instead of KV: the
 manager also owns `num_state_slots` state slots, one held by each running request
-(`Request.state_slot`) from its first scheduled step until it is preempted or retired.
+(`Request.state_slot`) from its first scheduled step until it is preempted or retired. With
+prefix caching, the state at the end of full blocks is checkpointed (`checkpoint_orders`) into
+`num_checkpoints` host entries (`runtime.core.state_checkpoints`): a prefix hit resumes from the
+deepest cached block that has one, its slot filled from it (`take_restore`).
 """
 from __future__ import annotations
 
 from runtime.core.block_pool import BlockPool, hash_block
+from runtime.core.state_checkpoints import CheckpointIndex
 from runtime.request import Request
 
 
@@ -19,12 +23,17 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, num_checkpoints: int = 0,
+                 checkpoint_interval: int = 1) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.num_state_slots = num_state_slots
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # pop() takes slot 0
+        self.checkpoints = CheckpointIndex(num_checkpoints)
+        self.checkpoint_interval = checkpoint_interval
+        self.pool.on_uncache = self.checkpoints.drop
+        self._restores: dict[str, int] = {}  # request id -> the entry its slot starts from
         self.num_cache_queries = 0  # prompt tokens looked up, for the hit rate
         self.num_cache_hits = 0
         # request id -> the first index of its block table changed since `take_block_changes`
@@ -65,6 +74,7 @@ class KVCacheManager:
 
         The last token is never served from the cache: it must be computed to produce logits.
         A request asking for prompt logprobs gets no hits: each prompt position must be computed.
+        A hybrid model's run ends at the deepest block with a state checkpoint.
         """
         if not self.enable_caching or request.params.prompt_logprobs is not None:
             return []
@@ -75,6 +85,9 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.num_state_slots:
+            while hits and self.checkpoints.lookup(request.block_hashes[len(hits) - 1]) is None:
+                hits.pop()
         self.num_cache_queries += request.num_tokens
         self.num_cache_hits += len(hits) * self.block_size
         return hits
@@ -109,6 +122,10 @@ class KVCacheManager:
             self.pool.touch(cached_blocks)
             request.block_ids.extend(cached_blocks)
             request.num_computed_tokens = num_computed
+            if self.num_state_slots:
+                entry = self.checkpoints.lookup(request.block_hashes[len(cached_blocks) - 1])
+                self.checkpoints.use(entry)
+                self._restores[request.request_id] = entry
         if num_needed > 0:
             request.block_ids.extend(self.pool.allocate(num_needed))
         if self.enable_caching:
@@ -119,6 +136,34 @@ class KVCacheManager:
                 self.pool.cache(request.block_ids[i], request.block_hashes[i])
             request.num_indexed_blocks = max(request.num_indexed_blocks, num_full)
         return True
+
+    def take_restore(self, request: Request) -> int | None:
+        """The checkpoint entry the request's state slot is filled from before this step (it
+        was admitted on a cached prefix), once."""
+        return self._restores.pop(request.request_id, None)
+
+    def checkpoint_orders(self, request: Request, num_new: int) -> list[tuple[int, int]]:
+        """The checkpoints a step computing `num_new` more tokens of the request makes, as
+        (position of the token after which the state is kept, store entry): at the end of each
+        full block it completes that has none yet, every `checkpoint_interval` blocks and at the
+        request's deepest resumable block (the one before its prompt's last token, from which
+        its n > 1 siblings and a repeat of the prompt resume)."""
+        if not self.num_state_slots or not self.enable_caching:
+            return []
+        bs, every = self.block_size, self.checkpoint_interval
+        last = (request.num_prompt_tokens - 1) // bs
+        start = request.num_computed_tokens
+        end = min(start + num_new, request.num_tokens, len(request.block_hashes) * bs)
+        orders = []
+        for block in range(start // bs + 1, end // bs + 1):
+            block_hash = request.block_hashes[block - 1]
+            if (block % every and block != last) or self.checkpoints.lookup(block_hash) is not None:
+                continue
+            entry = self.checkpoints.add(block_hash)
+            if entry is None:
+                break
+            orders.append((block * bs - 1, entry))
+        return orders
 
     def defer_indexing(self, request: Request, first_block: int) -> None:
         """Take the request's blocks from `first_block` on out of the prefix-cache index until
@@ -158,6 +203,7 @@ class KVCacheManager:
         if request.state_slot is not None:
             self.free_state_slots.append(request.state_slot)
             request.state_slot = None
+        self._restores.pop(request.request_id, None)
         self._changed_from.pop(request.request_id, None)
         request.block_ids = []
         request.num_computed_tokens = 0

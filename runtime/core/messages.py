@@ -75,6 +75,11 @@ class StepInput:
     kv_load_block_ids: list[int] = field(default_factory=list)
     # Encoder-cache entries the scheduler evicted: the workers drop their embeddings.
     evicted_encoder_ids: list[str] = field(default_factory=list)
+    # Hybrid models' prefix caching: request id -> the checkpoint entry its state slot is
+    # filled from before the step (admitted on a cached prefix), and request id ->
+    # (position, entry) for each checkpoint the step makes (the state after that token).
+    state_restores: dict[str, int] = field(default_factory=dict)
+    state_checkpoints: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,6 +104,8 @@ class ScheduledRequest:
     pooling_params: PoolingParams | None = None
     state_slot: int | None = None  # its recurrent state slot (hybrid models)
     mm_features: list[MultiModalFeature] = field(default_factory=list)
+    restore_checkpoint: int | None = None  # the checkpoint entry its slot starts from
+    checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (position, entry)
 
 
 @dataclass

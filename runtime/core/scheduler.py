@@ -146,8 +146,9 @@ class Scheduler:
         (n > 1 siblings, with or without prefix caching), else its prefix-cache hits.
 
         Adopting happens at admission, so a waiting request never holds blocks. A hybrid
-        model's siblings adopt nothing: the recurrent state at the end of the shared blocks is
-        not kept, so they compute their prompt themselves.
+        model's siblings take the prefix cache's way: the leader checkpointed its state at the
+        end of its prompt's last full block before the last token, and they resume there (with
+        prefix caching off, they compute their prompt themselves).
         """
         leader = self.requests.get(request.leader_id) if request.leader_id else None
         if leader is not None and not self.kv.num_state_slots and \
