@@ -308,6 +308,8 @@ class Scheduler:
                     passed_over.append(self.waiting.pop())
                     continue
                 num_long += 1
+            if self.kv.num_state_slots and self.kv.resumes_deeper_next_step(request):
+                break  # a hybrid's prefix, computed by this step: resume from it next step
             cached = self._shared_or_cached_blocks(request)
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_computed

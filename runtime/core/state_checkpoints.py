@@ -5,7 +5,9 @@ which of its entries.
 A checkpoint is made by the step that computes the last token of its block, found by the chained
 hash of that block, and dropped when the hash leaves the prefix cache; when the store is full
 the least recently used entry goes first. The entries a step reads (restores) or writes are
-pinned until the step's message is built, so no later order of the same step reuses them.
+pinned until the step's message is built, so no later order of the same step reuses them; the
+ones it writes are pending until then: no request resumes from them in the step that makes
+them (`ready`).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class CheckpointIndex:
         self.lru: OrderedDict[int, None] = OrderedDict()  # entries in use, least recent first
         self.free = list(range(num_entries - 1, -1, -1))  # pop() takes entry 0
         self.pinned: set[int] = set()
+        self.pending: set[int] = set()  # written by the step being scheduled
         self.num_evicted = 0  # dropped to make room (not with their block)
 
     def __len__(self) -> int:
@@ -28,14 +31,20 @@ class CheckpointIndex:
     def lookup(self, block_hash: bytes) -> int | None:
         return self.entry_of.get(block_hash)
 
+    def ready(self, block_hash: bytes) -> int | None:
+        """The entry holding the checkpoint of `block_hash`, unless this step writes it."""
+        entry = self.entry_of.get(block_hash)
+        return None if entry in self.pending else entry
+
     def use(self, entry: int) -> None:
         """A step restores from `entry`: it becomes the most recently used, pinned."""
         self.lru.move_to_end(entry)
         self.pinned.add(entry)
 
     def add(self, block_hash: bytes) -> int | None:
-        """The entry a step writes the checkpoint of `block_hash` into (pinned), evicting the
-        least recently used unpinned one when none is free; None when every entry is pinned."""
+        """The entry a step writes the checkpoint of `block_hash` into (pinned, pending),
+        evicting the least recently used unpinned one when none is free; None when every entry
+        is pinned."""
         if self.free:
             entry = self.free.pop()
         else:
@@ -49,6 +58,7 @@ class CheckpointIndex:
         self.hash_of[entry] = block_hash
         self.lru[entry] = None
         self.pinned.add(entry)
+        self.pending.add(entry)
         return entry
 
     def drop(self, block_hash: bytes) -> None:
@@ -58,7 +68,10 @@ class CheckpointIndex:
             del self.hash_of[entry]
             del self.lru[entry]
             self.pinned.discard(entry)
+            self.pending.discard(entry)
             self.free.append(entry)
 
-    def unpin(self) -> None:
+    def end_step(self) -> None:
+        """The step's message is built: its checkpoints will be written before the next."""
         self.pinned.clear()
+        self.pending.clear()

@@ -51,7 +51,7 @@ class StepInputBuilder:
             restore = self.kv.take_restore(r)
             if restore is not None:
                 step.state_restores[r.request_id] = restore
-            orders = self.kv.checkpoint_orders(r, n)
+            orders = self.kv.take_checkpoint_orders(r)
             if orders:
                 step.state_checkpoints[r.request_id] = orders
             num_sent = self.num_sent_tokens.get(r.request_id)
@@ -70,5 +70,5 @@ class StepInputBuilder:
                     num_kept_blocks=num_kept, new_block_ids=new_blocks,
                     num_computed_tokens=r.num_computed_tokens))
             self.num_sent_tokens[r.request_id] = r.num_tokens
-        self.kv.checkpoints.unpin()
+        self.kv.checkpoints.end_step()
         return step

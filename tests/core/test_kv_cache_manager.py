@@ -302,8 +302,8 @@ def test_dense_models_take_no_state_slot():
 def checkpointed(kv: KVCacheManager, r: Request, n: int) -> list[tuple[int, int]]:
     """Schedule `n` tokens as one step would, with the checkpoints it orders."""
     assert kv.allocate_slots(r, n)
-    orders = kv.checkpoint_orders(r, n)
-    kv.checkpoints.unpin()
+    orders = kv.take_checkpoint_orders(r)
+    kv.checkpoints.end_step()
     r.num_computed_tokens += n
     return orders
 
@@ -334,3 +334,16 @@ def test_a_block_leaving_the_cache_takes_its_checkpoint():
     checkpointed(kv, b, 16)
     assert not {kv.checkpoints.lookup(h) for h in a.block_hashes} - {None}
     assert len(kv.checkpoints) == 4  # each of b's blocks
+
+
+def test_a_prefix_checkpointed_by_this_step_is_resumed_from_the_next():
+    kv = KVCacheManager(10, BS, num_state_slots=2, num_checkpoints=8)
+    a = req("a", range(100, 109))
+    assert kv.allocate_slots(a, 9)  # this step computes a's blocks 1 and 2
+    b = req("b", list(range(100, 108)) + [5, 6])
+    assert kv.find_cached_blocks(b) == [] and kv.resumes_deeper_next_step(b)
+    assert len(kv.take_checkpoint_orders(a)) == 2
+    kv.checkpoints.end_step()
+    a.num_computed_tokens = 9
+    assert not kv.resumes_deeper_next_step(b)
+    assert kv.find_cached_blocks(b) == a.block_ids[:2]
