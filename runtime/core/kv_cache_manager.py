@@ -159,7 +159,6 @@ class KVCacheManager:
         its n > 1 siblings and a repeat of the prompt resume)."""
         bs, every = self.block_size, self.checkpoint_interval
         last = (request.num_prompt_tokens - 1) // bs
-        orders = self._orders.setdefault(request.request_id, [])
         for block in range(start // bs + 1, end // bs + 1):
             block_hash = request.block_hashes[block - 1]
             if (block % every and block != last) or self.checkpoints.lookup(block_hash) is not None:
@@ -167,7 +166,8 @@ class KVCacheManager:
             entry = self.checkpoints.add(block_hash)
             if entry is None:
                 break
-            orders.append((block * bs - 1, entry, block_hash))
+            self._orders.setdefault(request.request_id, []).append(
+                (block * bs - 1, entry, block_hash))
 
     def resumes_deeper_next_step(self, request: Request) -> bool:
         """Whether a checkpoint this step makes lies on the request's cached prefix deeper than

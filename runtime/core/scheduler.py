@@ -297,7 +297,9 @@ class Scheduler:
             scheduled_ids.add(request.request_id)
             budget -= num_new
 
-        passed_over: list[Request] = []  # long prompts beyond max_long_partial_prefills
+        # long prompts beyond max_long_partial_prefills, and hybrids' prompts whose prefix this
+        # step checkpoints: they wait at the front
+        passed_over: list[Request] = []
         while not out.preempted and budget > 0 and len(self.waiting) > 0 and \
                 len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
@@ -309,7 +311,8 @@ class Scheduler:
                     continue
                 num_long += 1
             if self.kv.num_state_slots and self.kv.resumes_deeper_next_step(request):
-                break  # a hybrid's prefix, computed by this step: resume from it next step
+                passed_over.append(self.waiting.pop())  # resumes from this step's checkpoint
+                continue
             cached = self._shared_or_cached_blocks(request)
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_computed
