@@ -347,3 +347,12 @@ def test_a_prefix_checkpointed_by_this_step_is_resumed_from_the_next():
     a.num_computed_tokens = 9
     assert not kv.resumes_deeper_next_step(b)
     assert kv.find_cached_blocks(b) == a.block_ids[:2]
+
+
+def test_a_full_store_gives_up_its_least_recently_used_checkpoint():
+    kv = KVCacheManager(10, BS, num_state_slots=2, num_checkpoints=2)
+    a = req("a", range(100, 113))
+    assert len(checkpointed(kv, a, 6)) == 1
+    assert len(checkpointed(kv, a, 7)) == 2  # blocks 2 and 3: the second takes block 1's entry
+    assert kv.checkpoints.lookup(a.block_hashes[0]) is None and kv.checkpoints.num_evicted == 1
+    assert kv.find_cached_blocks(req("b", list(range(100, 113)) + [1])) == a.block_ids[:3]
