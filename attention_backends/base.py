@@ -72,6 +72,12 @@ class AttentionMetadata:
     # it holds the state of the tokens before this step [num_reqs] bool (None: no such layers)
     state_indices: torch.Tensor | None = None
     has_initial_state: torch.Tensor | None = None
+    # their prefix-cache checkpoints: the state after each of these rows of the batch [C]
+    # int64 (sorted; the first `num_decode_checkpoints` are decodes) goes to these entries of
+    # the host checkpoint store [C] int64 (None: none this step)
+    checkpoint_rows: torch.Tensor | None = None
+    checkpoint_ids: torch.Tensor | None = None
+    num_decode_checkpoints: int = 0
 
     @property
     def num_reqs(self) -> int:

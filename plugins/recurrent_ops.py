@@ -11,6 +11,10 @@ Conventions shared by every op here:
   `has_initial_state` [S] bool says which of them carry one (None: all do); a sequence without
   one starts from zeros, whatever its row holds. It returns (out, final_state [S, ...]): the
   state after each sequence's last token, in `initial_state`'s dtype (float32 when None).
+- The chunked scans (`mamba2_chunk_scan`, `chunk_gated_delta_rule`) also give the states
+  inside a sequence: `checkpoint_rows` [C] int64, sorted rows of the batch, and
+  `checkpoint_states` [C, ...] float32, into which the state after each of those rows is
+  written (the engine checkpoints the state at block ends this way, for its prefix cache).
 - A decode op takes one token per sequence and updates `state` [slots, ...] in place, row
   `state_indices[s]` for sequence s (None: row s).
 - Arithmetic is float32; outputs round to the input activations' dtype, states to their own.
@@ -38,6 +42,11 @@ def _final_states(initial_state: torch.Tensor | None, shape: tuple[int, ...],
     """The buffer for the states after each sequence: initial_state's dtype, else float32."""
     dtype = initial_state.dtype if initial_state is not None else torch.float32
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _checkpoints_in(rows: list[int], lo: int, hi: int) -> list[tuple[int, int]]:
+    """(index into `rows`, row) for the checkpoint rows in [lo, hi)."""
+    return [(i, r) for i, r in enumerate(rows) if lo <= r < hi]
 
 
 def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -175,12 +184,23 @@ def _decays(cumulative: torch.Tensor) -> torch.Tensor:
     return diff.masked_fill(~causal, float("-inf")).exp()
 
 
+def _ssd_state_at(h: torch.Tensor, cum: torch.Tensor, B: torch.Tensor, xdt: torch.Tensor,
+                  j: int) -> torch.Tensor:
+    """The state after row j of a chunk, from h [H, P, N] before it: decayed to j, plus the
+    inputs (x dt) B^T of its rows up to j (B [l, H, N], xdt [l, H, P])."""
+    to_j = (cum[:, j:j + 1] - cum[:, :j + 1]).exp()  # [H, j + 1]
+    return h * cum[:, j].exp()[:, None, None] + torch.einsum(
+        "jhn,jhp,hj->hpn", B[:j + 1], xdt[:j + 1], to_j)
+
+
 def mamba2_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                       C: torch.Tensor, D: torch.Tensor | None, dt_bias: torch.Tensor | None,
                       dt_softplus: bool, query_start_loc: torch.Tensor,
                       initial_state: torch.Tensor | None = None,
                       has_initial_state: torch.Tensor | None = None, chunk_size: int = 256,
-                      dt_limit: tuple[float, float] = (0.0, float("inf"))
+                      dt_limit: tuple[float, float] = (0.0, float("inf")),
+                      checkpoint_rows: torch.Tensor | None = None,
+                      checkpoint_states: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba 2's state-space duality scan over a varlen batch, chunk by chunk.
 
@@ -198,6 +218,7 @@ def mamba2_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     spans = _spans(query_start_loc)
     final = _final_states(initial_state, (len(spans), heads, head_dim, n), x.device)
+    rows = [] if checkpoint_rows is None else checkpoint_rows.tolist()
     for s, (lo, hi) in enumerate(spans):
         h = _start_state(initial_state, has_initial_state, s, (heads, head_dim, n), x.device)
         for c in range(lo, hi, chunk_size):
@@ -207,9 +228,9 @@ def mamba2_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
             y_diag = torch.einsum("hij,jhp->ihp", scores, xdt[c:e])
             y_off = torch.einsum("ihn,hpn->ihp", Ch[c:e], h) * cum.t().exp().unsqueeze(-1)
             y[c:e] = y_diag + y_off
-            to_end = (cum[:, -1:] - cum).exp()  # [H, l]
-            h = h * cum[:, -1].exp()[:, None, None] + torch.einsum(
-                "jhn,jhp,hj->hpn", Bh[c:e], xdt[c:e], to_end)
+            for i, r in _checkpoints_in(rows, c, e):
+                checkpoint_states[i] = _ssd_state_at(h, cum, Bh[c:e], xdt[c:e], r - c)
+            h = _ssd_state_at(h, cum, Bh[c:e], xdt[c:e], e - c - 1)
         final[s] = h.to(final.dtype)
     if D is not None:
         y = y + x.float() * D.float()[:, None]
@@ -254,12 +275,23 @@ def _gdn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, use_qk_l2norm
     return q * (scale if scale is not None else q.size(-1) ** -0.5), k
 
 
+def _gdn_state_at(state: torch.Tensor, cum: torch.Tensor, k: torch.Tensor, u: torch.Tensor,
+                  j: int) -> torch.Tensor:
+    """The state after row j of a chunk, from `state` before it: decayed to j, plus the
+    writes u [H, l, V] of keys k [H, l, K] up to j."""
+    to_j = (cum[:, j:j + 1] - cum[:, :j + 1]).exp().unsqueeze(-1)  # [H, j + 1, 1]
+    return state * cum[:, j].exp()[:, None, None] + (k[:, :j + 1] * to_j).transpose(-1, -2) \
+        @ u[:, :j + 1]
+
+
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, query_start_loc: torch.Tensor,
                            initial_state: torch.Tensor | None = None,
                            has_initial_state: torch.Tensor | None = None,
                            use_qk_l2norm: bool = False, scale: float | None = None,
-                           chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                           chunk_size: int = 64, checkpoint_rows: torch.Tensor | None = None,
+                           checkpoint_states: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over a varlen batch, chunk by chunk (flash-linear-attention's
     `chunk_gated_delta_rule`).
 
@@ -275,6 +307,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     o = torch.empty(vf.shape, dtype=torch.float32, device=v.device)
     spans = _spans(query_start_loc)
     final = _final_states(initial_state, (len(spans), heads, dk, dv), v.device)
+    rows = [] if checkpoint_rows is None else checkpoint_rows.tolist()
     for s, (lo, hi) in enumerate(spans):
         state = _start_state(initial_state, has_initial_state, s, (heads, dk, dv), v.device)
         for c in range(lo, hi, chunk_size):
@@ -291,9 +324,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
             o[c:e] = (cum.exp().unsqueeze(-1) * (qc @ state)
                       + ((qc @ kc.transpose(-1, -2)) * decay) @ u).transpose(0, 1)
-            to_end = (cum[:, -1:] - cum).exp().unsqueeze(-1)
-            state = (state * cum[:, -1].exp()[:, None, None]
-                     + (kc * to_end).transpose(-1, -2) @ u)
+            for i, r in _checkpoints_in(rows, c, e):
+                checkpoint_states[i] = _gdn_state_at(state, cum, kc, u, r - c)
+            state = _gdn_state_at(state, cum, kc, u, e - c - 1)
         final[s] = state.to(final.dtype)
     return o.to(v.dtype), final
 

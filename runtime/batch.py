@@ -66,5 +66,18 @@ def build_batch(reqs: list[ScheduledRequest], block_size: int, device: torch.dev
     if reqs[0].state_slot is not None:
         metadata.state_indices = torch.tensor([r.state_slot for r in reqs], device=device)
         metadata.has_initial_state = torch.from_numpy(starts > 0).to(device)
+        _checkpoints(metadata, reqs, cu, device)
     return Batch(torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device),
                  metadata, cu, query_lens)
+
+
+def _checkpoints(metadata: AttentionMetadata, reqs: list[ScheduledRequest], cu: np.ndarray,
+                 device: torch.device) -> None:
+    """The rows after which the step checkpoints a recurrent state, and their store entries."""
+    orders = sorted((int(cu[i]) + pos - r.start_pos, entry)
+                    for i, r in enumerate(reqs) for pos, entry in r.checkpoints)
+    if not orders:
+        return
+    metadata.checkpoint_rows = torch.tensor([row for row, _ in orders], device=device)
+    metadata.checkpoint_ids = torch.tensor([entry for _, entry in orders])
+    metadata.num_decode_checkpoints = sum(row < metadata.num_decode_tokens for row, _ in orders)

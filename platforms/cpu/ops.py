@@ -158,13 +158,15 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            initial_state: torch.Tensor | None = None,
                            has_initial_state: torch.Tensor | None = None,
                            use_qk_l2norm: bool = False, scale: float | None = None,
-                           chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                           chunk_size: int = 64, checkpoint_rows: torch.Tensor | None = None,
+                           checkpoint_states: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel runs the recurrence token by token (each work item's block of the state stays
     in L1): the same contract, and the same result to float32 rounding."""
     if not _gdn_fits(q, v):
         return portable_recurrent.chunk_gated_delta_rule(
             q, k, v, g, beta, query_start_loc, initial_state, has_initial_state, use_qk_l2norm,
-            scale, chunk_size)
+            scale, chunk_size, checkpoint_rows, checkpoint_states)
     seqs = query_start_loc.numel() - 1
     state, has = _prefill_states(initial_state, has_initial_state,
                                  (seqs, v.size(1), k.size(-1), v.size(-1)), torch.float32)
@@ -172,7 +174,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     out = torch.ops.runtime_cpu.gated_delta_rule(
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(),
         beta.float().contiguous(), query_start_loc.long().contiguous(), state,
-        torch.arange(seqs), use_qk_l2norm, _gdn_scale(q, scale))
+        torch.arange(seqs), use_qk_l2norm, _gdn_scale(q, scale),
+        None if checkpoint_rows is None else checkpoint_rows.long().contiguous(),
+        checkpoint_states)
     return out, state.to(initial_state.dtype if initial_state is not None else torch.float32)
 
 

@@ -186,6 +186,7 @@ def run_runtime(spec: dict[str, Any]) -> dict[str, Any]:
     return {"version": _version("runtime"), "torch_threads": torch.get_num_threads(),
             "elapsed_s": elapsed,
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+            "prefix_cached_tokens": sum(o.num_cached_tokens for o in outputs),
             "kv_peak_bytes": peak_blocks * per_block,
             "kv_capacity_bytes": pool.num_blocks * per_block,
             "kv_peak_usage": peak_blocks / pool.num_blocks, "ttft_s": ttft, "tpot_s": tpot,

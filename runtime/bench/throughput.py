@@ -24,7 +24,8 @@ SHARED = ("model", "tokenizer", "dtype", "num_threads")  # given to every backen
 COLUMNS = [("backend", "backend"), ("version", "version"), ("requests_per_s", "req/s"),
            ("total_tokens_per_s", "total tok/s"), ("output_tokens_per_s", "output tok/s"),
            ("elapsed_s", "time s"), ("kv_peak_mib", "KV peak MiB"),
-           ("kv_peak_usage", "KV peak %"), ("spec_acceptance", "spec accept %"),
+           ("kv_peak_usage", "KV peak %"), ("prefix_hit_pct", "prefix hit %"),
+           ("spec_acceptance", "spec accept %"),
            ("spec_mean_accepted_length", "spec tok/step"), ("decode_step_ms", "decode ms/step"),
            ("allocator", "allocator")]
 
@@ -103,6 +104,9 @@ def summarize(result: dict[str, Any], requests: list[SampleRequest]) -> dict[str
     for key in ("kv_peak_bytes", "kv_capacity_bytes"):
         if result.get(key) is not None:
             row[key.replace("bytes", "mib")] = result[key] / 2**20
+    if result.get("prefix_cached_tokens") is not None:  # prompt tokens served by the cache
+        row["prefix_hit_pct"] = 100.0 * result["prefix_cached_tokens"] / max(
+            1, sum(len(r.prompt_token_ids) for r in requests))
     if result.get("kv_peak_usage") is not None:
         row["kv_peak_usage"] = 100.0 * result["kv_peak_usage"]
     if result.get("spec_draft_tokens"):

@@ -22,6 +22,7 @@ EXECUTOR_BACKENDS = ("uniproc", "mp", "ray")
 MAX_LOGPROBS = 20  # the most alternatives `logprobs` / `prompt_logprobs` may ask for (as OpenAI)
 MODEL_IMPLS = ("auto", "native", "transformers")  # see runtime.models.registry
 RUNNERS = ("auto", "generate", "pooling")  # see runtime.pooling.models
+MAMBA_CACHE_MODES = ("all", "none")  # see docs/hybrid.md
 # vLLM's names for what we call otherwise; `LLM(...)` and the flags accept both.
 KEYWORD_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
 EXECUTOR_BACKEND_ALIASES = {"uni": "uniproc"}
@@ -142,6 +143,19 @@ class EngineConfig:
         type=parse_size)
     enable_prefix_caching: bool = option(
         True, "reuse the KV blocks of shared prompt prefixes", negations=("--no-prefix-caching",))
+    mamba_cache_mode: str = option(
+        "all", "hybrid models' prefix caching: all: checkpoint the recurrent state at the end "
+               "of full blocks (every --mamba-checkpoint-interval blocks, and each prompt's "
+               "last), so a prefix hit resumes there; none: keep no checkpoints, so a hybrid's "
+               "prefix never hits (see docs/hybrid.md)", choices=MAMBA_CACHE_MODES)
+    mamba_checkpoint_interval: int = option(
+        1, "hybrid models: checkpoint the recurrent state every this many blocks (default 1: "
+           "every block, the dense model's hit granularity; more: less host memory and copying "
+           "for shallower hits)")
+    mamba_checkpoint_memory: int | str = option(
+        1 << 30, "hybrid models: host memory for recurrent-state checkpoints, e.g. 512MiB; the "
+                "least recently used go first when it is full (default: 1GiB)",
+        type=parse_size)
     enable_chunked_prefill: bool = option(
         True, "split long prompts over steps, beside running decodes",
         negations=("--no-chunked-prefill",))
@@ -283,10 +297,13 @@ class EngineConfig:
                              f"{self.pipeline_parallel_size}")
         self.dtype = parse_dtype(self.dtype)
         self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
+        self.mamba_checkpoint_memory = parse_size(self.mamba_checkpoint_memory,
+                                                  "mamba_checkpoint_memory")
         self.max_model_len = parse_size(self.max_model_len, "max_model_len")
         if self.device is None:
             self.device = os.environ.get("RUNTIME_DEVICE") or None
-        for name in ("model_impl", "runner", "kv_cache_dtype", "scheduling_policy"):
+        for name in ("model_impl", "runner", "kv_cache_dtype", "scheduling_policy",
+                     "mamba_cache_mode"):
             choices = flag_of(self.__dataclass_fields__[name]).choices
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, "
@@ -314,7 +331,7 @@ class EngineConfig:
                              f"({self.max_loras})")
         for name in ("max_loras", "max_lora_rank", "block_size", "max_num_seqs",
                      "max_num_batched_tokens", "max_num_partial_prefills",
-                     "max_long_partial_prefills",
+                     "max_long_partial_prefills", "mamba_checkpoint_interval",
                      "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -46,6 +46,8 @@ class BlockPool:
         # called with (block id, hash) for each cached block handed out again (a KV connector
         # saves its contents before this step's forward writes over them)
         self.on_evict: Callable[[int, bytes], None] | None = None
+        # called with each hash that leaves the index (a hybrid's checkpoints go with it)
+        self.on_uncache: Callable[[bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -75,6 +77,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None and self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
+                if self.on_uncache is not None:
+                    self.on_uncache(block.block_hash)
             block.block_hash = None
 
     def lookup(self, block_hash: bytes) -> int | None:
@@ -123,6 +127,9 @@ class BlockPool:
         """Forget every cached hash; only possible when no block is in use."""
         if len(self.free) != self.num_blocks:
             return False
+        if self.on_uncache is not None:
+            for block_hash in self.cached:
+                self.on_uncache(block_hash)
         self.cached.clear()
         for block in self.blocks:
             block.block_hash = None

@@ -5,11 +5,16 @@ so the engine can send the workers only the new part (`take_block_changes`).
 
 A hybrid model's recurrent layers keep a fixed-size state per request instead of KV: the
 manager also owns `num_state_slots` state slots, one held by each running request
-(`Request.state_slot`) from its first scheduled step until it is preempted or retired.
+(`Request.state_slot`) from its first scheduled step until it is preempted or retired. With
+prefix caching, the state at the end of full blocks is checkpointed into `num_checkpoints`
+host entries (`runtime.core.state_checkpoints`), ordered with the slots of the step that
+completes them (`take_checkpoint_orders`): a prefix hit resumes from the deepest cached block
+that has one, its slot filled from it (`take_restore`).
 """
 from __future__ import annotations
 
 from runtime.core.block_pool import BlockPool, hash_block
+from runtime.core.state_checkpoints import CheckpointIndex
 from runtime.request import Request
 
 
@@ -19,12 +24,19 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, num_checkpoints: int = 0,
+                 checkpoint_interval: int = 1) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.num_state_slots = num_state_slots
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # pop() takes slot 0
+        self.checkpoints = CheckpointIndex(num_checkpoints)
+        self.checkpoint_interval = checkpoint_interval
+        self.pool.on_uncache = self.checkpoints.drop
+        self._restores: dict[str, int] = {}  # request id -> the entry its slot starts from
+        # request id -> (position, entry, block hash) of the checkpoints its step makes
+        self._orders: dict[str, list[tuple[int, int, bytes]]] = {}
         self.num_cache_queries = 0  # prompt tokens looked up, for the hit rate
         self.num_cache_hits = 0
         # request id -> the first index of its block table changed since `take_block_changes`
@@ -63,6 +75,7 @@ class KVCacheManager:
 
         The last token is never served from the cache: it must be computed to produce logits.
         A request asking for prompt logprobs gets no hits: each prompt position must be computed.
+        A hybrid model's run ends at the deepest block with a state checkpoint.
         """
         if not self.enable_caching or request.params.prompt_logprobs is not None:
             return []
@@ -73,6 +86,9 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.num_state_slots:
+            while hits and self.checkpoints.ready(request.block_hashes[len(hits) - 1]) is None:
+                hits.pop()
         self.num_cache_queries += request.num_tokens
         self.num_cache_hits += len(hits) * self.block_size
         return hits
@@ -107,6 +123,10 @@ class KVCacheManager:
             self.pool.touch(cached_blocks)
             request.block_ids.extend(cached_blocks)
             request.num_computed_tokens = num_computed
+            if self.num_state_slots:
+                entry = self.checkpoints.lookup(request.block_hashes[len(cached_blocks) - 1])
+                self.checkpoints.use(entry)
+                self._restores[request.request_id] = entry
         if num_needed > 0:
             request.block_ids.extend(self.pool.allocate(num_needed))
         if self.enable_caching:
@@ -116,7 +136,51 @@ class KVCacheManager:
             for i in range(request.num_indexed_blocks, num_full):
                 self.pool.cache(request.block_ids[i], request.block_hashes[i])
             request.num_indexed_blocks = max(request.num_indexed_blocks, num_full)
+            if self.num_state_slots:
+                self._order_checkpoints(request, num_computed, num_full * self.block_size)
         return True
+
+    def take_restore(self, request: Request) -> int | None:
+        """The checkpoint entry the request's state slot is filled from before this step (it
+        was admitted on a cached prefix), once."""
+        return self._restores.pop(request.request_id, None)
+
+    def take_checkpoint_orders(self, request: Request) -> list[tuple[int, int]]:
+        """The checkpoints the request's step makes, as (position of the token after which the
+        state is kept, store entry), once."""
+        return [(pos, entry) for pos, entry, _ in self._orders.pop(request.request_id, [])]
+
+    def _order_checkpoints(self, request: Request, start: int, end: int) -> None:
+        """Order a checkpoint at the end of each block the step completes (of its known tokens
+        [start, end)) that has none yet: every `checkpoint_interval` blocks, and at the
+        request's deepest resumable block (the one before its prompt's last token, from which
+        its n > 1 siblings and a repeat of the prompt resume)."""
+        bs, every = self.block_size, self.checkpoint_interval
+        last = (request.num_prompt_tokens - 1) // bs
+        for block in range(start // bs + 1, end // bs + 1):
+            block_hash = request.block_hashes[block - 1]
+            if (block % every and block != last) or self.checkpoints.lookup(block_hash) is not None:
+                continue
+            entry = self.checkpoints.add(block_hash)
+            if entry is None:
+                break
+            self._orders.setdefault(request.request_id, []).append(
+                (block * bs - 1, entry, block_hash))
+
+    def resumes_deeper_next_step(self, request: Request) -> bool:
+        """Whether a checkpoint this step makes lies on the request's cached prefix deeper than
+        any it could resume from now: it had better wait a step than compute that part too."""
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
+            return False
+        self._update_hashes(request, request.num_tokens - 1)
+        pending = False
+        for block_hash in request.block_hashes:
+            if self.pool.lookup(block_hash) is None:
+                break
+            entry = self.checkpoints.lookup(block_hash)
+            if entry is not None:
+                pending = entry in self.checkpoints.pending
+        return pending
 
     def defer_indexing(self, request: Request, first_block: int) -> None:
         """Take the request's blocks from `first_block` on out of the prefix-cache index until
@@ -156,6 +220,9 @@ class KVCacheManager:
         if request.state_slot is not None:
             self.free_state_slots.append(request.state_slot)
             request.state_slot = None
+        self._restores.pop(request.request_id, None)
+        for _, _, block_hash in self._orders.pop(request.request_id, []):
+            self.checkpoints.drop(block_hash)  # preempted in the step that ordered them
         self._changed_from.pop(request.request_id, None)
         request.block_ids = []
         request.num_computed_tokens = 0

@@ -76,6 +76,11 @@ class StepInput:
     kv_load_block_ids: list[int] = field(default_factory=list)
     # Encoder-cache entries the scheduler evicted: the workers drop their embeddings.
     evicted_encoder_ids: list[str] = field(default_factory=list)
+    # Hybrid models' prefix caching: request id -> the checkpoint entry its state slot is
+    # filled from before the step (admitted on a cached prefix), and request id ->
+    # (position, entry) for each checkpoint the step makes (the state after that token).
+    state_restores: dict[str, int] = field(default_factory=dict)
+    state_checkpoints: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -103,6 +108,8 @@ class ScheduledRequest:
     # a prompt given as embeddings: [prompt tokens, hidden] on the host, its token ids
     # placeholders
     prompt_embeds: torch.Tensor | None = None
+    restore_checkpoint: int | None = None  # the checkpoint entry its slot starts from
+    checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (position, entry)
 
     @property
     def prompt_token_ids(self) -> list[int]:

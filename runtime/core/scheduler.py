@@ -146,8 +146,9 @@ class Scheduler:
         (n > 1 siblings, with or without prefix caching), else its prefix-cache hits.
 
         Adopting happens at admission, so a waiting request never holds blocks. A hybrid
-        model's siblings adopt nothing: the recurrent state at the end of the shared blocks is
-        not kept, so they compute their prompt themselves.
+        model's siblings take the prefix cache's way: the leader checkpointed its state at the
+        end of its prompt's last full block before the last token, and they resume there (with
+        prefix caching off, they compute their prompt themselves).
         """
         leader = self.requests.get(request.leader_id) if request.leader_id else None
         if leader is not None and not self.kv.num_state_slots and \
@@ -296,7 +297,9 @@ class Scheduler:
             scheduled_ids.add(request.request_id)
             budget -= num_new
 
-        passed_over: list[Request] = []  # long prompts beyond max_long_partial_prefills
+        # long prompts beyond max_long_partial_prefills, and hybrids' prompts whose prefix this
+        # step checkpoints: they wait at the front
+        passed_over: list[Request] = []
         while not out.preempted and budget > 0 and len(self.waiting) > 0 and \
                 len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
@@ -307,6 +310,9 @@ class Scheduler:
                     passed_over.append(self.waiting.pop())
                     continue
                 num_long += 1
+            if self.kv.num_state_slots and self.kv.resumes_deeper_next_step(request):
+                passed_over.append(self.waiting.pop())  # resumes from this step's checkpoint
+                continue
             cached = self._shared_or_cached_blocks(request)
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_computed

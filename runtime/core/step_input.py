@@ -48,6 +48,12 @@ class StepInputBuilder:
                 step.num_lookahead[r.request_id] = min(
                     len(r.block_ids) * self.kv.block_size, self.max_model_len) - \
                     (r.num_computed_tokens + n)
+            restore = self.kv.take_restore(r)
+            if restore is not None:
+                step.state_restores[r.request_id] = restore
+            orders = self.kv.take_checkpoint_orders(r)
+            if orders:
+                step.state_checkpoints[r.request_id] = orders
             num_sent = self.num_sent_tokens.get(r.request_id)
             num_kept, new_blocks = self.kv.take_block_changes(r)
             if num_sent is None:
@@ -64,4 +70,5 @@ class StepInputBuilder:
                     num_kept_blocks=num_kept, new_block_ids=new_blocks,
                     num_computed_tokens=r.num_computed_tokens))
             self.num_sent_tokens[r.request_id] = r.num_tokens
+        self.kv.checkpoints.end_step()
         return step

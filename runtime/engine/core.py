@@ -90,8 +90,7 @@ def refuse_for_hybrid(config: EngineConfig, architecture: str) -> None:
                          "do not carry recurrent state slots")
     if config.kv_transfer_config is not None:
         raise ValueError(f"a KV connector is not supported for {why}: it moves prefix-cache "
-                         "blocks, and a hybrid's prefix cache is off (the recurrent state at "
-                         "the end of a block is not checkpointed)")
+                         "blocks without the recurrent state checkpointed at their ends")
 
 
 def refuse_for_prompt_embeds(config: EngineConfig, model_config: ModelConfig) -> None:
@@ -132,15 +131,20 @@ class EngineCore:
         num_blocks = 1 if self.encoder_only else self.executor.determine_num_blocks()
         if num_blocks < 1:
             raise ValueError("the KV-cache budget holds no block: raise --kv-cache-memory")
-        self.executor.init_kv_cache(num_blocks)
+        num_state_slots = config.max_num_seqs if model_config.is_hybrid else 0
+        slot_bytes = self.executor.state_bytes_per_slot() if num_state_slots else 0
+        # A hybrid's prefix resumes from the recurrent state checkpointed at a block's end.
+        checkpointing = num_state_slots > 0 and config.enable_prefix_caching and \
+            config.mamba_cache_mode == "all"
+        num_checkpoints = min(config.mamba_checkpoint_memory // slot_bytes, num_blocks) \
+            if checkpointing else 0
+        self.executor.init_kv_cache(num_blocks, num_checkpoints)
         self.num_blocks = num_blocks
         per_block = model_config.kv_bytes_per_block(
             config.block_size, kv_cache_torch_dtype(config.kv_cache_dtype, model_config.dtype),
             config.tensor_parallel_size)
-        num_state_slots = config.max_num_seqs if model_config.is_hybrid else 0
         state = ""
         if num_state_slots:
-            slot_bytes = self.executor.state_bytes_per_slot()
             state = (f"; recurrent state: {num_state_slots} slots of {slot_bytes / 2**20:.2f} "
                      f"MiB ({num_state_slots * slot_bytes / 2**20:.1f} MiB)")
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB per tensor-parallel "
@@ -156,13 +160,17 @@ class EngineCore:
                 self._fit_max_model_len(config.max_num_batched_tokens,
                                         "one step without chunked prefill",
                                         "raise --max-num-batched-tokens")
-        # A hybrid's prefix needs its recurrent state at the end of each cached block, which
-        # is not kept yet: without it a cached block cannot be resumed from.
-        enable_caching = config.enable_prefix_caching and not model_config.is_hybrid
-        if config.enable_prefix_caching and not enable_caching:
-            logger.info("prefix caching off: %s has recurrent layers, whose state at the end "
-                        "of a cached block is not checkpointed", model_config.architecture)
-        self.kv = KVCacheManager(num_blocks, config.block_size, enable_caching, num_state_slots)
+        if checkpointing:
+            logger.info("recurrent checkpoints: up to %d of %.2f MiB in host memory (%.1f MiB; "
+                        "every %d blocks and each prompt's last)", num_checkpoints,
+                        slot_bytes / 2**20, num_checkpoints * slot_bytes / 2**20,
+                        config.mamba_checkpoint_interval)
+        elif num_state_slots and config.enable_prefix_caching:
+            logger.info("prefix caching off: --mamba-cache-mode none keeps no checkpoints of "
+                        "%s's recurrent state", model_config.architecture)
+        enable_caching = config.enable_prefix_caching and (checkpointing or not num_state_slots)
+        self.kv = KVCacheManager(num_blocks, config.block_size, enable_caching, num_state_slots,
+                                 num_checkpoints, config.mamba_checkpoint_interval)
         self.kv_connector = build_scheduler_side(config, model_config, source, num_blocks)
         self.scheduler = Scheduler(config, self.kv, model_config.max_model_len,
                                    self.encoder_only, self.kv_connector)

@@ -23,8 +23,9 @@ class Executor(ABC):
         has no recurrent layers)."""
 
     @abstractmethod
-    def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate `num_blocks` KV blocks on every worker."""
+    def init_kv_cache(self, num_blocks: int, num_checkpoints: int = 0) -> None:
+        """Allocate `num_blocks` KV blocks on every worker (and a hybrid model's
+        `num_checkpoints` recurrent-state checkpoint entries in host memory)."""
 
     @abstractmethod
     def execute(self, step: StepInput) -> StepOutput:

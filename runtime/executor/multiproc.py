@@ -73,8 +73,8 @@ class MultiprocExecutor(Executor):
     def state_bytes_per_slot(self) -> int:
         return max(self._call("state_bytes_per_slot"))
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("init_kv_cache", num_blocks)
+    def init_kv_cache(self, num_blocks: int, num_checkpoints: int = 0) -> None:
+        self.collective_rpc("init_kv_cache", num_blocks, num_checkpoints)
 
     def execute(self, step: StepInput) -> StepOutput:
         return step_output(self.collective_rpc("execute", step), self.layout.output_rank)

@@ -19,8 +19,8 @@ class UniprocExecutor(Executor):
     def state_bytes_per_slot(self) -> int:
         return self.worker.state_bytes_per_slot()
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self.worker.init_kv_cache(num_blocks)
+    def init_kv_cache(self, num_blocks: int, num_checkpoints: int = 0) -> None:
+        self.worker.init_kv_cache(num_blocks, num_checkpoints)
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.worker.execute(step)

@@ -10,7 +10,7 @@ from torch import nn
 from runtime.forward_context import get_forward_context
 from runtime.layers.build_context import BuildContext
 from runtime.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from runtime.layers.recurrent_state import StatefulLayer
+from runtime.layers.recurrent_state import StatefulLayer, conv_states_at
 from runtime.plugins import recurrent_ops
 
 
@@ -115,16 +115,25 @@ class GatedDeltaNet(StatefulLayer):
             q, k, v = self._heads(x)
             out[:nd] = self.recurrent_op(q, k, v, g[:nd], beta[:nd], ssm_state, slots[:nd],
                                          use_qk_l2norm=True)
+            self.checkpoint_decodes(md)
         if nd < t:
             rows, has = slots[nd:], md.has_initial_state[nd:]
             starts = md.query_start_loc[nd:] - nd
-            x, conv_final = self.conv_op(qkv[nd:], self.conv1d.weight, None, starts,
-                                         conv_state[rows], has, "silu")
+            at, entries = self.prefill_checkpoints(md)
+            initial = conv_state[rows]
+            x, conv_final = self.conv_op(qkv[nd:], self.conv1d.weight, None, starts, initial,
+                                         has, "silu")
             conv_state[rows] = conv_final
             q, k, v = self._heads(x)
+            kept = None if at is None else torch.empty(
+                (at.numel(), *ssm_state.shape[1:]), dtype=torch.float32, device=hidden.device)
             out[nd:], ssm_final = self.chunk_op(q, k, v, g[nd:], beta[nd:], starts,
-                                                ssm_state[rows], has, use_qk_l2norm=True)
+                                                ssm_state[rows], has, use_qk_l2norm=True,
+                                                checkpoint_rows=at, checkpoint_states=kept)
             ssm_state[rows] = ssm_final
+            if at is not None:
+                self.store(0, entries, conv_states_at(qkv[nd:], initial, has, starts, at))
+                self.store(1, entries, kept)
         out = self.norm(out, z.view(t, self.num_v_heads, self.head_v_dim))
         return self.out_proj(out.view(t, self.value_dim))
 

@@ -12,7 +12,7 @@ from runtime.forward_context import get_forward_context
 from runtime.layers.build_context import BuildContext
 from runtime.layers.gated_delta_net import DepthwiseConvWeight
 from runtime.layers.linear import ReplicatedLinear
-from runtime.layers.recurrent_state import StatefulLayer
+from runtime.layers.recurrent_state import StatefulLayer, conv_states_at
 from runtime.plugins import recurrent_ops
 
 
@@ -105,17 +105,26 @@ class Mamba2Mixer(StatefulLayer):
             x, B, C = self._split(x)
             y[:nd] = self.update_op(ssm_state, x, dt[:nd], A, B, C, self.D, self.dt_bias, True,
                                     slots[:nd], self.dt_limit)
+            self.checkpoint_decodes(md)
         if nd < t:
             rows, has = slots[nd:], md.has_initial_state[nd:]
             starts = md.query_start_loc[nd:] - nd
+            at, entries = self.prefill_checkpoints(md)
+            initial = conv_state[rows]
             x, conv_final = self.conv_op(xbc[nd:], self.conv1d.weight, self.conv1d.bias, starts,
-                                         conv_state[rows], has, "silu")
+                                         initial, has, "silu")
             conv_state[rows] = conv_final
             x, B, C = self._split(x)
+            kept = None if at is None else torch.empty(
+                (at.numel(), *ssm_state.shape[1:]), dtype=torch.float32, device=hidden.device)
             y[nd:], ssm_final = self.scan_op(x, dt[nd:], A, B, C, self.D, self.dt_bias, True,
                                              starts, ssm_state[rows], has, self.chunk_size,
-                                             self.dt_limit)
+                                             self.dt_limit, checkpoint_rows=at,
+                                             checkpoint_states=kept)
             ssm_state[rows] = ssm_final
+            if at is not None:
+                self.store(0, entries, conv_states_at(xbc[nd:], initial, has, starts, at))
+                self.store(1, entries, kept)
         return self.out_proj(self.norm(y.view(t, -1), gate))
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

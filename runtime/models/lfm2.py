@@ -17,7 +17,7 @@ from runtime.layers.embedding import VocabParallelEmbedding
 from runtime.layers.gated_delta_net import DepthwiseConvWeight
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import ReplicatedLinear
-from runtime.layers.recurrent_state import StatefulLayer
+from runtime.layers.recurrent_state import StatefulLayer, conv_states_at
 from runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from runtime.plugins import recurrent_ops
 
@@ -58,12 +58,17 @@ class ShortConv(StatefulLayer):
         if nd:
             out[:nd] = self.conv_update_op(bx[:nd], state, self.conv.weight, self.conv.bias,
                                            None, slots[:nd])
+            self.checkpoint_decodes(md)
         if nd < bx.size(0):
-            rows = slots[nd:]
-            out[nd:], final = self.conv_op(bx[nd:], self.conv.weight, self.conv.bias,
-                                           md.query_start_loc[nd:] - nd, state[rows],
-                                           md.has_initial_state[nd:], None)
+            rows, has = slots[nd:], md.has_initial_state[nd:]
+            starts = md.query_start_loc[nd:] - nd
+            initial = state[rows]
+            out[nd:], final = self.conv_op(bx[nd:], self.conv.weight, self.conv.bias, starts,
+                                           initial, has, None)
             state[rows] = final
+            at, entries = self.prefill_checkpoints(md)
+            if at is not None:
+                self.store(0, entries, conv_states_at(bx[nd:], initial, has, starts, at))
         return self.out_proj(C * out)
 
 

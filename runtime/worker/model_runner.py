@@ -65,18 +65,20 @@ class ModelRunner:
         self.hooks: list[StepHook] = [h for h in (proposer, *hooks, pooling) if h is not None]
 
     def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype,
-                          num_state_slots: int = 0) -> None:
+                          num_state_slots: int = 0, num_checkpoints: int = 0) -> None:
         """Give every attention layer its cache (and the draft model's, addressed by the same
-        block ids), and every recurrent layer its `num_state_slots` state slots, untouched until
-        a step reaches them."""
+        block ids), and every recurrent layer its `num_state_slots` state slots and
+        `num_checkpoints` checkpoint entries in host memory, untouched until a step reaches
+        them."""
         self.kv_cache.allocate(num_blocks, self.block_size, dtype, self.device)
-        self.state_cache.allocate(num_state_slots, self.device)
+        self.state_cache.allocate(num_state_slots, self.device, num_checkpoints)
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
 
     def release_kv_cache(self) -> None:
         """Free the caches `allocate_kv_cache` gave (the draft model's: a cache of no blocks)."""
         self.kv_cache.release()
+        self.state_cache.release()
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(0)
 
@@ -119,6 +121,8 @@ class ModelRunner:
         self.kv_cache.zero_new_blocks(reqs)
         self.state_cache.zero_slots(r.state_slot for r in reqs
                                     if r.state_slot is not None and r.start_pos == 0)
+        self.state_cache.restore([(r.state_slot, r.restore_checkpoint) for r in reqs
+                                  if r.restore_checkpoint is not None])
         batch = build_batch(reqs, self.block_size, self.device)
         for hook in self.hooks:
             hook.before_forward(reqs, batch)

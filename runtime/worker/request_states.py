@@ -70,4 +70,6 @@ class RequestStates:
             grammar_bitmask=None if row is None else
             step.grammar_bitmask[row:row + 1 + len(spec)], lora_request=state.lora_request,
             pooling_params=state.pooling_params, state_slot=state.state_slot,
-            mm_features=state.mm_features, prompt_embeds=state.prompt_embeds)
+            mm_features=state.mm_features, prompt_embeds=state.prompt_embeds,
+            restore_checkpoint=step.state_restores.get(request_id),
+            checkpoints=step.state_checkpoints.get(request_id, []))

@@ -55,6 +55,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.lora = None  # the LoRAManager, with --enable-lora
         self.num_blocks = 0
+        self.num_checkpoints = 0
         # a KV connector's worker side (--kv-transfer-config), once the cache exists
         self.kv_connector = None
         self.asleep: set[str] = set()  # what sleep freed: "weights", "kv_cache"
@@ -192,10 +193,13 @@ class Worker:
             return cap
         return min(budget // per_block, cap)
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the cache, then let the graph runner record what it records over it."""
-        self.runner.allocate_kv_cache(num_blocks, self.kv_cache_dtype, self.num_state_slots)
+    def init_kv_cache(self, num_blocks: int, num_checkpoints: int = 0) -> None:
+        """Allocate the cache (and a hybrid's `num_checkpoints` state checkpoint entries), then
+        let the graph runner record what it records over it."""
+        self.runner.allocate_kv_cache(num_blocks, self.kv_cache_dtype, self.num_state_slots,
+                                      num_checkpoints)
         self.num_blocks = num_blocks
+        self.num_checkpoints = num_checkpoints
         cfg = self.config
         self.kv_connector = build_worker_side(cfg, self.model_config, self.source, self.rank)
         if self.kv_connector is not None:
@@ -233,7 +237,7 @@ class Worker:
             self._build_runner(self.source)
             self.asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self.asleep:  # the engine woke the weights
-            self.init_kv_cache(self.num_blocks)
+            self.init_kv_cache(self.num_blocks, self.num_checkpoints)
             self.asleep.discard("kv_cache")
 
     def reload_weights(self, source: ModelSource) -> str | None:
@@ -252,7 +256,7 @@ class Worker:
             error = f"{type(e).__name__}: {e}"
             self._build_runner(self.source)
         if "kv_cache" not in self.asleep:
-            self.init_kv_cache(self.num_blocks)
+            self.init_kv_cache(self.num_blocks, self.num_checkpoints)
         self.platform.empty_cache()
         return error
 

@@ -295,3 +295,64 @@ def test_dense_models_take_no_state_slot():
     r = req("a", range(3))
     compute(kv, r)
     assert r.state_slot is None
+
+
+# -- a hybrid model's state checkpoints --------------------------------------------------------
+
+def checkpointed(kv: KVCacheManager, r: Request, n: int) -> list[tuple[int, int]]:
+    """Schedule `n` tokens as one step would, with the checkpoints it orders."""
+    assert kv.allocate_slots(r, n)
+    orders = kv.take_checkpoint_orders(r)
+    kv.checkpoints.end_step()
+    r.num_computed_tokens += n
+    return orders
+
+
+def test_checkpoints_at_interval_and_last_resumable_block_and_hits_end_there():
+    kv = KVCacheManager(20, BS, num_state_slots=2, num_checkpoints=8, checkpoint_interval=2)
+    a = req("a", range(100, 115))  # 15 tokens: blocks 1-3 full, resumable up to block 3
+    # chunks of 6 and 9: block ends 4 (odd: skipped), 8 and 12 (the prompt's last resumable)
+    assert [p for p, _ in checkpointed(kv, a, 6)] == []
+    assert [p for p, _ in checkpointed(kv, a, 9)] == [7, 11]
+    b = req("b", list(range(100, 114)) + [7])  # shares 14 tokens: 3 full cached blocks
+    hits = kv.find_cached_blocks(b)
+    assert hits == a.block_ids[:3]  # block 3 has a checkpoint
+    assert kv.allocate_slots(b, b.num_tokens - 12, hits)
+    assert kv.take_restore(b) == kv.checkpoints.lookup(a.block_hashes[2])
+    c = req("c", list(range(100, 110)) + [7])  # shares 10 tokens: resumes after block 2
+    assert kv.find_cached_blocks(c) == a.block_ids[:2]
+    d = req("d", list(range(100, 106)) + [7])  # shares 6: block 1 has no checkpoint
+    assert kv.find_cached_blocks(d) == []
+
+
+def test_a_block_leaving_the_cache_takes_its_checkpoint():
+    kv = KVCacheManager(4, BS, num_state_slots=1, num_checkpoints=8)
+    a = req("a", range(100, 109))  # 9 tokens: checkpoints after blocks 1 and 2
+    assert len(checkpointed(kv, a, 9)) == 2
+    kv.free(a)
+    b = req("b", range(200, 216))  # takes every block: a's are evicted
+    checkpointed(kv, b, 16)
+    assert not {kv.checkpoints.lookup(h) for h in a.block_hashes} - {None}
+    assert len(kv.checkpoints) == 4  # each of b's blocks
+
+
+def test_a_prefix_checkpointed_by_this_step_is_resumed_from_the_next():
+    kv = KVCacheManager(10, BS, num_state_slots=2, num_checkpoints=8)
+    a = req("a", range(100, 109))
+    assert kv.allocate_slots(a, 9)  # this step computes a's blocks 1 and 2
+    b = req("b", list(range(100, 108)) + [5, 6])
+    assert kv.find_cached_blocks(b) == [] and kv.resumes_deeper_next_step(b)
+    assert len(kv.take_checkpoint_orders(a)) == 2
+    kv.checkpoints.end_step()
+    a.num_computed_tokens = 9
+    assert not kv.resumes_deeper_next_step(b)
+    assert kv.find_cached_blocks(b) == a.block_ids[:2]
+
+
+def test_a_full_store_gives_up_its_least_recently_used_checkpoint():
+    kv = KVCacheManager(10, BS, num_state_slots=2, num_checkpoints=2)
+    a = req("a", range(100, 113))
+    assert len(checkpointed(kv, a, 6)) == 1
+    assert len(checkpointed(kv, a, 7)) == 2  # blocks 2 and 3: the second takes block 1's entry
+    assert kv.checkpoints.lookup(a.block_hashes[0]) is None and kv.checkpoints.num_evicted == 1
+    assert kv.find_cached_blocks(req("b", list(range(100, 113)) + [1])) == a.block_ids[:3]

@@ -248,3 +248,56 @@ def test_every_op_name_is_in_the_hook_contract():
     contract = hookspecs.runtime_custom_op.__doc__.replace("\n", " ")
     for name in ops.OPS:
         assert f'"{name}"' in contract, name
+
+
+# -- states inside a sequence (prefix-cache checkpoints) --------------------------------------
+
+CHECKPOINT_LENS = [13, 70]
+CHECKPOINT_ROWS = [0, 4, 12, 13 + 15, 13 + 63, 13 + 64, 13 + 69]  # mid-chunk, chunk ends, last
+
+
+def _prefix_states(run, lens, rows, initial, has):
+    """The final state of each sequence cut after each row: what a checkpoint must hold."""
+    loc = _loc(lens).tolist()
+    states = []
+    for r in rows:
+        s = max(i for i in range(len(lens)) if loc[i] <= r)
+        states.append(run(loc[s], r + 1, initial[s:s + 1], has[s:s + 1]))
+    return torch.stack(states)
+
+
+def test_scans_keep_the_states_after_checkpoint_rows():
+    rows = torch.tensor(CHECKPOINT_ROWS)
+    total = sum(CHECKPOINT_LENS)
+    q, k, v, g, beta = _gdn_inputs(torch.float32, total)
+    initial, has = _with_states(CHECKPOINT_LENS, (4, 16, 8))
+    kept = torch.empty(len(rows), 4, 16, 8)
+    _, final = ops.chunk_gated_delta_rule(q, k, v, g, beta, _loc(CHECKPOINT_LENS), initial, has,
+                                          True, checkpoint_rows=rows, checkpoint_states=kept)
+    gdn = lambda lo, hi, i, h: ops.chunk_gated_delta_rule(
+        *(t[lo:hi] for t in (q, k, v, g, beta)), _loc([hi - lo]), i, h, True)[1][0]
+    _close(kept, _prefix_states(gdn, CHECKPOINT_LENS, CHECKPOINT_ROWS, initial, has),
+           torch.float32)
+    _close(kept[-1], final[-1], torch.float32)
+
+    x, dt, A, B, C, D, dt_bias = _ssd_inputs(torch.float32, total)
+    initial, has = _with_states(CHECKPOINT_LENS, (4, 8, 16))
+    kept = torch.empty(len(rows), 4, 8, 16)
+    ops.mamba2_chunk_scan(x, dt, A, B, C, D, dt_bias, True, _loc(CHECKPOINT_LENS), initial, has,
+                          chunk_size=16, checkpoint_rows=rows, checkpoint_states=kept)
+    ssd = lambda lo, hi, i, h: ops.mamba2_chunk_scan(
+        x[lo:hi], dt[lo:hi], A, B[lo:hi], C[lo:hi], D, dt_bias, True, _loc([hi - lo]), i, h,
+        chunk_size=16)[1][0]
+    _close(kept, _prefix_states(ssd, CHECKPOINT_LENS, CHECKPOINT_ROWS, initial, has),
+           torch.float32)
+
+
+def test_conv_states_at_rows_equal_the_final_states_of_prefixes():
+    from runtime.layers.recurrent_state import conv_states_at
+    x, weight, bias = _conv_inputs(torch.float32, lens=CHECKPOINT_LENS)
+    initial, has = _with_states(CHECKPOINT_LENS, (24, 3))
+    got = conv_states_at(x, initial, has, _loc(CHECKPOINT_LENS), torch.tensor(CHECKPOINT_ROWS))
+    conv = lambda lo, hi, i, h: ops.causal_conv1d(x[lo:hi], weight, bias, _loc([hi - lo]), i,
+                                                  h)[1][0]
+    _close(got, _prefix_states(conv, CHECKPOINT_LENS, CHECKPOINT_ROWS, initial, has),
+           torch.float32)

@@ -62,9 +62,13 @@ def test_chunk_gated_delta_rule(dtype):
     inputs = _gdn(dtype, sum(LENS))
     initial = torch.randn(len(LENS), 4, 32, 32)
     kept = initial.clone()
-    got = ops.chunk_gated_delta_rule(*inputs, LOC, initial, HAS, use_qk_l2norm=True)
-    want = portable.chunk_gated_delta_rule(*inputs, LOC, initial, HAS, use_qk_l2norm=True)
-    for g, w in zip(got, want):
+    rows = torch.tensor([0, 1, 10, 25, 79, 80, 82])  # prefix-cache checkpoints
+    got_kept, want_kept = torch.empty(len(rows), 4, 32, 32), torch.empty(len(rows), 4, 32, 32)
+    got = ops.chunk_gated_delta_rule(*inputs, LOC, initial, HAS, use_qk_l2norm=True,
+                                     checkpoint_rows=rows, checkpoint_states=got_kept)
+    want = portable.chunk_gated_delta_rule(*inputs, LOC, initial, HAS, use_qk_l2norm=True,
+                                           checkpoint_rows=rows, checkpoint_states=want_kept)
+    for g, w in zip((*got, got_kept), (*want, want_kept)):
         _close(g, w, dtype)
     assert torch.equal(initial, kept)
 

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "simd.h"
@@ -54,17 +55,22 @@ void normed_qk(const T* q, const T* k, float* qn, float* kn, int64_t rows, int64
 // so each work item owns a block of lanes of V and runs its sequence's tokens with that block
 // of the state in L1, read twice and written once per token: S^T k is taken before the decay
 // (exp(g) S^T k), which the update then applies. Four accumulators keep the FMA chains apart.
+// After each of the sorted `checkpoints` rows (a prefix-cache checkpoint), the item's block
+// of the state is also copied into that row's entry of `kept` [C, Hv, K, V].
 template <typename T>
 void gated_delta_rule_kernel(const float* q, const float* k, const T* v, const float* g,
                              const float* beta, const int64_t* loc, const int64_t* rows,
                              float* state, T* out, int64_t seqs, int64_t k_heads,
-                             int64_t v_heads, int64_t dk, int64_t dv) {
+                             int64_t v_heads, int64_t dk, int64_t dv,
+                             const int64_t* checkpoints, int64_t num_checkpoints, float* kept) {
   const int64_t blocks = dv / kLanes, group = v_heads / k_heads;
   at::parallel_for(0, seqs * v_heads * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / (v_heads * blocks), h = item / blocks % v_heads;
       const int64_t col = item % blocks * kLanes, kh = h / group;
       float* S = state + (rows[s] * v_heads + h) * dk * dv + col;
+      int64_t c = std::lower_bound(checkpoints, checkpoints + num_checkpoints, loc[s]) -
+                  checkpoints;
       for (int64_t t = loc[s]; t < loc[s + 1]; ++t) {
         const float* qt = q + (t * k_heads + kh) * dk;
         const float* kt = k + (t * k_heads + kh) * dk;
@@ -89,6 +95,11 @@ void gated_delta_rule_kernel(const float* q, const float* k, const T* v, const f
           o[0] += row * qt[i];
         }
         storev(out + (t * v_heads + h) * dv + col, (o[0] + o[1]) + (o[2] + o[3]));
+        if (c < num_checkpoints && checkpoints[c] == t) {
+          float* K = kept + (c * v_heads + h) * dk * dv + col;
+          for (i = 0; i < dk; ++i) storev(K + i * dv, loadv(S + i * dv));
+          ++c;
+        }
       }
     }
   });
@@ -97,7 +108,9 @@ void gated_delta_rule_kernel(const float* q, const float* k, const T* v, const f
 at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& g, const at::Tensor& beta,
                             const at::Tensor& query_start_loc, at::Tensor state,
-                            const at::Tensor& state_indices, bool l2norm, double scale) {
+                            const at::Tensor& state_indices, bool l2norm, double scale,
+                            const c10::optional<at::Tensor>& checkpoint_rows,
+                            const c10::optional<at::Tensor>& checkpoint_states) {
   const int64_t seqs = checked_sequences(query_start_loc, state_indices);
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
               "q, k must be [T, Hk, K] and v [T, Hv, V]");
@@ -115,6 +128,17 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
                   state.size(1) == v_heads && state.size(2) == dk && state.size(3) == dv,
               "state must be contiguous float32 [slots, Hv, K, V]");
+  const int64_t num_checkpoints = checkpoint_rows.has_value() ? checkpoint_rows->numel() : 0;
+  TORCH_CHECK(checkpoint_rows.has_value() == checkpoint_states.has_value(),
+              "checkpoint_rows and checkpoint_states go together");
+  if (num_checkpoints) {
+    TORCH_CHECK(checkpoint_rows->scalar_type() == at::kLong && checkpoint_rows->is_contiguous(),
+                "checkpoint_rows must be contiguous int64 [C]");
+    TORCH_CHECK(checkpoint_states->scalar_type() == at::kFloat &&
+                    checkpoint_states->is_contiguous() &&
+                    checkpoint_states->numel() == num_checkpoints * v_heads * dk * dv,
+                "checkpoint_states must be contiguous float32 [C, Hv, K, V]");
+  }
   at::Tensor out = at::empty_like(v);
   at::Tensor qn = at::empty(q.sizes(), q.options().dtype(at::kFloat)), kn = at::empty_like(qn);
   RUNTIME_CPU_DISPATCH(v.scalar_type(), "gated_delta_rule", [&] {
@@ -125,7 +149,9 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
         qn.data_ptr<float>(), kn.data_ptr<float>(), v.data_ptr<scalar_t>(), g.data_ptr<float>(),
         beta.data_ptr<float>(), query_start_loc.data_ptr<int64_t>(),
         state_indices.data_ptr<int64_t>(), state.data_ptr<float>(), out.data_ptr<scalar_t>(),
-        seqs, k_heads, v_heads, dk, dv);
+        seqs, k_heads, v_heads, dk, dv,
+        num_checkpoints ? checkpoint_rows->data_ptr<int64_t>() : nullptr, num_checkpoints,
+        num_checkpoints ? checkpoint_states->data_ptr<float>() : nullptr);
   });
   return out;
 }
@@ -275,7 +301,8 @@ at::Tensor mamba2_state_update(at::Tensor state, const at::Tensor& x, const at::
 TORCH_LIBRARY_FRAGMENT(runtime_cpu, m) {
   m.def("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
         "Tensor query_start_loc, Tensor(a!) state, Tensor state_indices, bool l2norm, "
-        "float scale) -> Tensor");
+        "float scale, Tensor? checkpoint_rows=None, Tensor(b!)? checkpoint_states=None) "
+        "-> Tensor");
   m.def("causal_conv1d(Tensor x, Tensor weight, Tensor? bias, Tensor query_start_loc, "
         "Tensor(a!) state, Tensor state_indices, Tensor has_initial_state, bool silu) -> Tensor");
   m.def("mamba2_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, "
