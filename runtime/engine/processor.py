@@ -15,6 +15,7 @@ from runtime.engine.core import CoreOutput
 from runtime.engine.input_processor import InputProcessor, PromptType, eos_token_ids
 from runtime.engine.output_processor import OutputKind, OutputProcessor
 from runtime.generation_config import generation_defaults
+from runtime.kv_transfer.registry import check_kv_transfer_params
 from runtime.model_loader.source import ModelSource, load_tokenizer
 from runtime.outputs import RequestOutput
 from runtime.lora.adapter import check_files, load_adapter
@@ -59,6 +60,7 @@ class Processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids, mm_features = self.prepare(prompt)
         params = self.inputs.validate(token_ids, params)
+        check_kv_transfer_params(self.config.kv_transfer_config, params.extra_args)
         max_tokens = self.inputs.max_tokens(token_ids, params)
         arrival = time.monotonic()
         num_samples = params.num_samples
