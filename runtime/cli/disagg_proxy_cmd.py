@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+HELP = "send each OpenAI request to a prefill instance, then to a decode one"
+DESCRIPTION = ("Disaggregated prefill: each /v1/completions and /v1/chat/completions request is "
+               "prefilled by a --prefill instance (kv_role kv_producer) and decoded by a "
+               "--decode instance (kv_consumer) that loads its KV; several of each are taken "
+               "in turn.")
+
 
 def add_disagg_proxy_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "disagg-proxy", help="send each OpenAI request to a prefill instance, then a decode one",
-        description="Disaggregated prefill: each /v1/completions and /v1/chat/completions "
-                    "request is prefilled by a --prefill instance (kv_role kv_producer) and "
-                    "decoded by a --decode instance (kv_consumer) that loads its KV; several "
-                    "of each are taken in turn.")
+    p = subparsers.add_parser("disagg-proxy", help=HELP, description=DESCRIPTION)
     p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
                    help="prefill instances, e.g. http://127.0.0.1:8100")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL",
