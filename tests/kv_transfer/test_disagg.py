@@ -1,7 +1,8 @@
 """Disaggregated prefill through the SharedStorageConnector: a producer engine prefills, a
 consumer engine loads the prompt's KV from the shared folder and decodes, with the tokens and
-logprobs of one engine doing both; the consumer computes only the prompt's last block. A KV
-that never arrives, or a corrupt file, is computed instead; bad kv_transfer_params are refused."""
+logprobs of one engine doing both; the consumer computes only the prompt's last block, and a
+request that comes before its KV waits for it. A KV that never arrives, or a corrupt file, is
+computed instead; bad kv_transfer_params are refused."""
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ from runtime import LLM, SamplingParams
 
 BLOCK = 4
 random.seed(1)
-PROMPTS = [[random.randrange(3, 30000) for _ in range(30)] for _ in range(4)]
+PROMPTS = [[random.randrange(3, 30000) for _ in range(30)] for _ in range(5)]
 LOADED = (30 - 1) // BLOCK * BLOCK  # full blocks before the last token: 28 tokens
 
 
@@ -33,7 +34,7 @@ def sampling(max_tokens: int, params: dict | None = None) -> SamplingParams:
 def pair(tiny_llama, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("shared_kv"))
     producer = engine(tiny_llama, "kv_producer", folder)
-    consumer = engine(tiny_llama, "kv_consumer", folder, load_timeout=0.3)
+    consumer = engine(tiny_llama, "kv_consumer", folder, load_timeout=2)
     return producer, consumer, folder
 
 
@@ -59,6 +60,24 @@ def test_consumer_decodes_the_producers_prefill_exactly(pair):
     stats = core.kv_connector.stats()
     assert stats["loaded_blocks"] == LOADED // BLOCK and stats["failed_loads"] == 0
     assert producer.engine.core.kv_connector.stats()["saved_blocks"] == LOADED // BLOCK
+
+
+def test_a_request_waits_in_the_scheduler_for_kv_on_its_way(pair):
+    producer, consumer, _ = pair
+    prompt = PROMPTS[3]
+    (alone,) = producer.generate([prompt], sampling(4), use_tqdm=False)
+    params = {"do_remote_prefill": True, "remote_num_tokens": LOADED}
+    request_id = consumer.engine.add_request(prompt, sampling(4, params))
+    for _ in range(3):  # the decode request came first: nothing runs
+        assert consumer.engine.step() == []
+    assert consumer.engine.core.scheduler.num_waiting() == 1
+    prefill(producer, prompt)
+    outputs = []
+    while consumer.engine.has_unfinished_requests():
+        outputs += consumer.engine.step()
+    (out,) = [o for o in outputs if o.request_id == request_id and o.finished]
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert out.num_cached_tokens == LOADED
 
 
 def test_kv_that_never_arrives_or_is_corrupt_is_computed(pair):
@@ -93,10 +112,10 @@ def test_kv_that_never_arrives_or_is_corrupt_is_computed(pair):
 def test_bad_kv_transfer_params_are_refused(pair, params, error):
     _, consumer, _ = pair
     with pytest.raises(ValueError, match=error.replace("[", r"\[").replace("]", r"\]")):
-        consumer.generate([PROMPTS[3]], sampling(2, params), use_tqdm=False)
+        consumer.generate([PROMPTS[4]], sampling(2, params), use_tqdm=False)
 
 
 def test_kv_transfer_params_need_a_connector(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", max_model_len=64, kv_cache_memory=32 * 2048)
     with pytest.raises(ValueError, match="needs a KV connector"):
-        llm.generate([PROMPTS[3]], sampling(2, {"do_remote_decode": True}), use_tqdm=False)
+        llm.generate([PROMPTS[4]], sampling(2, {"do_remote_decode": True}), use_tqdm=False)
