@@ -22,6 +22,9 @@ BUILT_IN = {
     "SharedStorageConnector": KVConnectorClasses(
         "runtime.kv_transfer.shared_storage.scheduler:SharedStorageScheduler",
         "runtime.kv_transfer.shared_storage.worker:SharedStorageWorker"),
+    "P2pTcpConnector": KVConnectorClasses(
+        "runtime.kv_transfer.p2p.scheduler:P2pTcpScheduler",
+        "runtime.kv_transfer.p2p.worker:P2pTcpWorker"),
 }
 
 

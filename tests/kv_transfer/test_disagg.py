@@ -107,7 +107,7 @@ def test_kv_that_never_arrives_or_is_corrupt_is_computed(pair):
 @pytest.mark.parametrize("params, error", [
     ({"do_remote_decode": True}, "needs a prefill instance"),
     ({"do_remote_prefill": "yes"}, "must be true or false"),
-    ({"remote_host": "x"}, "unknown keys ['remote_host']"),
+    ({"bogus": "x"}, "unknown keys ['bogus']"),
 ])
 def test_bad_kv_transfer_params_are_refused(pair, params, error):
     _, consumer, _ = pair
@@ -119,3 +119,34 @@ def test_kv_transfer_params_need_a_connector(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", max_model_len=64, kv_cache_memory=32 * 2048)
     with pytest.raises(ValueError, match="needs a KV connector"):
         llm.generate([PROMPTS[4]], sampling(2, {"do_remote_decode": True}), use_tqdm=False)
+
+
+def test_over_tcp_the_consumer_decodes_the_producers_prefill(tiny_llama):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def tcp(role: str) -> LLM:
+        return LLM(tiny_llama, dtype="float32", block_size=BLOCK, max_model_len=128,
+                   kv_cache_memory=64 * 2048, kv_transfer_config={
+                       "kv_connector": "P2pTcpConnector", "kv_role": role,
+                       "kv_connector_extra_config": {"kv_port": port}})
+    producer, consumer = tcp("kv_producer"), tcp("kv_consumer")
+    prompt = PROMPTS[0]
+    (alone,) = producer.generate([prompt], sampling(8), use_tqdm=False)
+    params = prefill(producer, prompt)
+    assert params["remote_port"] == port and params["remote_num_tokens"] == LOADED
+    (out,) = consumer.generate([prompt], sampling(8, params), use_tqdm=False)
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    for a, b in zip(alone.outputs[0].logprobs, out.outputs[0].logprobs):
+        (token,) = a
+        assert abs(a[token].logprob - b[token].logprob) < 2e-3
+    assert out.num_cached_tokens == LOADED
+    # fetched once: asked again (or for another prompt's params), the prompt is computed
+    (again,) = consumer.generate([PROMPTS[1]], sampling(8, params), use_tqdm=False)
+    (expected,) = producer.generate([PROMPTS[1]], sampling(8), use_tqdm=False)
+    assert again.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert again.num_cached_tokens == 0
+    assert consumer.engine.core.kv_connector.stats()["failed_loads"] == 1
+    producer.engine.core.shutdown()

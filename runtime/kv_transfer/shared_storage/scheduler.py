@@ -17,13 +17,10 @@ import logging
 import os
 import tempfile
 import time
-import uuid
-from typing import Any
 
+from runtime.kv_transfer import disagg
 from runtime.kv_transfer.offload import disk
-from runtime.kv_transfer.shared_storage import params as kv_params
-from runtime.plugins.kv_connector import (ConnectorRequest, KVConnectorContext,
-                                          KVConnectorOutput, KVConnectorScheduler)
+from runtime.plugins.kv_connector import ConnectorRequest, KVConnectorContext
 
 logger = logging.getLogger(__name__)
 
@@ -40,22 +37,13 @@ def storage_folder(context: KVConnectorContext):
                             context.namespace)
 
 
-class SharedStorageScheduler(KVConnectorScheduler):
+class SharedStorageScheduler(disagg.DisaggScheduler):
     def __init__(self, context: KVConnectorContext, num_blocks: int) -> None:
         super().__init__(context, num_blocks)
-        extra = context.extra_config
         self.folder = storage_folder(context)
-        self.engine_id = str(extra.get("engine_id") or uuid.uuid4().hex)
-        self.load_timeout = float(extra.get("load_timeout", DEFAULT_LOAD_TIMEOUT_S))
-        self.orders: list[tuple] = []
-        self.waiting_since: dict[str, float] = {}  # request id -> first asked (consumer)
-        self.counters = {"saved_blocks": 0, "loaded_blocks": 0, "failed_loads": 0,
-                         "timed_out_requests": 0, "bytes_loaded": 0, "bytes_saved": 0,
-                         "load_seconds": 0.0, "save_seconds": 0.0}
-
-    @staticmethod
-    def check_kv_transfer_params(params: dict[str, Any], role: str) -> None:
-        kv_params.check(params, role)
+        self.load_timeout = float(context.extra_config.get("load_timeout",
+                                                           DEFAULT_LOAD_TIMEOUT_S))
+        self.waiting_since: dict[str, float] = {}  # request id -> first asked
 
     def _stored(self, block_hash: bytes) -> bool:
         return all(disk.block_path(self.folder, block_hash, rank).exists()
@@ -63,19 +51,8 @@ class SharedStorageScheduler(KVConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest,
                                    num_computed_tokens: int) -> int | None:
-        params = request.kv_transfer_params or {}
-        if not params.get("do_remote_prefill"):
-            return 0
-        if params.get("remote_namespace", self.context.namespace) != self.context.namespace:
-            logger.warning("request %s: its KV was prefilled under another model or layout "
-                           "(KV namespace %s, this instance's %s): computing its prompt",
-                           request.request_id, params["remote_namespace"],
-                           self.context.namespace)
-            return 0
-        bs = self.context.block_size
-        first = num_computed_tokens // bs
-        wanted = min(params.get("remote_num_tokens", 0) // bs, len(request.block_hashes),
-                     (request.num_prompt_tokens - 1) // bs)
+        first = num_computed_tokens // self.context.block_size
+        wanted = disagg.wanted_blocks(request, self.context)
         found = first
         while found < wanted and self._stored(request.block_hashes[found]):
             found += 1
@@ -88,7 +65,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
                            "%.1f s: computing them", request.request_id, wanted - found,
                            wanted - first, self.load_timeout)
         self.waiting_since.pop(request.request_id, None)
-        return max(0, found - first) * bs
+        return max(0, found - first) * self.context.block_size
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
                                  first_block: int, num_blocks: int) -> None:
@@ -102,25 +79,9 @@ class SharedStorageScheduler(KVConnectorScheduler):
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_decode"):
             return None
-        bs = self.context.block_size
-        num_blocks = min((request.num_prompt_tokens - 1) // bs, len(request.block_hashes),
-                         request.num_computed_tokens // bs)
+        num_blocks = disagg.handed_over_blocks(request, self.context.block_size)
         for index in range(num_blocks):
             if not self._stored(request.block_hashes[index]):
                 self.orders.append(("save", block_ids[index], request.block_hashes[index]))
                 self.counters["saved_blocks"] += 1
-        return {"do_remote_prefill": True, "do_remote_decode": False,
-                "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
-                "remote_num_tokens": num_blocks * bs, "remote_namespace": self.context.namespace}
-
-    def build_connector_meta(self) -> Any:
-        orders, self.orders = self.orders, []
-        return orders
-
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self.counters["failed_loads"] += len(output.failed_loads)
-        for name in ("bytes_loaded", "bytes_saved", "load_seconds", "save_seconds"):
-            self.counters[name] += getattr(output, name)
-
-    def stats(self) -> dict[str, float]:
-        return dict(self.counters)
+        return disagg.produced(request, self.engine_id, self.context, num_blocks)
