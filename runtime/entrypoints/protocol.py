@@ -137,6 +137,10 @@ class SamplingFields(RequestBody):
             fields["max_tokens"] = max_tokens
         fields.update(n=self.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         if self.kv_transfer_params is not None:
+            if self.stream and self.kv_transfer_params.get("do_remote_decode"):
+                raise bad_request("kv_transfer_params.do_remote_decode needs stream=false: the "
+                                  "params for the decode instance come in the response body",
+                                  param="kv_transfer_params")
             fields["extra_args"] = {"kv_transfer_params": self.kv_transfer_params}
         for name in ("temperature", "top_p", "stop", "seed", "presence_penalty",
                      "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",

@@ -88,6 +88,9 @@ def test_the_prefill_response_says_where_the_kv_is(disagg):
     params = httpx.post(prefill.url + "/v1/completions", json=body, timeout=60).json()[
         "kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["remote_num_tokens"] > 0
+    reply = httpx.post(prefill.url + "/v1/completions", json={**body, "stream": True},
+                       timeout=60)
+    assert reply.status_code == 400 and "stream=false" in reply.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("params, words", [
