@@ -48,6 +48,7 @@ class ConnectorRequest(Protocol):
     num_tokens: int  # prompt + generated so far
     num_prompt_tokens: int
     num_computed_tokens: int
+    lora_int_id: int  # the adapter it runs under, 0 for the base model
     # the request's `kv_transfer_params` (vLLM's: SamplingParams.extra_args
     # ["kv_transfer_params"], the OpenAI routes' field), None when it has none
     kv_transfer_params: dict[str, Any] | None

@@ -61,16 +61,21 @@ def check(params: Any, role: str) -> None:
 
 def handed_over_blocks(request: ConnectorRequest, block_size: int) -> int:
     """The prompt blocks a prefill instance hands over: its full blocks computed, short of the
-    one holding the last prompt token (which the decode instance computes for its logits)."""
+    one holding the last prompt token (which the decode instance computes for its logits).
+    None under a LoRA adapter: its id starts the hash chain, and another instance may give
+    the same id to another adapter."""
+    if request.lora_int_id:
+        return 0
     return min((request.num_prompt_tokens - 1) // block_size, len(request.block_hashes),
                request.num_computed_tokens // block_size)
 
 
 def wanted_blocks(request: ConnectorRequest, context: KVConnectorContext) -> int:
     """How many of a decode request's leading blocks the prefill instance handed over (0 when
-    it asks for none, or its KV is of another namespace: another model or layout)."""
+    it asks for none, runs under a LoRA adapter, or its KV is of another namespace: another
+    model or layout)."""
     params = request.kv_transfer_params or {}
-    if not params.get("do_remote_prefill"):
+    if not params.get("do_remote_prefill") or request.lora_int_id:
         return 0
     if params.get("remote_namespace", context.namespace) != context.namespace:
         logger.warning("request %s: its KV was prefilled under another model or layout "
