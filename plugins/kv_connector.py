@@ -15,7 +15,10 @@ Order of calls in one engine step:
    cached block handed out again; then `build_connector_meta` once.
 2. each worker, before the forward (and before the step's requests touch their blocks):
    `start_load_kv(meta)`, which carries the orders out; after the step, `get_finished()`.
-3. scheduler side, with every rank's `KVConnectorOutput` merged: `update_connector_output`.
+3. scheduler side, with every rank's `KVConnectorOutput` merged: `update_connector_output`;
+   `request_finished` for each request that ended, and when that gave orders, one more
+   `build_connector_meta` whose orders every worker carries out at once (no forward), before
+   the step's outputs leave the engine.
 
 Loads are finished within the step that ordered them: a request whose blocks are loaded is
 admitted without compute in that step and computed from the next step on, and a block whose
@@ -44,6 +47,11 @@ class ConnectorRequest(Protocol):
     block_hashes: list[bytes]
     num_tokens: int  # prompt + generated so far
     num_prompt_tokens: int
+    num_computed_tokens: int
+    lora_int_id: int  # the adapter it runs under, 0 for the base model
+    # the request's `kv_transfer_params` (vLLM's: SamplingParams.extra_args
+    # ["kv_transfer_params"], the OpenAI routes' field), None when it has none
+    kv_transfer_params: dict[str, Any] | None
 
 
 @dataclass(frozen=True)
@@ -101,13 +109,21 @@ class KVConnectorScheduler(ABC):
     def __init__(self, context: KVConnectorContext, num_blocks: int) -> None:
         self.context = context
 
+    @staticmethod
+    def check_kv_transfer_params(params: dict[str, Any], role: str) -> None:
+        """Called in the API process for a request that carries `kv_transfer_params`: raise
+        ValueError naming what this connector does not take (a 400 on the server)."""
+        raise ValueError("kv_transfer_params: this KV connector takes none")
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request: ConnectorRequest,
-                                   num_computed_tokens: int) -> int:
+                                   num_computed_tokens: int) -> int | None:
         """Called when a waiting request is about to be admitted, after the local prefix cache
         gave it `num_computed_tokens` (a multiple of the block size). Returns how many tokens
         past those the connector can load (a multiple of the block size; never the request's
-        last token, which is always computed); 0: none."""
+        last token, which is always computed); 0: none. None: not known yet (the KV is still
+        on its way from another instance): the request stays waiting, others go past it, and
+        it is asked again next step (vLLM's WAITING_FOR_REMOTE_KVS)."""
 
     @abstractmethod
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
@@ -122,7 +138,16 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def build_connector_meta(self) -> Any:
         """Called once per step, after scheduling: the step's orders for the workers (picklable;
-        sent to every rank). The connector forgets them afterwards."""
+        sent to every rank). The connector forgets them afterwards. Called again after the
+        step when `request_finished` gave orders: those run at once, in a step of their own."""
+
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> dict | None:
+        """Called when a request finishes or is aborted, while it still holds `block_ids`
+        (its KV is intact until the next step's forward). The connector may order them kept
+        (saved, sent); the engine carries such orders out before the step's outputs leave.
+        Returns the `kv_transfer_params` for the request's output (what another instance needs
+        to find this KV), or None."""
+        return None
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Called after the step with every rank's `KVConnectorOutput` merged."""

@@ -56,3 +56,6 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = field(default=0)
+    # what another instance needs to find this request's KV (a KV connector's producer side,
+    # for a request with kv_transfer_params {"do_remote_decode": true}), as vLLM's
+    kv_transfer_params: dict | None = None

@@ -76,11 +76,18 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.stop_reason: int | str | None = None
         self.first_scheduled_time: float | None = None  # when first scheduled (/metrics)
+        # what the KV connector returned when it finished (for its output)
+        self.finished_kv_transfer_params: dict | None = None
 
     @property
     def lora_int_id(self) -> int:
         """The adapter's id, 0 for the base model."""
         return self.lora_request.lora_int_id if self.lora_request else 0
+
+    @property
+    def kv_transfer_params(self) -> dict | None:
+        """What the request asks of the KV connector (vLLM's extra_args entry)."""
+        return (self.params.extra_args or {}).get("kv_transfer_params")
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from runtime.config import MAX_LOGPROBS
 from runtime.structured_output.params import StructuredOutputsParams
@@ -26,7 +27,8 @@ class SamplingParams:
     `_eos_token_id` is set by the engine through `with_eos`, `_bad_words_token_ids` (the
     tokenized `bad_words`) by the input processor, not by users. `_reasoning_token_ids` (the
     start and end markers' ids, set by the server's --reasoning-parser) holds the grammar of
-    `structured_outputs` back until the reasoning has ended, as vLLM does.
+    `structured_outputs` back until the reasoning has ended, as vLLM does. `extra_args` is
+    vLLM's open dict; its "kv_transfer_params" go to the KV connector (docs/kv_connectors.md).
     """
 
     n: int = 1
@@ -54,6 +56,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's: what a plugin or connector reads; "kv_transfer_params" for a KV connector
+    extra_args: dict[str, Any] | None = None
     # An init field (not init=False) so that dataclasses.replace and clone keep it.
     _eos_token_id: int | None = dataclasses.field(default=None, repr=False)
     _bad_words_token_ids: list[list[int]] | None = dataclasses.field(default=None, repr=False)
@@ -135,6 +139,8 @@ class SamplingParams:
                 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids >= 0, "
                              f"got {self.allowed_token_ids!r}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
         if self.bad_words is not None and not all(isinstance(w, str) and w.strip()
                                                   for w in self.bad_words):
             raise ValueError(f"bad_words must hold non-empty strings, got {self.bad_words!r}")

@@ -1,4 +1,4 @@
-"""The `runtime` command: generate, chat, plugins, serve, bench, tune."""
+"""The `runtime` command: generate, chat, plugins, serve, disagg-proxy, bench, tune."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ import sys
 from runtime import __version__
 from runtime.cli.bench import add_bench_parser
 from runtime.cli.chat import add_chat_parser
+from runtime.cli.disagg_proxy_cmd import add_disagg_proxy_parser
 from runtime.cli.generate import add_generate_parser
 from runtime.cli.models_cmd import add_models_parser
 from runtime.cli.plugins_cmd import add_plugins_parser
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plugins_parser(subparsers)
     add_models_parser(subparsers)
     add_serve_parser(subparsers)
+    add_disagg_proxy_parser(subparsers)
     add_bench_parser(subparsers)
     add_tune_parser(subparsers)
     _accept_log_level_everywhere(parser)

@@ -158,13 +158,16 @@ class Scheduler:
         return self.kv.find_cached_blocks(request)
 
     def _admit_loading(self, request: Request, cached: list[int], num_computed: int,
-                       out: SchedulerOutput) -> bool:
+                       out: SchedulerOutput) -> bool | None:
         """Admit `request` to have the blocks past its `num_computed` tokens that the KV
-        connector holds loaded this step, with no compute; False when it has none or no room."""
+        connector holds loaded this step, with no compute; False when it has none or no room,
+        None when the connector waits for them (the KV is on its way)."""
         if self.connector is None or self.requests.get(request.leader_id) is not None or \
                 request.params.prompt_logprobs is not None:  # each prompt position computed
             return False
         num_external = self.connector.get_num_new_matched_tokens(request, num_computed)
+        if num_external is None:
+            return None
         if num_external == 0 or not self.kv.allocate_slots(request, num_external, cached):
             return False
         first = num_computed // self.kv.block_size
@@ -297,8 +300,8 @@ class Scheduler:
             scheduled_ids.add(request.request_id)
             budget -= num_new
 
-        # long prompts beyond max_long_partial_prefills, and hybrids' prompts whose prefix this
-        # step checkpoints: they wait at the front
+        # long prompts beyond max_long_partial_prefills, hybrids' prompts whose prefix this step
+        # checkpoints, and those whose KV is on its way: they wait at the front
         passed_over: list[Request] = []
         while not out.preempted and budget > 0 and len(self.waiting) > 0 and \
                 len(self.running) < self.config.max_num_seqs:
@@ -316,7 +319,11 @@ class Scheduler:
             cached = self._shared_or_cached_blocks(request)
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_computed
-            if self._admit_loading(request, cached, num_computed, out):
+            admitted = self._admit_loading(request, cached, num_computed, out)
+            if admitted is None:  # its KV is on its way from another instance
+                passed_over.append(self.waiting.pop())
+                continue
+            if admitted:
                 self.waiting.pop()
                 request.status = RequestStatus.RUNNING
                 request.first_scheduled_time = time.monotonic()
@@ -421,6 +428,9 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         self._release_held(request)
+        if self.connector is not None:  # before its blocks are freed
+            request.finished_kv_transfer_params = self.connector.request_finished(
+                request, request.block_ids)
         self.kv.free(request)
         self.encoder_cache.release(request)
         del self.requests[request.request_id]

@@ -20,6 +20,7 @@ from runtime.executor.base import WorkerError
 from runtime.kv_transfer.registry import build_scheduler_side
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource, load_config, resolve_model
+from runtime.plugins.kv_connector import KVConnectorOutput
 from runtime.pooling.models import is_encoder_only
 from runtime.request import Request, RequestStatus
 from runtime.core.structured_output import StructuredOutputManager
@@ -73,6 +74,9 @@ class CoreOutput:
     # compares it with its own for the queue and prefill times)
     first_scheduled_time: float | None = None
     pooling_output: PooledTensor | None = None  # a pooling request's result, when it finishes
+    # what the KV connector says another instance needs to find this request's KV (when it
+    # finishes)
+    kv_transfer_params: dict | None = None
 
 
 def refuse_for_hybrid(config: EngineConfig, architecture: str) -> None:
@@ -378,6 +382,8 @@ class EngineCore:
                 if request_id in failed:
                     self.failed.append((request, error))
         self.step_inputs.finished(r.request_id for r in finished)
+        if self.kv_connector is not None:
+            self._run_finished_orders()
         self.structured.advance(sched.scheduled)
         for r, _ in sched.scheduled:
             new = result.sampled.get(r.request_id, [])
@@ -391,5 +397,16 @@ class EngineCore:
                 finish_reason=r.status.finish_reason, stop_reason=r.stop_reason,
                 num_cached_tokens=r.num_cached_tokens,
                 first_scheduled_time=r.first_scheduled_time,
-                pooling_output=None if pooled is None else PooledTensor.of(pooled)))
+                pooling_output=None if pooled is None else PooledTensor.of(pooled),
+                kv_transfer_params=r.finished_kv_transfer_params))
         return outputs
+
+    def _run_finished_orders(self) -> None:
+        """What the KV connector ordered for the requests that just finished (a producer
+        saving their KV), carried out by every worker now, in a step with no forward: before
+        the outputs leave, so the KV is there when another instance asks for it."""
+        orders = self.kv_connector.build_connector_meta()
+        if orders:
+            result = self.executor.execute(StepInput(kv_connector_meta=orders))
+            self.kv_connector.update_connector_output(result.kv_connector_output or
+                                                      KVConnectorOutput())

@@ -46,6 +46,7 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None
     metrics: RequestMetrics
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    kv_transfer_params: dict | None = None  # the KV connector's, once a sample finished
 
     @property
     def finished(self) -> bool:
@@ -112,6 +113,8 @@ class OutputProcessor:
                 start, entries = out.prompt_logprobs
                 for offset, entry in enumerate(entries):
                     state.prompt_logprobs[start + offset] = self._to_position(entry)
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             if not out.new_token_ids and out.finish_reason is None:
                 continue
             metrics = state.metrics
@@ -185,7 +188,8 @@ class OutputProcessor:
                              prompt_token_ids=state.prompt_token_ids, outputs=outputs,
                              finished=state.finished, prompt_logprobs=state.prompt_logprobs,
                              metrics=state.metrics,
-                             num_cached_tokens=state.metrics.num_cached_tokens)
+                             num_cached_tokens=state.metrics.num_cached_tokens,
+                             kv_transfer_params=state.kv_transfer_params)
 
     @staticmethod
     def _delta(sample: SampleState) -> CompletionOutput:

@@ -16,6 +16,7 @@ from runtime.engine.input_processor import InputProcessor, PromptType, eos_token
 from runtime.engine.output_processor import OutputKind, OutputProcessor
 from runtime.engine.prompt_embeds import FLAG, PLACEHOLDER_TOKEN_ID, check_prompt_embeds
 from runtime.generation_config import generation_defaults
+from runtime.kv_transfer.registry import check_kv_transfer_params
 from runtime.model_loader.source import ModelSource, load_tokenizer
 from runtime.outputs import RequestOutput
 from runtime.lora.adapter import check_files, load_adapter
@@ -61,6 +62,7 @@ class Processor:
         text, token_ids, mm_features = self.prepare(prompt)
         embeds = self.prompt_embeds(prompt, params)
         params = self.inputs.validate(token_ids, params)
+        check_kv_transfer_params(self.config.kv_transfer_config, params.extra_args)
         max_tokens = self.inputs.max_tokens(token_ids, params)
         arrival = time.monotonic()
         num_samples = params.num_samples

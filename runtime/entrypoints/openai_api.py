@@ -242,9 +242,16 @@ class Reply:
 
     # /v1/completions
 
+    def _with_kv_transfer_params(self, body: dict, output: RequestOutput) -> dict:
+        """As vLLM: a prefill instance's response says where its KV is (for the proxy)."""
+        if output.kv_transfer_params is not None:
+            body["kv_transfer_params"] = output.kv_transfer_params
+        return body
+
     async def completion(self, body: CompletionRequest) -> dict:
         choices = []
-        for index, output in enumerate(await final_outputs(self.streams)):
+        outputs = await final_outputs(self.streams)
+        for index, output in enumerate(outputs):
             for sample in output.outputs:
                 text, logprobs = sample.text, None
                 if body.logprobs is not None:
@@ -256,7 +263,8 @@ class Reply:
                 choices.append({"index": index * self.n + sample.index, "text": text,
                                 "logprobs": logprobs, "finish_reason": _finish_reason(sample),
                                 "stop_reason": sample.stop_reason})
-        return self._envelope(sorted(choices, key=lambda c: c["index"]), self._usage())
+        return self._with_kv_transfer_params(
+            self._envelope(sorted(choices, key=lambda c: c["index"]), self._usage()), outputs[0])
 
     def completion_chunks(self, body: CompletionRequest) -> AsyncIterator[str]:
         return self._events(self._completion_choices(body), body.include_usage)
@@ -344,7 +352,7 @@ class Reply:
                             if body.logprobs else None,
                             "finish_reason": "tool_calls" if calls else _finish_reason(sample),
                             "stop_reason": sample.stop_reason})
-        return self._envelope(choices, self._usage())
+        return self._with_kv_transfer_params(self._envelope(choices, self._usage()), output)
 
     def chat_chunks(self, body: ChatCompletionRequest) -> AsyncIterator[str]:
         return self._events(self._chat_choices(body), body.include_usage)

@@ -103,6 +103,8 @@ class SamplingFields(RequestBody):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: Annotated[list[Text], Field(max_length=MAX_BAD_WORDS)] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # disaggregated prefill: what the KV connector is to do (docs/kv_connectors.md)
+    kv_transfer_params: dict[str, Any] | None = None
     guided_json: Union[str, dict[str, Any], None] = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -136,6 +138,12 @@ class SamplingFields(RequestBody):
         if max_tokens is not None or "max_tokens" not in fields:
             fields["max_tokens"] = max_tokens
         fields.update(n=self.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        if self.kv_transfer_params is not None:
+            if self.stream and self.kv_transfer_params.get("do_remote_decode"):
+                raise bad_request("kv_transfer_params.do_remote_decode needs stream=false: the "
+                                  "params for the decode instance come in the response body",
+                                  param="kv_transfer_params")
+            fields["extra_args"] = {"kv_transfer_params": self.kv_transfer_params}
         for name in ("temperature", "top_p", "stop", "seed", "presence_penalty",
                      "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
                      "ignore_eos", "stop_token_ids", "include_stop_str_in_output",

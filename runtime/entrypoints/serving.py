@@ -208,9 +208,9 @@ async def open_streams(state: ServerState, request_id: str, prompts: list[Prompt
 
 def _param_of(message: str) -> str:
     """The request field a processor error is about (its first word when it names one)."""
-    first = message.split(" ", 1)[0]
+    first = message.split(" ", 1)[0].rstrip(":").split(".", 1)[0]
     return first if first in ("best_of", "stop_token_ids", "n", "max_tokens", "prompt_embeds",
-                              "prompt_logprobs") else "prompt"
+                              "prompt_logprobs", "kv_transfer_params") else "prompt"
 
 
 def engine_error(state: ServerState, e: BaseException) -> BaseException:

@@ -8,7 +8,7 @@ import json
 import os
 
 from runtime.attention_backends.base import kv_cache_torch_dtype
-from runtime.config import EngineConfig
+from runtime.config import EngineConfig, KVTransferConfig
 from runtime.model_config import ModelConfig
 from runtime.model_loader.source import ModelSource
 from runtime.plugins.kv_connector import (KVConnectorClasses, KVConnectorContext,
@@ -19,6 +19,12 @@ BUILT_IN = {
     "OffloadingConnector": KVConnectorClasses(
         "runtime.kv_transfer.offload.scheduler:OffloadScheduler",
         "runtime.kv_transfer.offload.worker:OffloadWorker"),
+    "SharedStorageConnector": KVConnectorClasses(
+        "runtime.kv_transfer.shared_storage.scheduler:SharedStorageScheduler",
+        "runtime.kv_transfer.shared_storage.worker:SharedStorageWorker"),
+    "P2pTcpConnector": KVConnectorClasses(
+        "runtime.kv_transfer.p2p.scheduler:P2pTcpScheduler",
+        "runtime.kv_transfer.p2p.worker:P2pTcpWorker"),
 }
 
 
@@ -41,6 +47,21 @@ def _classes(name: str) -> KVConnectorClasses:
     if name not in connectors:
         raise ValueError(f"unknown kv_connector {name!r}; known: {', '.join(sorted(connectors))}")
     return connectors[name]
+
+
+def check_kv_transfer_params(config: KVTransferConfig | None, extra_args: dict | None) -> None:
+    """Raise ValueError naming what is wrong with a request's kv_transfer_params (in
+    SamplingParams.extra_args) for this engine's connector."""
+    if not extra_args or extra_args.get("kv_transfer_params") is None:
+        return
+    if config is None:
+        raise ValueError("kv_transfer_params needs a KV connector: start the engine with "
+                         "--kv-transfer-config (e.g. SharedStorageConnector)")
+    try:
+        _class(_classes(config.kv_connector).scheduler).check_kv_transfer_params(
+            extra_args["kv_transfer_params"], config.kv_role)
+    except ValueError as e:
+        raise ValueError(f"{e} ({config.kv_connector})") from None
 
 
 def _weights_fingerprint(source: ModelSource) -> list:

@@ -201,6 +201,8 @@ class Worker:
         self.num_blocks = num_blocks
         self.num_checkpoints = num_checkpoints
         cfg = self.config
+        if self.kv_connector is not None:  # the cache is new: so is the connector's side
+            self.kv_connector.shutdown()
         self.kv_connector = build_worker_side(cfg, self.model_config, self.source, self.rank)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.runner.kv_cache.connector_layers())
@@ -220,6 +222,8 @@ class Worker:
         flight; a deeper sleep than the current one frees what is still held."""
         if "kv_cache" not in self.asleep:
             self.runner.release_kv_cache()
+            if self.kv_connector is not None:
+                self.kv_connector.shutdown()
             self.kv_connector = None  # it holds the cache too; a new one comes with the next
             info = self.model_info()
             self.runner.graph_runner = self.answers.graph_runner(info, info.enforce_eager)

@@ -181,7 +181,8 @@ def test_a_plugin_connector_is_named_by_kv_transfer_config(tiny_llama, recompute
     get_plugin_manager().register(ConnectorPlugin(), name="recording")
     try:
         with pytest.raises(ValueError, match="unknown kv_connector 'Nope'; known: "
-                                             "OffloadingConnector, Recording"):
+                                             "OffloadingConnector, P2pTcpConnector, "
+                                             "Recording, SharedStorageConnector"):
             engine(tiny_llama, kv_transfer_config={"kv_connector": "Nope"})
         llm = engine(tiny_llama, kv_transfer_config={
             "kv_connector": "Recording",
