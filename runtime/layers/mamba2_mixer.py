@@ -103,8 +103,10 @@ class Mamba2Mixer(StatefulLayer):
             x = self.conv_update_op(xbc[:nd], conv_state, self.conv1d.weight, self.conv1d.bias,
                                     "silu", slots[:nd])
             x, B, C = self._split(x)
+            # dt is not clamped to the limit in decode, as neither transformers nor
+            # mamba_ssm's selective_state_update clamps it there
             y[:nd] = self.update_op(ssm_state, x, dt[:nd], A, B, C, self.D, self.dt_bias, True,
-                                    slots[:nd], self.dt_limit)
+                                    slots[:nd])
         if nd < t:
             rows, has = slots[nd:], md.has_initial_state[nd:]
             starts = md.query_start_loc[nd:] - nd

@@ -26,15 +26,8 @@ class GraniteMoeHybridAttention(LlamaAttention):
     def attention_scale(self, config) -> float:
         return config.attention_multiplier
 
-    def __init__(self, config, layer_idx: int, ctx: BuildContext, prefix: str) -> None:
-        super().__init__(config, layer_idx, ctx, prefix)
-        self.uses_rope = config.position_embedding_type == "rope"
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        if self.uses_rope:
-            return super().forward(positions, hidden)
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
-        return self.o_proj(self.attn(q, k, v))
+    def uses_rope(self, config) -> bool:
+        return config.position_embedding_type == "rope"
 
 
 class GraniteMoeHybridMoE(nn.Module):
