@@ -76,3 +76,17 @@ def test_falcon_h1_without_the_mixer_norm(tiny_model_factory):
     """Falcon-H1's default: the scan's output only gated by silu(gate), no norm."""
     arch = "FalconH1ForCausalLM"
     _assert_chunked_parity(tiny_model_factory(arch, **FALCON_H1), arch)
+
+
+def test_mamba2_in_bfloat16_keeps_the_residual_in_float32(tiny_model_factory):
+    """In bfloat16 transformers keeps Mamba 2's residual stream in float32
+    (`residual_in_fp32`): the same greedy tokens need the same (with a bfloat16 residual,
+    two of these prompts diverge)."""
+    arch, overrides = base.CASES["mamba2"]
+    path = tiny_model_factory(arch, **overrides)
+    hf = transformers.Mamba2ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory="8MiB", max_num_batched_tokens=13,
+              block_size=16)
+    outputs = llm.generate(PROMPTS, base.GREEDY)
+    assert [out.outputs[0].token_ids for out in outputs] == \
+        [hf_greedy(hf, p, base.MAX_NEW)[0] for p in PROMPTS]
