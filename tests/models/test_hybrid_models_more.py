@@ -11,9 +11,13 @@ from runtime import LLM
 from tests.models import test_hybrid_models as base
 from tests.parity import PROMPTS, assert_matches_hf, hf_greedy
 
-NEMOTRON_H = dict(layer_types=["linear_attention", "mlp", "full_attention", "mlp"],
+# Nemotron-H: Mamba 2, squared-ReLU experts (top-2 of 8 in 2 groups, one group kept, a
+# shared expert), attention without rope, a squared-ReLU MLP
+NEMOTRON_H = dict(layer_types=["linear_attention", "moe", "full_attention", "mlp"],
                   mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
-                  chunk_size=16, head_dim=16)
+                  chunk_size=16, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2,
+                  topk_group=1, routed_scaling_factor=1.5)
 
 # Falcon-H1 (mixer and attention side by side in each layer), every muP multiplier away from 1
 FALCON_H1 = dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
@@ -31,7 +35,6 @@ CASES = {
     "jamba": ("JambaForCausalLM", dict(
         num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=3,
         expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, mamba_d_state=16)),
-    # Nemotron-H: Mamba 2, a squared-ReLU MLP, attention without rope, an MLP
     "nemotron-h": ("NemotronHForCausalLM", NEMOTRON_H),
     # its mixer's gated norm on, normed before the gate
     "falcon-h1": ("FalconH1ForCausalLM", dict(FALCON_H1, mamba_rms_norm=True)),
@@ -67,9 +70,12 @@ def _assert_chunked_parity(path: str, arch: str) -> None:
 
 def test_nemotron_h_clamps_prefill_steps_only(tiny_model_factory):
     """Transformers clamps Nemotron-H's step sizes to time_step_min in prefill and not in
-    decode; time_step_min is raised here so that the clamp bites."""
+    decode; time_step_min is raised here so that the clamp bites. The experts here run in a
+    latent space, their top-k weights not renormalised."""
     arch = "NemotronHForCausalLM"
-    _assert_chunked_parity(tiny_model_factory(arch, **NEMOTRON_H, time_step_min=0.05), arch)
+    path = tiny_model_factory(arch, **NEMOTRON_H, time_step_min=0.05, moe_latent_size=32,
+                              norm_topk_prob=False)
+    _assert_chunked_parity(path, arch)
 
 
 def test_falcon_h1_without_the_mixer_norm(tiny_model_factory):
