@@ -15,7 +15,8 @@ from runtime.layers.build_context import BuildContext
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.mamba2_mixer import Mamba2Mixer
 from runtime.models.bamba import BambaForCausalLM
-from runtime.models.llama import LlamaAttention, LlamaMLP, LlamaModel
+from runtime.models.granite import GraniteModel
+from runtime.models.llama import LlamaAttention, LlamaMLP
 
 
 class FalconH1Attention(LlamaAttention):
@@ -74,15 +75,10 @@ class FalconH1DecoderLayer(nn.Module):
         return self.feed_forward(hidden), residual
 
 
-class FalconH1Model(LlamaModel):
+class FalconH1Model(GraniteModel):
+    """Granite's embeddings times `embedding_multiplier`."""
+
     layer_cls = FalconH1DecoderLayer
-
-    def __init__(self, config, ctx: BuildContext) -> None:
-        super().__init__(config, ctx)
-        self.embedding_multiplier = config.embedding_multiplier
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embedding_multiplier
 
 
 class FalconH1ForCausalLM(BambaForCausalLM):

@@ -19,7 +19,8 @@ from runtime.layers.fused_moe import FusedMoE
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import ReplicatedLinear
 from runtime.layers.mamba2_mixer import Mamba2Mixer
-from runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
+from runtime.models.granite import GraniteModel
+from runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
 class GraniteMoeHybridAttention(LlamaAttention):
@@ -79,15 +80,8 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         return out * self.residual_multiplier, residual
 
 
-class GraniteMoeHybridModel(LlamaModel):
+class GraniteMoeHybridModel(GraniteModel):
     layer_cls = GraniteMoeHybridDecoderLayer
-
-    def __init__(self, config, ctx: BuildContext) -> None:
-        super().__init__(config, ctx)
-        self.embedding_multiplier = config.embedding_multiplier
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embedding_multiplier
 
 
 class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
