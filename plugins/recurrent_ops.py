@@ -209,7 +209,7 @@ def mamba2_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
             y[c:e] = y_diag + y_off
             to_end = (cum[:, -1:] - cum).exp()  # [H, l]
             h = h * cum[:, -1].exp()[:, None, None] + torch.einsum(
-                "jhn,jhp,hj->hpn", Bh[c:e], xdt[c:e], to_end)
+                "jhp,jhn->hpn", xdt[c:e] * to_end.t().unsqueeze(-1), Bh[c:e])
         final[s] = h.to(final.dtype)
     if D is not None:
         y = y + x.float() * D.float()[:, None]
