@@ -124,14 +124,18 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
                    C: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None,
                    dt_bias: torch.Tensor | None, dt_softplus: bool,
                    query_start_loc: torch.Tensor, initial_state: torch.Tensor | None = None,
-                   has_initial_state: torch.Tensor | None = None
+                   has_initial_state: torch.Tensor | None = None,
+                   checkpoint_rows: torch.Tensor | None = None,
+                   checkpoint_states: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba 1's selective scan over a varlen batch.
 
     x, dt, z [T, d_inner]; A [d_inner, N] (negative: -exp(A_log)); B, C [T, N]; D, dt_bias
     [d_inner]. Per token, with dt' = softplus(dt + dt_bias) when dt_softplus:
     h = exp(dt' A) h + dt' B x;  y = (C . h + D x) * silu(z). State h [S, d_inner, N].
-    Returns (y [T, d_inner] in x's dtype, final_state [S, d_inner, N]).
+    Returns (y [T, d_inner] in x's dtype, final_state [S, d_inner, N]); with
+    `checkpoint_rows` (rows of the batch), the state after each row is written into
+    `checkpoint_states` [len(checkpoint_rows), d_inner, N], as `mamba2_chunk_scan` does.
     """
     dt = _mamba_dt(dt, dt_bias, dt_softplus)
     A = A.float()
@@ -139,11 +143,15 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     spans = _spans(query_start_loc)
     final = _final_states(initial_state, (len(spans), *A.shape), x.device)
     xf, Bf, Cf = x.float(), B.float(), C.float()
+    after = {} if checkpoint_rows is None else \
+        {r: i for i, r in enumerate(checkpoint_rows.tolist())}
     for s, (lo, hi) in enumerate(spans):
         h = _start_state(initial_state, has_initial_state, s, tuple(A.shape), x.device)
         for t in range(lo, hi):
             h = torch.exp(dt[t, :, None] * A) * h + (dt[t] * xf[t])[:, None] * Bf[t]
             y[t] = h @ Cf[t]
+            if t in after:
+                checkpoint_states[after[t]] = h
         final[s] = h.to(final.dtype)
     return _mamba_out(y, x, D, z), final
 
@@ -189,8 +197,9 @@ def _ssd_state_at(h: torch.Tensor, cum: torch.Tensor, B: torch.Tensor, xdt: torc
     """The state after row j of a chunk, from h [H, P, N] before it: decayed to j, plus the
     inputs (x dt) B^T of its rows up to j (B [l, H, N], xdt [l, H, P])."""
     to_j = (cum[:, j:j + 1] - cum[:, :j + 1]).exp()  # [H, j + 1]
+    # two operands: a three-operand einsum here was most of a prefill's cost
     return h * cum[:, j].exp()[:, None, None] + torch.einsum(
-        "jhn,jhp,hj->hpn", B[:j + 1], xdt[:j + 1], to_j)
+        "jhp,jhn->hpn", xdt[:j + 1] * to_j.t().unsqueeze(-1), B[:j + 1])
 
 
 def mamba2_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

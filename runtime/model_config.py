@@ -11,6 +11,8 @@ logger = logging.getLogger(__name__)
 
 # `layer_types` entries of recurrent layers (hybrid models), which keep no KV
 RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "conv")
+# and of layers without a token mixer (Nemotron-H's MLP and MoE layers), which keep none either
+NO_KV_LAYER_TYPES = RECURRENT_LAYER_TYPES + ("mlp", "moe")
 
 
 @dataclass(frozen=True)
@@ -123,14 +125,15 @@ class ModelConfig:
 
     def kv_bytes_per_block(self, block_size: int, kv_dtype: torch.dtype, tp_size: int = 1) -> int:
         """Over the layers that keep a cache (not Gemma 4's KV-shared ones, nor a hybrid's
-        recurrent layers), each its own shape; an MLA layer keeps one latent per token."""
+        recurrent or MLP-only layers), each its own shape; an MLA layer keeps one latent per
+        token."""
         itemsize = torch.empty(0, dtype=kv_dtype).element_size()
         if self.attention_kind == "mla":
             return self.num_layers * block_size * self.head_size * itemsize
         text = self.hf_config.get_text_config()
         sharing = getattr(text, "kv_sharing_modes", None) or [None] * self.num_layers
         cached = [i for i in range(self.num_layers)
-                  if sharing[i] != "reuse" and self.layer_types[i] not in RECURRENT_LAYER_TYPES]
+                  if sharing[i] != "reuse" and self.layer_types[i] not in NO_KV_LAYER_TYPES]
         width = sum(max(1, kv_heads // tp_size) * head_size
                     for _, kv_heads, head_size in (attention_heads(text, i) for i in cached))
         return 2 * block_size * width * itemsize

@@ -1,7 +1,8 @@
 """Mamba 2's mixer (state-space duality) as transformers' `Mamba2Mixer`: one input projection
 into gate, conv inputs and step sizes; a causal conv over x, B, C; the SSD scan, whose
 [H, P, N] state per sequence lives in the recurrent state cache; a grouped gated RMSNorm; the
-output projection. Mamba 2 itself, Bamba, Granite 4.0-H and Nemotron-H share it."""
+output projection. Mamba 2 itself, Bamba, Granite 4.0-H, Nemotron-H and Falcon-H1 share it
+(Falcon-H1 with its muP multipliers on the input and the projection, and its own norm)."""
 from __future__ import annotations
 
 import torch
@@ -18,28 +19,41 @@ from runtime.plugins import recurrent_ops
 
 class GroupedGatedRMSNorm(nn.Module):
     """x * silu(gate), then RMSNorm over each of `groups` equal slices, as transformers'
-    `MambaRMSNormGated` (norm after the gate)."""
+    `MambaRMSNormGated` (norm after the gate); with `norm_before_gate` the norm first, then
+    the gate, as Falcon-H1's `FalconH1RMSNormGated` (its weight applied in float32)."""
 
-    def __init__(self, size: int, groups: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, groups: int, eps: float, dtype: torch.dtype,
+                 norm_before_gate: bool = False) -> None:
         super().__init__()
-        self.groups, self.eps = groups, eps
+        self.groups, self.eps, self.norm_before_gate = groups, eps, norm_before_gate
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = (x.float() * F.silu(gate.float())).view(x.size(0), self.groups, -1)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.view(x.shape).to(x.dtype)
+        h = x.float() if self.norm_before_gate else x.float() * F.silu(gate.float())
+        h = h.view(x.size(0), self.groups, -1)
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).view(x.shape)
+        if self.norm_before_gate:
+            return (self.weight.float() * h * F.silu(gate.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
 
 
 class Mamba2Mixer(StatefulLayer):
     """Checkpoint names as transformers': `in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`,
     `norm`, `out_proj`. The sizes are keywords: each architecture names them its own way in
-    its config (`mamba_*` in the hybrids)."""
+    its config (`mamba_*` in the hybrids).
+
+    Falcon-H1's parts: `norm` None gates the scan's output by silu(gate) without a norm;
+    `norm_before_gate` orders the norm's steps; `input_multiplier` scales the input,
+    `projection_multipliers` the input projection's gate, x, B, C and dt parts;
+    `out_proj_bias` (default `use_bias`) is the output projection's own bias setting."""
 
     def __init__(self, ctx: BuildContext, prefix: str, *, hidden_size: int, num_heads: int,
                  head_dim: int, n_groups: int, state_size: int, conv_kernel: int,
                  intermediate_size: int, use_conv_bias: bool, use_bias: bool, eps: float,
-                 chunk_size: int, time_step_limit: tuple[float, float]) -> None:
+                 chunk_size: int, time_step_limit: tuple[float, float], norm: bool = True,
+                 norm_before_gate: bool = False, input_multiplier: float = 1.0,
+                 projection_multipliers: list[float] | None = None,
+                 out_proj_bias: bool | None = None) -> None:
         super().__init__()
         if ctx.tp_size > 1:
             raise ValueError("tensor parallel is not supported for Mamba 2 layers yet (their "
@@ -61,9 +75,19 @@ class Mamba2Mixer(StatefulLayer):
         self.dt_bias = nn.Parameter(torch.ones(num_heads, dtype=ctx.dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(num_heads, dtype=ctx.dtype), requires_grad=False)
         self.D = nn.Parameter(torch.ones(num_heads, dtype=ctx.dtype), requires_grad=False)
-        self.norm = GroupedGatedRMSNorm(intermediate_size, n_groups, eps, ctx.dtype)
-        self.out_proj = ReplicatedLinear(intermediate_size, hidden_size, use_bias, ctx,
-                                         f"{prefix}.out_proj")
+        self.norm = (GroupedGatedRMSNorm(intermediate_size, n_groups, eps, ctx.dtype,
+                                         norm_before_gate) if norm else None)
+        self.out_proj = ReplicatedLinear(
+            intermediate_size, hidden_size, use_bias if out_proj_bias is None else out_proj_bias,
+            ctx, f"{prefix}.out_proj")
+        self.input_multiplier = input_multiplier
+        multipliers = None
+        if projection_multipliers is not None:
+            gn = n_groups * state_size
+            parts = [intermediate_size, intermediate_size, gn, gn, num_heads]
+            multipliers = torch.cat([torch.full((n,), float(m), dtype=ctx.dtype)
+                                     for n, m in zip(parts, projection_multipliers)])
+        self.register_buffer("projection_multipliers", multipliers, persistent=False)
         self.conv_op = ctx.custom_op("causal_conv1d") or recurrent_ops.causal_conv1d
         self.conv_update_op = (ctx.custom_op("causal_conv1d_update")
                                or recurrent_ops.causal_conv1d_update)
@@ -91,8 +115,13 @@ class Mamba2Mixer(StatefulLayer):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         md = get_forward_context()
         t = hidden.size(0)
-        gate, xbc, dt = self.in_proj(hidden).split(
-            [self.intermediate_size, self.conv_dim, self.num_heads], -1)
+        if self.input_multiplier != 1.0:
+            hidden = hidden * self.input_multiplier
+        projected = self.in_proj(hidden)
+        if self.projection_multipliers is not None:
+            projected = projected * self.projection_multipliers
+        gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads],
+                                        -1)
         A = -self.A_log.float().exp()
         conv_state, ssm_state = self.states
         nd = md.num_decode_tokens  # decodes first, one token each
@@ -103,8 +132,10 @@ class Mamba2Mixer(StatefulLayer):
             x = self.conv_update_op(xbc[:nd], conv_state, self.conv1d.weight, self.conv1d.bias,
                                     "silu", slots[:nd])
             x, B, C = self._split(x)
+            # dt is not clamped to the limit in decode, as neither transformers nor
+            # mamba_ssm's selective_state_update clamps it there
             y[:nd] = self.update_op(ssm_state, x, dt[:nd], A, B, C, self.D, self.dt_bias, True,
-                                    slots[:nd], self.dt_limit)
+                                    slots[:nd])
             self.checkpoint_decodes(md)
         if nd < t:
             rows, has = slots[nd:], md.has_initial_state[nd:]
@@ -125,7 +156,8 @@ class Mamba2Mixer(StatefulLayer):
             if at is not None:
                 self.store(0, entries, conv_states_at(xbc[nd:], initial, has, starts, at))
                 self.store(1, entries, kept)
-        return self.out_proj(self.norm(y.view(t, -1), gate))
+        y = y.view(t, -1)
+        return self.out_proj(y * F.silu(gate) if self.norm is None else self.norm(y, gate))
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         gn = self.n_groups * self.state_size

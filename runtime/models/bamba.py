@@ -15,16 +15,30 @@ from runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, Lla
 
 
 class BambaDecoderLayer(nn.Module):
+    """A Mamba mixer (`mamba`) or attention, then the feed-forward block; Jamba swaps in its
+    own mixer, attention and MoE through `build_mixer`, `attention_cls` and
+    `build_feed_forward`."""
+
+    attention_cls = LlamaAttention
+
     def __init__(self, config, layer_idx: int, ctx: BuildContext, prefix: str) -> None:
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
         if self.layer_type == "linear_attention":
-            self.mamba = Mamba2Mixer.from_hybrid_config(config, ctx, f"{prefix}.mamba")
+            self.mamba = self.build_mixer(config, ctx, f"{prefix}.mamba")
         else:
-            self.self_attn = LlamaAttention(config, layer_idx, ctx, f"{prefix}.self_attn")
-        self.feed_forward = LlamaMLP(config, ctx, f"{prefix}.feed_forward")
+            self.self_attn = self.attention_cls(config, layer_idx, ctx, f"{prefix}.self_attn")
+        self.feed_forward = self.build_feed_forward(config, layer_idx, ctx,
+                                                    f"{prefix}.feed_forward")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+
+    def build_mixer(self, config, ctx: BuildContext, prefix: str) -> nn.Module:
+        return Mamba2Mixer.from_hybrid_config(config, ctx, prefix)
+
+    def build_feed_forward(self, config, layer_idx: int, ctx: BuildContext, prefix: str
+                           ) -> nn.Module:
+        return LlamaMLP(config, ctx, prefix)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

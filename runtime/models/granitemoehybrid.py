@@ -19,22 +19,16 @@ from runtime.layers.fused_moe import FusedMoE
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import ReplicatedLinear
 from runtime.layers.mamba2_mixer import Mamba2Mixer
-from runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
+from runtime.models.granite import GraniteModel
+from runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
 class GraniteMoeHybridAttention(LlamaAttention):
     def attention_scale(self, config) -> float:
         return config.attention_multiplier
 
-    def __init__(self, config, layer_idx: int, ctx: BuildContext, prefix: str) -> None:
-        super().__init__(config, layer_idx, ctx, prefix)
-        self.uses_rope = config.position_embedding_type == "rope"
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        if self.uses_rope:
-            return super().forward(positions, hidden)
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
-        return self.o_proj(self.attn(q, k, v))
+    def uses_rope(self, config) -> bool:
+        return config.position_embedding_type == "rope"
 
 
 class GraniteMoeHybridMoE(nn.Module):
@@ -86,15 +80,8 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         return out * self.residual_multiplier, residual
 
 
-class GraniteMoeHybridModel(LlamaModel):
+class GraniteMoeHybridModel(GraniteModel):
     layer_cls = GraniteMoeHybridDecoderLayer
-
-    def __init__(self, config, ctx: BuildContext) -> None:
-        super().__init__(config, ctx)
-        self.embedding_multiplier = config.embedding_multiplier
-
-    def scale_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
-        return embeds * self.embedding_multiplier
 
 
 class GraniteMoeHybridForCausalLM(LlamaForCausalLM):

@@ -49,9 +49,10 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
-        self.rotary_emb = get_rope(self.head_size,
-                                   ctx.max_model_len or config.max_position_embeddings,
-                                   self.rope_config(config, layer_idx), ctx.dtype)
+        self.rotary_emb = (get_rope(self.head_size,
+                                    ctx.max_model_len or config.max_position_embeddings,
+                                    self.rope_config(config, layer_idx), ctx.dtype)
+                           if self.uses_rope(config) else None)
         self.rotary_op = ctx.custom_op("rotary_embedding") or rotary_embedding
         self.attn = Attention(self.num_heads, self.head_size, self.attention_scale(config),
                               self.num_kv_heads, ctx, layer_sliding_window(config, layer_idx),
@@ -69,6 +70,10 @@ class LlamaAttention(nn.Module):
         """The chunk of chunked attention in layer `layer_idx` (Llama 4), None for none."""
         return None
 
+    def uses_rope(self, config) -> bool:
+        """Whether the layer rotates q and k (the attention of some hybrids does not)."""
+        return True
+
     def rope_config(self, config, layer_idx: int):
         """What `get_rope` reads the rope settings of layer `layer_idx` from."""
         return config
@@ -79,7 +84,9 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.view(t, self.num_heads, self.head_size)).view(t, -1)
             k = self.k_norm(k.view(t, self.num_kv_heads, self.head_size)).view(t, -1)
-        q, k = self.rotary_op(positions, q, k, self.rotary_emb.cos_sin_cache, self.head_size)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_op(positions, q, k, self.rotary_emb.cos_sin_cache,
+                                  self.head_size)
         return self.o_proj(self.attn(q, k, v))
 
 

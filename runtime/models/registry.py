@@ -31,9 +31,13 @@ _BUILTIN: dict[str, str] = {
     "Qwen3_5ForCausalLM": "runtime.models.qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM": "runtime.models.qwen3_5:Qwen3_5MoeForCausalLM",
     "Qwen3NextForCausalLM": "runtime.models.qwen3_next:Qwen3NextForCausalLM",
+    "MambaForCausalLM": "runtime.models.mamba:MambaForCausalLM",
     "Mamba2ForCausalLM": "runtime.models.mamba2:Mamba2ForCausalLM",
     "GraniteMoeHybridForCausalLM": "runtime.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
     "BambaForCausalLM": "runtime.models.bamba:BambaForCausalLM",
+    "FalconH1ForCausalLM": "runtime.models.falcon_h1:FalconH1ForCausalLM",
+    "JambaForCausalLM": "runtime.models.jamba:JambaForCausalLM",
+    "NemotronHForCausalLM": "runtime.models.nemotron_h:NemotronHForCausalLM",
     "Lfm2ForCausalLM": "runtime.models.lfm2:Lfm2ForCausalLM",
     # vision-language models (runtime.multimodal processes their images)
     "LlavaForConditionalGeneration": "runtime.models.llava:LlavaForConditionalGeneration",

@@ -60,17 +60,19 @@ def hybrid_case(request) -> str:
     return request.param
 
 
+# The fixtures and tests below read CASES and PREEMPTION_BUDGET from the module that runs them,
+# so that tests/models/test_hybrid_models_more.py runs them on its own architectures.
 @pytest.fixture(scope="module")
-def hybrid_path(hybrid_case, tiny_model_factory) -> str:
-    arch, overrides = CASES[hybrid_case]
+def hybrid_path(hybrid_case, tiny_model_factory, request) -> str:
+    arch, overrides = request.module.CASES[hybrid_case]
     assert choose_model([arch]).impl == "native"
     return tiny_model_factory(arch, **overrides)
 
 
 @pytest.fixture(scope="module")
-def hybrid(hybrid_case, hybrid_path):
+def hybrid(hybrid_case, hybrid_path, request):
     """(model folder, transformers' greedy references for PROMPTS)."""
-    arch = CASES[hybrid_case][0]
+    arch = request.module.CASES[hybrid_case][0]
     hf = getattr(transformers, arch).from_pretrained(hybrid_path, dtype=torch.float32).eval()
     return hybrid_path, [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
 
@@ -90,12 +92,12 @@ def test_matches_transformers_with_odd_chunks(hybrid, chunked_llm):
     assert_matches_hf(chunked_llm.generate(PROMPTS, GREEDY), hybrid[1])
 
 
-def test_matches_transformers_unchunked_and_preempted(hybrid, hybrid_case):
+def test_matches_transformers_unchunked_and_preempted(hybrid, hybrid_case, request):
     """Whole prompts in one step, and a KV cache too small for every request at once: the
     preempted ones give up their state slot and recompute."""
     path, references = hybrid
-    llm = LLM(path, dtype="float32", kv_cache_memory=PREEMPTION_BUDGET[hybrid_case],
-              max_num_seqs=4,
+    llm = LLM(path, dtype="float32",
+              kv_cache_memory=request.module.PREEMPTION_BUDGET[hybrid_case], max_num_seqs=4,
               enable_chunked_prefill=False, max_num_batched_tokens=256, max_model_len=100,
               block_size=16)
     outputs = llm.generate(PROMPTS, GREEDY)

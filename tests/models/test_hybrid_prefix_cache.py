@@ -10,6 +10,7 @@ import transformers
 
 from runtime import LLM, SamplingParams
 from tests.models.test_hybrid_models import CASES
+from tests.models.test_hybrid_models_more import CASES as MORE_CASES
 from tests.parity import assert_matches_hf, hf_greedy
 
 MAX_NEW = 6
@@ -20,10 +21,10 @@ PROMPTS = [PREFIX + [7, 8, 9], PREFIX + list(range(900, 920)), PREFIX[:40] + [5,
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
 
 
-@pytest.fixture(scope="module", params=["qwen3.5", "mamba2", "lfm2"])
+@pytest.fixture(scope="module", params=["qwen3.5", "mamba2", "lfm2", "jamba"])
 def case(request, tiny_model_factory):
-    """(model folder, transformers' greedy references for PROMPTS)."""
-    arch, overrides = CASES[request.param]
+    """(model folder, transformers' greedy references for PROMPTS); Jamba for Mamba 1."""
+    arch, overrides = {**CASES, **MORE_CASES}[request.param]
     path = tiny_model_factory(arch, **overrides)
     hf = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
     return path, [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]

@@ -14,8 +14,8 @@ from runtime import LLM
 from runtime.cli.main import main
 
 CONFIGS = {
-    "mamba": lambda: transformers.MambaConfig(hidden_size=64, num_hidden_layers=2,
-                                              architectures=["MambaForCausalLM"]),
+    "falcon-mamba": lambda: transformers.FalconMambaConfig(
+        hidden_size=64, num_hidden_layers=2, architectures=["FalconMambaForCausalLM"]),
     "idefics3": lambda: transformers.Idefics3Config(
         architectures=["Idefics3ForConditionalGeneration"]),
     "qwen2-vl": lambda: transformers.Qwen2VLConfig(
