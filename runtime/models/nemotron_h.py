@@ -153,9 +153,15 @@ class NemotronHModel(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon, ctx)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate: None = None) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+                intermediate: None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds` (a prompt given as embeddings) replace the embedding of input_ids."""
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
