@@ -92,10 +92,15 @@ def measure_packed_buckets() -> list[int]:
 
 
 def host_key(threads: int) -> str:
-    """What the choice depends on: the CPU, torch's build, the ISA oneDNN may use, threads."""
-    from runtime.platforms.cpu.platform import read_cpuinfo
-    cpu = read_cpuinfo()
-    text = "|".join([cpu.model_name, ",".join(sorted(cpu.features)), torch.__version__,
+    """What the choice depends on: the CPU (its first entry in /proc/cpuinfo: model and
+    flags), torch's build, the ISA oneDNN may use, the thread count."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = f.read().split("\n\n", 1)[0]
+    except OSError:
+        cpu = ""
+    described = [line for line in cpu.splitlines() if line.startswith(("model name", "flags"))]
+    text = "|".join([*described, torch.backends.cpu.get_cpu_capability(), torch.__version__,
                      os.environ.get("ONEDNN_MAX_CPU_ISA", ""), str(threads)])
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 

@@ -16,6 +16,7 @@ from runtime.plugins import lora_ops as portable_lora
 from runtime.plugins import recurrent_ops as portable_recurrent
 from runtime.plugins.lora_ops import LoRABatch
 from runtime.plugins.ops import add_rms_norm as portable_add_rms_norm
+from runtime.plugins.ops import greedy_argmax as portable_greedy_argmax
 from runtime.plugins.ops import rms_norm as portable_rms_norm
 from runtime.plugins.ops import rotary_embedding as portable_rotary_embedding
 from runtime.plugins.ops import silu_and_mul as portable_silu_and_mul
@@ -42,6 +43,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if not _fits(x, 32):
         return portable_silu_and_mul(x)
     return torch.ops.runtime_cpu.silu_and_mul(x)
+
+
+def greedy_argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch's `max(dim=-1)` ran 2.8 ms on 64 x 49152 float32 logits on two threads of an
+    AVX-512 EPYC (1.8 ms on one); the kernel reads them once at memory speed."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.stride(-1) != 1 or x.size(-1) == 0:
+        return portable_greedy_argmax(x)
+    return torch.ops.runtime_cpu.greedy_argmax(x)
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -258,4 +267,4 @@ OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_
        "causal_conv1d_update": causal_conv1d_update,
        "chunk_gated_delta_rule": chunk_gated_delta_rule,
        "fused_recurrent_gated_delta_rule": fused_recurrent_gated_delta_rule,
-       "mamba2_state_update": mamba2_state_update}
+       "mamba2_state_update": mamba2_state_update, "greedy_argmax": greedy_argmax}
