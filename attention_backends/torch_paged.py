@@ -95,8 +95,18 @@ class TorchPagedAttention(AttentionBackend):
         nd = metadata.num_decode_tokens
         if nd:
             out[:nd] = self._decode(query[:nd], k_cache, v_cache, metadata, nd, block_size)
+        if nd < metadata.num_reqs:
+            self._prefills(out, query, key, value, k_cache, v_cache, metadata, nd, block_size)
+        return out
+
+    def _prefills(self, out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  metadata: AttentionMetadata, nd: int, block_size: int) -> None:
+        """Attention of the step's prefill chunks (requests nd.. of the batch) into `out`, one
+        request at a time: a chunk whose whole context is new attends to the step's own keys,
+        others to their context read back from the cache."""
         starts = metadata.query_start_loc_cpu
-        all_new_ok = self.sliding_window is None and not is_fp8(kv_cache.dtype)
+        all_new_ok = self.sliding_window is None and not is_fp8(k_cache.dtype)
         for i in range(nd, metadata.num_reqs):
             q_lo, q_hi = starts[i], starts[i + 1]
             seq_len = metadata.seq_lens_cpu[i]
@@ -107,7 +117,6 @@ class TorchPagedAttention(AttentionBackend):
                 k = read_kv(k_cache[blocks].flatten(0, 1)[:seq_len], self.k_scale, query.dtype)
                 v = read_kv(v_cache[blocks].flatten(0, 1)[:seq_len], self.v_scale, query.dtype)
             out[q_lo:q_hi] = self._prefill(query[q_lo:q_hi], k, v, seq_len)
-        return out
 
     def _caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer's cache as [num_blocks, block_size, num_kv_heads, head_size]

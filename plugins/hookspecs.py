@@ -152,6 +152,8 @@ def runtime_custom_op(platform: Platform, name: str) -> Callable | None:
       "selective_state_update", "mamba2_chunk_scan", "mamba2_state_update",
       "chunk_gated_delta_rule" and "fused_recurrent_gated_delta_rule" (portable versions and
       their contracts in `runtime.plugins.recurrent_ops`)
+    - "greedy_argmax": (x [rows, n] float32) -> each row's first maximum's index (int64, NaN
+      above all), as x.max(dim=-1).indices; the sampler's greedy rows and exponential race
 
     Each name is asked for on its own, so a plugin may replace one and keep the others. A
     composite op ("add_rms_norm") is taken only from an implementation asked no later than the

@@ -92,3 +92,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 # op name -> the op a composite is built from, when no plugin at least as early in the hook's
 # call order supplies the composite itself
 COMPOSITES = {"add_rms_norm": ("rms_norm", compose_add_rms_norm)}
+
+
+def greedy_argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's first maximum (NaN above all) of x [rows, n], as
+    `argmax(dim=-1)`, which on the CPU was 3.7x slower than `max` on one core (15 ms against
+    4 ms for 64 x 49152 float32 logits)."""
+    return x.max(dim=-1).indices

@@ -2,7 +2,7 @@
 `csrc/encoder_ops.cpp`, with the portable
 ones as fallback for shapes the kernels do not take (a last dimension that is not a multiple of
 16 or a rotary dimension not a multiple of 32, strided views such as Qwen3's per-head q/k norms),
-and the dense `linear` kernel (oneDNN for decode-sized products)."""
+and the dense `linear` kernel (oneDNN with pre-packed weights where it is the faster product)."""
 from __future__ import annotations
 
 import os
@@ -11,10 +11,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from runtime.platforms.cpu.linear_choice import PackedRows, fp32_packed_rows
 from runtime.plugins import lora_ops as portable_lora
 from runtime.plugins import recurrent_ops as portable_recurrent
 from runtime.plugins.lora_ops import LoRABatch
 from runtime.plugins.ops import add_rms_norm as portable_add_rms_norm
+from runtime.plugins.ops import greedy_argmax as portable_greedy_argmax
 from runtime.plugins.ops import rms_norm as portable_rms_norm
 from runtime.plugins.ops import rotary_embedding as portable_rotary_embedding
 from runtime.plugins.ops import silu_and_mul as portable_silu_and_mul
@@ -41,6 +43,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if not _fits(x, 32):
         return portable_silu_and_mul(x)
     return torch.ops.runtime_cpu.silu_and_mul(x)
+
+
+def greedy_argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch's `max(dim=-1)` ran 2.8 ms on 64 x 49152 float32 logits on two threads of an
+    AVX-512 EPYC (1.8 ms on one); the kernel reads them once at memory speed."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.stride(-1) != 1 or x.size(-1) == 0:
+        return portable_greedy_argmax(x)
+    return torch.ops.runtime_cpu.greedy_argmax(x)
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -211,24 +221,25 @@ def mamba2_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
         _rows(state_indices, x.size(0)))
 
 
-# oneDNN with a pre-packed weight beats MKL's sgemm (which re-packs the weight every call) on
-# the few-row products of decode steps when several threads share them, and loses to it on long
-# prefill chunks and on one thread. Measured on a 2-core AVX2 EPYC, 2 threads: rows 8-256 gain
-# 20-80 %, 1 row and 512+ rows lose 10-30 %; 1 thread, 64 rows: 10 % slower.
-ONEDNN_ROWS = range(2, 257)
 # In bf16 (fp16) torch's own product is oneDNN already, re-ordering the weight every call; the
 # packed copy saves that at every row count and thread count. Measured on a 2-core AVX512-BF16
 # EPYC, SmolLM2-135M's shapes: 1 thread, rows 1-256 gain 1.1-2.4x, 512-2048 rows 1.0-1.1x.
 HALF_ROWS = range(1, 1 << 62)
-ONEDNN_ENV = "RUNTIME_CPU_ONEDNN_LINEAR"  # "0": torch's product everywhere, no packed copies
+ONEDNN_ENV = "RUNTIME_CPU_ONEDNN_LINEAR"  # "0": torch's product everywhere; "1": packed everywhere
 
 
-def onednn_rows(dtype: torch.dtype) -> range | None:
-    """The row counts a packed `dtype` weight is used for on this host, None for none."""
-    if os.environ.get(ONEDNN_ENV) == "0" or not torch.backends.mkldnn.is_available():
+def onednn_rows(dtype: torch.dtype) -> range | PackedRows | None:
+    """The row counts a packed `dtype` weight is used for on this host, None for none; float32's
+    are measured on this host (`linear_choice.py`) at the thread count set before the model
+    loads."""
+    setting = os.environ.get(ONEDNN_ENV)
+    if setting == "0" or not torch.backends.mkldnn.is_available():
         return None
     if dtype == torch.float32:
-        return ONEDNN_ROWS if torch.get_num_threads() >= 2 else None
+        if setting == "1":
+            return HALF_ROWS
+        measured = fp32_packed_rows(torch.get_num_threads())
+        return measured if measured.packed_buckets else None
     if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return HALF_ROWS
     if dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported():
@@ -238,9 +249,9 @@ def onednn_rows(dtype: torch.dtype) -> range | None:
 
 def linear(weight: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
     """A dense layer's kernel: a oneDNN-packed copy of `weight` (the packed form costs the
-    weight's size again in memory) for the row counts `onednn_rows` gives (fp32: decode-sized
-    inputs on several threads, set before the model loads; bf16/fp16 where the ISA computes
-    them: every input), torch's product for the rest."""
+    weight's size again in memory) for the row counts `onednn_rows` gives (fp32: those where it
+    measured faster on this host; bf16/fp16 where the ISA computes them: every input), torch's
+    product for the rest."""
     rows = onednn_rows(weight.dtype)
     if rows is None:
         return lambda x, bias: F.linear(x, weight, bias)
@@ -260,4 +271,4 @@ OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_
        "causal_conv1d_update": causal_conv1d_update,
        "chunk_gated_delta_rule": chunk_gated_delta_rule,
        "fused_recurrent_gated_delta_rule": fused_recurrent_gated_delta_rule,
-       "mamba2_state_update": mamba2_state_update}
+       "mamba2_state_update": mamba2_state_update, "greedy_argmax": greedy_argmax}

@@ -18,7 +18,8 @@ Under `auto`, cores that other processes keep busy when the rank starts are not 
 OpenMP thread pinned to a core it shares spins at every barrier while the other process holds
 the core, and each step waits for the slowest thread (measured on a 2-core host beside a busy
 test suite: 7 output tok/s with two pinned threads, 38 with one unpinned). The rank then runs
-one unpinned thread per idle core of its share, at least one.
+one unpinned thread per idle core of its share, at least one. The time of niced processes
+counts as idle when they give way to the rank (it is not niced, and autogroup scheduling is off).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ SYS_CPU = Path("/sys/devices/system/cpu")
 PROC_STAT = Path("/proc/stat")
 BUSY_SHARE = 0.5  # a core that others use at least this share of the time is busy
 SYS_NODE = Path("/sys/devices/system/node")
+AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled")
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -159,25 +161,42 @@ def reserved_cpus() -> int:
     return int(text)
 
 
-def cpu_times(stat_text: str) -> dict[int, tuple[int, int]]:
-    """(busy, total) jiffies of each CPU in /proc/stat's text (idle and iowait are idle)."""
+def cpu_times(stat_text: str, count_niced: bool = True) -> dict[int, tuple[int, int]]:
+    """(busy, total) jiffies of each CPU in /proc/stat's text (idle and iowait are idle; so is
+    the time of niced processes, the `nice` column, unless `count_niced`)."""
     times = {}
     for line in stat_text.splitlines():
         name, *fields = line.split()
         if name.startswith("cpu") and name[3:].isdigit():
             values = [int(v) for v in fields[:8]]
-            idle = values[3] + values[4]
+            idle = values[3] + values[4] + (0 if count_niced else values[1])
             times[int(name[3:])] = (sum(values) - idle, sum(values))
     return times
 
 
-def cpu_load(cpus: list[int], interval: float = 0.2, stat: Path = PROC_STAT) -> dict[int, float]:
-    """The share of `interval` seconds each of `cpus` spent running something (the caller is
-    idle meanwhile, so it is other processes' load); empty where /proc/stat is unreadable."""
+def niced_load_yields(autogroup: Path = AUTOGROUP) -> bool:
+    """Whether processes running niced (nice > 0) give way to this one: when this one is not
+    niced itself and the kernel weighs nice across the whole host, not per session (autogroup
+    scheduling off; with it on, each session gets an equal share whatever its nice). Then a
+    nice-0 thread gets ~98 % of a core shared with a nice-19 one, so a core busy only with niced
+    work is as good as idle for pinned threads."""
+    if not hasattr(os, "getpriority") or os.getpriority(os.PRIO_PROCESS, 0) > 0:
+        return False
     try:
-        before = cpu_times(stat.read_text())
+        return autogroup.read_text().strip() == "0"
+    except OSError:  # no autogroup scheduling in this kernel
+        return True
+
+
+def cpu_load(cpus: list[int], interval: float = 0.2, stat: Path = PROC_STAT) -> dict[int, float]:
+    """The share of `interval` seconds each of `cpus` spent running something that would not
+    give way to this process (the caller is idle meanwhile, so it is other processes' load);
+    empty where /proc/stat is unreadable."""
+    count_niced = not niced_load_yields()
+    try:
+        before = cpu_times(stat.read_text(), count_niced)
         time.sleep(interval)
-        after = cpu_times(stat.read_text())
+        after = cpu_times(stat.read_text(), count_niced)
     except OSError:
         return {}
     return load_between(before, after, cpus)

@@ -11,6 +11,10 @@ by the wall time of real engine steps, scheduling and sampling included:
 Prefill runs `--prefill-batch` prompts of `--prefill-len` tokens, one output token each; decode
 runs `--decode-batch` requests and times only the steps after every prompt is in the cache.
 Sliding windows and embeddings are not counted.
+
+Decode is also put on a roofline: the bytes a step must read (every matmul weight and the LM
+head once, plus each sequence's K and V of every layer) over its time, against the machine's
+read bandwidth, measured as the best of a few sums over a buffer far larger than the caches.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ class FlopModel:
     linear_params: int  # matmul weights of all decoder layers
     lm_head_params: int
     attention_per_key: int
+    kv_elements_per_key: int = 0  # K and V elements of one position, all layers
 
     @classmethod
     def from_config(cls, hf_config: Any) -> "FlopModel":
@@ -41,7 +46,8 @@ class FlopModel:
         head_dim = getattr(hf_config, "head_dim", None) or h // heads
         per_layer = (2 * h * heads * head_dim + 2 * h * kv_heads * head_dim
                      + 3 * h * hf_config.intermediate_size)
-        return cls(layers * per_layer, h * hf_config.vocab_size, 4 * layers * heads * head_dim)
+        return cls(layers * per_layer, h * hf_config.vocab_size, 4 * layers * heads * head_dim,
+                   2 * layers * kv_heads * head_dim)
 
     def token(self, position: int, sampled: bool) -> int:
         """The token at `position` (0-based) attends to position + 1 keys."""
@@ -68,8 +74,24 @@ def matmul_peak(dtype: Any, size: int, reps: int = 3) -> float:
     return 2 * size**3 / best
 
 
+def read_bandwidth(size_bytes: int = 1 << 30, reps: int = 5) -> float:
+    """Bytes/s of the best of `reps` float32 sums over `size_bytes` (after one warm-up): the
+    rate the machine streams memory that no cache holds, on the current thread count."""
+    import torch
+    buffer = torch.ones(size_bytes // 4)
+    buffer.sum()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return size_bytes / best
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--matmul-size", type=int, default=2048)
+    parser.add_argument("--bandwidth-mib", type=int, default=1024,
+                        help="size of the buffer the read bandwidth is measured on")
     parser.add_argument("--prefill-batch", type=int, default=8)
     parser.add_argument("--prefill-len", type=int, default=256)
     parser.add_argument("--decode-batch", type=int, default=64)
@@ -97,32 +119,40 @@ def measure_prefill(engine: Any, flops: FlopModel, prompts: list[list[int]]) -> 
             "gflops": total / elapsed / 1e9}
 
 
-def measure_decode(engine: Any, flops: FlopModel, prompts: list[list[int]],
-                   steps: int) -> dict[str, float]:
+def measure_decode(engine: Any, flops: FlopModel, prompts: list[list[int]], steps: int,
+                   weight_bytes: int, kv_bytes_per_key: int) -> dict[str, float]:
     """Time the steps after every prompt has its first token; count each decoded token's FLOPs
-    at its own position."""
+    at its own position, and the bytes its step reads: the weights once per step, and the K
+    and V of every position the token attends to."""
     ids = [engine.add_request({"prompt_token_ids": p}, _params(steps + 1)) for p in prompts]
     length = {i: len(p) for i, p in zip(ids, prompts)}
     generated = dict.fromkeys(ids, 0)
-    start, total, tokens = None, 0, 0
+    start, total, tokens, moved = None, 0, 0, 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        outputs = engine.step()
+        if start is not None and outputs:
+            moved += weight_bytes
+        for out in outputs:
             now = len(out.outputs[0].token_ids)
             if start is not None:
                 for k in range(generated[out.request_id], now):
-                    total += flops.token(length[out.request_id] + k - 1, sampled=True)
+                    position = length[out.request_id] + k - 1
+                    total += flops.token(position, sampled=True)
+                    moved += kv_bytes_per_key * (position + 1)
                     tokens += 1
             generated[out.request_id] = now
         if start is None and all(generated.values()):
             start = time.perf_counter()
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "tokens": tokens, "batch": len(prompts),
-            "tokens_per_s": tokens / elapsed, "gflops": total / elapsed / 1e9}
+            "tokens_per_s": tokens / elapsed, "gflops": total / elapsed / 1e9,
+            "gbytes_per_s": moved / elapsed / 1e9}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from runtime.attention_backends.base import kv_cache_torch_dtype
     from runtime.config import EngineConfig
     from runtime.engine.llm_engine import LLMEngine
     machine = common.machine_info(args.num_threads or torch.get_num_threads())
@@ -142,13 +172,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tok, args.decode_batch, args.decode_len, 1, seed=2)]
     measure_prefill(engine, flops, prefill_prompts[:1])  # warm-up
     prefill = measure_prefill(engine, flops, prefill_prompts)
-    decode = measure_decode(engine, flops, decode_prompts, args.decode_steps)
+    kv_dtype = kv_cache_torch_dtype(engine.config.kv_cache_dtype, dtype)
+    decode = measure_decode(engine, flops, decode_prompts, args.decode_steps,
+                            (flops.linear_params + flops.lm_head_params) * dtype.itemsize,
+                            flops.kv_elements_per_key * kv_dtype.itemsize)
     name = str(dtype).removeprefix("torch.")
     peak = peaks.get(name) or matmul_peak(dtype, args.matmul_size) / 1e9
     for phase in (prefill, decode):
         phase["share_of_peak"] = phase["gflops"] / peak
+    bandwidth = read_bandwidth(args.bandwidth_mib << 20) / 1e9
+    decode["share_of_bandwidth"] = decode["gbytes_per_s"] / bandwidth
     return {"command": "compute", "model": engine.source.path, "dtype": name,
-            "num_threads": threads, "peak_gflops": peaks, "prefill": prefill, "decode": decode,
+            "num_threads": threads, "peak_gflops": peaks, "read_gbytes_per_s": bandwidth,
+            "prefill": prefill, "decode": decode,
             "flops_per_token_linear": 2 * flops.linear_params,
             "flops_lm_head": 2 * flops.lm_head_params,
             "machine": machine}
@@ -160,14 +196,19 @@ def report(result: dict[str, Any]) -> str:
             {"phase": f"decode (batch {result['decode']['batch']})", **result["decode"]}]
     for row in rows:
         row["share"] = f"{100 * row['share_of_peak']:.1f}%"
+        if "gbytes_per_s" in row:
+            row["bytes"] = f"{row['gbytes_per_s']:.1f} GB/s"
+            row["bandwidth_share"] = f"{100 * row['share_of_bandwidth']:.1f}%"
     return "\n".join([
         f"model {result['model']}, dtype {result['dtype']}, {result['num_threads']} threads, "
         f"allocator {result['machine']['allocator']}",
         f"cpu {result['machine']['cpu']}, features: "
         f"{' '.join(result['machine']['features']) or 'none detected'}",
-        f"measured matmul peak (GFLOP/s): {peaks}",
+        f"measured matmul peak (GFLOP/s): {peaks}; read bandwidth "
+        f"{result['read_gbytes_per_s']:.1f} GB/s",
         format_table(rows, [("phase", "phase"), ("tokens_per_s", "tok/s"),
-                            ("gflops", "GFLOP/s"), ("share", f"of {result['dtype']} peak")]),
+                            ("gflops", "GFLOP/s"), ("share", f"of {result['dtype']} peak"),
+                            ("bytes", "bytes read"), ("bandwidth_share", "of bandwidth")]),
         common.busy_warning(result["machine"]) or ""]).rstrip()
 
 

@@ -16,7 +16,8 @@ from runtime.plugins.selection import (PlatformError, explain_attention_backends
 # The model shape used to ask which attention backend the active platform would choose.
 SAMPLE_HEAD_SIZE = 64
 SAMPLE_HEADS = 8
-CUSTOM_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "linear")
+CUSTOM_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "linear",
+              "greedy_argmax")
 
 
 def add_plugins_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -40,7 +40,8 @@ class ModelRunner:
                  hooks: Sequence[StepHook] = (), proposer: Proposer | None = None,
                  pooling: PoolingRunner | None = None,
                  generators: SeededGenerators | None = None,
-                 logits_processors: Sequence[Callable] = ()) -> None:
+                 logits_processors: Sequence[Callable] = (),
+                 greedy_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -48,7 +49,7 @@ class ModelRunner:
         # the stage's place in the pipeline, and (hidden size, dtype) of what stages exchange
         self.pp = pp or PipelineStage()
         self.hidden = hidden
-        self.sampler = Sampler(list(logits_processors))
+        self.sampler = Sampler(list(logits_processors), greedy_argmax)
         self.states = RequestStates()
         self.kv_cache = PagedKVCache(model)
         self.state_cache = RecurrentStateCache(model)  # a hybrid model's recurrent layers

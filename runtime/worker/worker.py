@@ -144,7 +144,8 @@ class Worker:
                                   graph_runner, ctx.pp, (mc.hidden_size, mc.dtype),
                                   hooks=[lora] if lora is not None else [], proposer=proposer,
                                   pooling=pooling, generators=generators,
-                                  logits_processors=self.answers.logits_processors())
+                                  logits_processors=self.answers.logits_processors(),
+                                  greedy_argmax=ctx.custom_op("greedy_argmax"))
         self.model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # this rank's layers and KV heads only
         self.kv_bytes_per_block = self.runner.kv_cache.bytes_per_block(cfg.block_size,

@@ -10,6 +10,7 @@ import sys
 import threading
 
 import pytest
+import torch
 import yaml
 
 from runtime import LLM
@@ -119,6 +120,7 @@ def test_flop_model_counts_every_token():
     flops = FlopModel.from_config(cfg)
     assert flops.linear_params == 2 * (2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16)
     assert flops.attention_per_key == 4 * 2 * 2 * 4
+    assert flops.kv_elements_per_key == 2 * 2 * 1 * 4  # K and V, 2 layers, 1 KV head of 4
     assert flops.prefill(5) == sum(flops.token(p, sampled=p == 4) for p in range(5))
 
 
@@ -127,12 +129,18 @@ def test_compute(tiny_llama, tmp_path):
     assert main(["bench", "compute", "--model", tiny_llama, "--matmul-size", "64",
                  "--prefill-batch", "2", "--prefill-len", "16", "--decode-batch", "3",
                  "--decode-len", "8", "--decode-steps", "3", "--kv-cache-memory", "32MiB",
-                 "--output-json", str(out), "--plot", str(png)]) == 0
+                 "--bandwidth-mib", "16", "--output-json", str(out), "--plot", str(png)]) == 0
     result = read(out)
     assert set(result["peak_gflops"]) == {"float32", "bfloat16"}
     assert result["prefill"]["tokens"] == 32 and result["decode"]["tokens"] == 9
     for phase in ("prefill", "decode"):
         assert result[phase]["gflops"] > 0 and result[phase]["share_of_peak"] > 0
+    # the roofline: 3 timed steps read the weights each, the 9 tokens their K and V
+    decode = result["decode"]
+    assert result["read_gbytes_per_s"] > 0 and decode["share_of_bandwidth"] > 0
+    itemsize = getattr(torch, result["dtype"]).itemsize
+    assert decode["gbytes_per_s"] * decode["seconds"] * 1e9 >= 3 * itemsize * (
+        result["flops_per_token_linear"] + result["flops_lm_head"]) / 2
 
 
 class StubServer:

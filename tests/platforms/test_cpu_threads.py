@@ -11,7 +11,8 @@ import pytest
 from runtime.config import EngineConfig
 from runtime.distributed.layout import host_share
 from runtime.platforms.cpu.threads import (auto_cpus, busy_cpus, cpu_load, cpu_times,
-                                           load_between, nodes_of, parse_cpu_list, plan_cpus)
+                                           load_between, niced_load_yields, nodes_of,
+                                           parse_cpu_list, plan_cpus)
 
 
 def fake_sysfs(tmp_path: Path, cores: int) -> Path:
@@ -127,3 +128,22 @@ def test_cpu_load_reads_each_cores_busy_share():
     assert load == pytest.approx({0: 0.9, 1: 0.1})
     assert busy_cpus([0, 1, 7], load) == [0]
     assert set(cpu_load([0])) <= {0}  # the real /proc/stat reads, or nothing where there is none
+
+
+def test_niced_load_is_idle_unless_counted():
+    # cpu0 spends 80 of 100 jiffies in niced processes (the second column)
+    before = cpu_times("cpu0 0 0 0 100 0 0 0 0\n", count_niced=False)
+    after = cpu_times("cpu0 10 80 0 110 0 0 0 0\n", count_niced=False)
+    assert load_between(before, after, [0]) == pytest.approx({0: 0.1})
+    before = cpu_times("cpu0 0 0 0 100 0 0 0 0\n")
+    after = cpu_times("cpu0 10 80 0 110 0 0 0 0\n")
+    assert load_between(before, after, [0]) == pytest.approx({0: 0.9})
+
+
+def test_niced_load_yields_only_without_autogroup(tmp_path):
+    flag = tmp_path / "sched_autogroup_enabled"
+    flag.write_text("1\n")  # each session gets an equal share whatever its nice
+    assert not niced_load_yields(flag)
+    flag.write_text("0\n")
+    assert niced_load_yields(flag) == (os.getpriority(os.PRIO_PROCESS, 0) <= 0)
+    assert niced_load_yields(tmp_path / "absent") == (os.getpriority(os.PRIO_PROCESS, 0) <= 0)

@@ -155,12 +155,59 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor 
   });
 }
 
+
+// (value, index) a is the better maximum than b: larger, NaN above all (torch's max), the lower
+// index on ties.
+inline bool better(float a, int64_t ia, float b, int64_t ib) {
+  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && (!std::isnan(b) || ia < ib);
+  return a > b || (a == b && ia < ib);
+}
+
+// The index of each row's first maximum (x [rows, n] float32, rows contiguous): 16 running
+// maxima per row, one per lane, merged at the end.
+at::Tensor greedy_argmax(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
+              "x must be a non-empty float32 [rows, n] with contiguous rows");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* base = x.data_ptr<float>();
+  int64_t* dst = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = base + r * stride;
+      float best = row[0];
+      int64_t index = 0, j = 0;
+      if (n >= 16) {
+        v16f lane_best = load16(row);
+        v16i lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        v16i position = lane_index;
+        for (j = 16; j + 16 <= n; j += 16) {
+          position += 16;
+          const v16f v = load16(row + j);
+          const v16i take = (v > lane_best) | ((v != v) & (lane_best == lane_best));
+          lane_best = take ? v : lane_best;
+          lane_index = take ? position : lane_index;
+        }
+        best = lane_best[0], index = lane_index[0];
+        for (int l = 1; l < 16; ++l)
+          if (better(lane_best[l], lane_index[l], best, index))
+            best = lane_best[l], index = lane_index[l];
+      }
+      for (; j < n; ++j)
+        if (better(row[j], j, best, index)) best = row[j], index = j;
+      dst[r] = index;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(runtime_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("greedy_argmax(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
         "Tensor cos_sin_cache, int head_size) -> ()");
 }
@@ -169,5 +216,6 @@ TORCH_LIBRARY_IMPL(runtime_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("greedy_argmax", &greedy_argmax);
   m.impl("rotary_embedding", &rotary_embedding);
 }

@@ -68,6 +68,19 @@ inline void store_vec(float* p, V v) {
 }
 
 // Two accumulators break the FMA dependency chain; n is a multiple of 8.
+// One head's rows of a block two ahead, asked for before the pass reaches them: a block is a
+// jump in memory the hardware prefetcher does not follow, and a few threads alone keep too few
+// misses in flight to reach the memory bandwidth otherwise (batch 64, 1024-token contexts, 2
+// threads of an AVX-512 EPYC: 26 -> 40 GB/s in fp32, 14 -> 32 GB/s in bf16, with the V pass
+// reading each row once per group of heads).
+template <typename C>
+inline void prefetch_rows(const C* rows, int64_t count, int64_t stride, int64_t head_size) {
+  const int64_t bytes = head_size * static_cast<int64_t>(sizeof(C));
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t off = 0; off < bytes; off += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(rows + r * stride) + off);
+}
+
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t n) {
   if constexpr (std::is_same_v<CacheVec<T>, v16f>) {
@@ -194,6 +207,9 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
       for (int64_t b = first / block_size; b * block_size < len; ++b) {
         const int64_t lo = std::max(first, b * block_size);
         const int64_t hi = std::min(len, (b + 1) * block_size);
+        if ((b + 2) * block_size < len)
+          prefetch_rows(k_ptr + table[b + 2] * kb_stride + kvh * kh_stride, block_size,
+                        kt_stride, head_size);
         const C* k = k_ptr + table[b] * kb_stride + kvh * kh_stride +
                      (lo - b * block_size) * kt_stride;
         int64_t t = lo;
@@ -220,34 +236,46 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
       for (int64_t g = 0; g < group; ++g)
         sums[g] = sinks ? softmax_numerator(scores.data() + g * n, n, sinks[kvh * group + g])
                         : softmax_numerator(scores.data() + g * n, n);
-      for (int64_t g = 0; g < group; ++g) {
-        // The weighted sum of V rows, in registers when the head size is known.
-        using V = CacheVec<C>;
-        constexpr int64_t width = sizeof(V) / sizeof(float);
-        constexpr int64_t lanes = HEAD > 0 ? HEAD / width : 1;
-        V regs[lanes] = {};
+      // The weighted sums of V rows: with the head size known, up to kTile heads of the group
+      // at a time in registers, so that each V row is read once per tile, not once per head.
+      using V = CacheVec<C>;
+      constexpr int64_t width = sizeof(V) / sizeof(float);
+      constexpr int64_t lanes = HEAD > 0 ? HEAD / width : 1;
+      constexpr int64_t kTile = HEAD > 0 ? std::max<int64_t>(1, 16 / lanes) : 1;
+      for (int64_t g0 = 0; g0 < group; g0 += kTile) {
+        const int64_t tile = std::min(kTile, group - g0);
+        V regs[kTile][lanes] = {};
         if constexpr (HEAD == 0) std::fill(acc.begin(), acc.end(), 0.f);
-        const float* p = scores.data() + g * n;
         for (int64_t b = first / block_size; b * block_size < len; ++b) {
           const int64_t lo = std::max(first, b * block_size);
           const int64_t hi = std::min(len, (b + 1) * block_size);
+          if ((b + 2) * block_size < len)
+            prefetch_rows(v_ptr + table[b + 2] * vb_stride + kvh * vh_stride, block_size,
+                          vt_stride, head_size);
           const C* v = v_ptr + table[b] * vb_stride + kvh * vh_stride +
                        (lo - b * block_size) * vt_stride;
           for (int64_t t = lo; t < hi; ++t, v += vt_stride) {
-            const float w = p[t - first];
             if constexpr (HEAD > 0) {
-              for (int64_t j = 0; j < lanes; ++j) regs[j] += w * load_vec<V>(v + width * j);
+              V row[lanes];
+              for (int64_t j = 0; j < lanes; ++j) row[j] = load_vec<V>(v + width * j);
+              for (int64_t g = 0; g < tile; ++g) {
+                const float w = scores[(g0 + g) * n + (t - first)];
+                for (int64_t j = 0; j < lanes; ++j) regs[g][j] += w * row[j];
+              }
             } else {
+              const float w = scores[g0 * n + (t - first)];
               for (int64_t d = 0; d < head_size; d += 8)
                 store8(acc.data() + d, load8(acc.data() + d) + w * load8(v + d));
             }
           }
         }
-        if constexpr (HEAD > 0)
-          for (int64_t j = 0; j < lanes; ++j) store_vec(acc.data() + width * j, regs[j]);
-        T* dst = o_ptr + s * os_stride + (kvh * group + g) * oh_stride;
-        const float inv = static_cast<float>(v_scale) / sums[g];
-        for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+        for (int64_t g = 0; g < tile; ++g) {
+          if constexpr (HEAD > 0)
+            for (int64_t j = 0; j < lanes; ++j) store_vec(acc.data() + width * j, regs[g][j]);
+          T* dst = o_ptr + s * os_stride + (kvh * group + g0 + g) * oh_stride;
+          const float inv = static_cast<float>(v_scale) / sums[g0 + g];
+          for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+        }
       }
     }
   });
