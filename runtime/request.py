@@ -117,10 +117,13 @@ class Request:
                         if f.overlaps(start, end))
 
     def cache_seed(self) -> bytes | None:
-        """What the prefix-cache hash chain starts from: the adapter's id (two adapters never
-        share a block) and the prompt embeddings' digest (their placeholders say nothing)."""
+        """What the prefix-cache hash chain starts from: the adapter's name and path (two
+        adapters never share a block; not its id, which `--lora-modules` numbers by order, so
+        the offload tier's disk blocks keep their adapter across a restart), and the prompt
+        embeddings' digest (their placeholders say nothing)."""
         if self._cache_seed is None and (self.lora_int_id or self.prompt_embeds is not None):
-            seed = self.lora_int_id.to_bytes(8, "little") if self.lora_int_id else b""
+            adapter = self.lora_request
+            seed = f"{adapter.lora_name}\0{adapter.lora_path}\0".encode() if adapter else b""
             self._cache_seed = seed + (digest(self.prompt_embeds)
                                        if self.prompt_embeds is not None else b"")
         return self._cache_seed
