@@ -4,7 +4,6 @@ from __future__ import annotations
 import enum
 import time
 
-from runtime.engine.prompt_embeds import digest
 from runtime.lora.request import LoRARequest
 from runtime.multimodal.inputs import MultiModalFeature, TensorData
 from runtime.pooling.params import PoolingParams
@@ -124,7 +123,7 @@ class Request:
         if self._cache_seed is None and (self.lora_int_id or self.prompt_embeds is not None):
             adapter = self.lora_request
             seed = f"{adapter.lora_name}\0{adapter.lora_path}\0".encode() if adapter else b""
-            self._cache_seed = seed + (digest(self.prompt_embeds)
+            self._cache_seed = seed + (self.prompt_embeds.digest()
                                        if self.prompt_embeds is not None else b"")
         return self._cache_seed
 

@@ -227,10 +227,10 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
     pad = spec["pad_token_id"]
     mm_inputs = {}  # expanded prompt ids -> what the model takes for its images
     if any(images):  # our processor's output and placeholder expansion, as our engine gets
-        from runtime.bench.common import load_tokenizer
+        from runtime.model_loader.source import load_tokenizer, resolve_model
         from runtime.multimodal.processing import MultiModalProcessor
-        mm = MultiModalProcessor(spec["model"], model.config,
-                                 load_tokenizer(spec["model"], spec.get("tokenizer")))
+        mm = MultiModalProcessor(spec["model"], model.config, load_tokenizer(
+            resolve_model(spec["model"], spec.get("tokenizer"))))
         expanded = []
         for (ids, n), items in zip(requests_of(spec), images):
             if items:

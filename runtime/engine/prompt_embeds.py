@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import io
 
 import torch
@@ -69,12 +68,3 @@ def check_prompt_embeds(tensor: object, hidden_size: int, max_model_len: int) ->
     if not bool(torch.isfinite(tensor).all()):
         raise ValueError("prompt_embeds holds values that are not finite (nan or inf)")
     return TensorData.of(tensor)
-
-
-def digest(embeds: TensorData) -> bytes:
-    """The content hash an embeddings prompt's prefix-cache chain starts from: equal tensors
-    (shape, dtype and bytes) share blocks, different ones never do."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"prompt_embeds:{embeds.dtype}:{embeds.shape}".encode())
-    h.update(embeds.data)
-    return h.digest()

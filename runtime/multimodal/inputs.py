@@ -3,6 +3,8 @@ content hash that names it (encoder cache and prefix-cache keys), and the proces
 the encoder reads. Plain data, picklable and msgpack-able."""
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 import torch
 
@@ -19,6 +21,14 @@ class TensorData(msgspec.Struct, array_like=True, frozen=True):
         tensor = tensor.detach().contiguous().cpu()
         return cls(list(tensor.shape), str(tensor.dtype).removeprefix("torch."),
                    tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+
+    def digest(self) -> bytes:
+        """A content hash (shape, dtype and bytes): equal tensors share it, different ones
+        never do (an embeddings prompt's prefix-cache chain starts from it)."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"tensor:{self.dtype}:{self.shape}".encode())
+        h.update(self.data)
+        return h.digest()
 
     def tensor(self) -> torch.Tensor:
         dtype = getattr(torch, self.dtype)

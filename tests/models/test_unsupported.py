@@ -18,8 +18,8 @@ CONFIGS = {
         hidden_size=64, num_hidden_layers=2, architectures=["FalconMambaForCausalLM"]),
     "idefics3": lambda: transformers.Idefics3Config(
         architectures=["Idefics3ForConditionalGeneration"]),
-    "qwen2-vl": lambda: transformers.Qwen2VLConfig(
-        architectures=["Qwen2VLForConditionalGeneration"]),
+    "llava-next": lambda: transformers.LlavaNextConfig(
+        architectures=["LlavaNextForConditionalGeneration"]),
 }
 
 
