@@ -70,6 +70,15 @@ class Platform(ABC):
         before its model loads. `num_threads` is the user's `--num-threads` (None: the
         platform decides). The default does nothing (a device with no host threads to set)."""
 
+    def rebalance_threads(self) -> None:
+        """Adjust the threads `set_threads` set up to what the host allows now.
+
+        Called by the worker after every step, between steps (no parallel region is running),
+        so it must return at once when there is nothing to do: a platform samples the host at
+        its own interval. The CPU platform drops the threads of cores that other processes
+        took while the rank ran and pins them again once they are free. The default does
+        nothing."""
+
     def set_memory_utilization(self, fraction: float | None) -> None:
         """Apply `--gpu-memory-utilization`: the share of device memory the engine may take in all
         (weights, activations, KV cache). Platforms that size the cache otherwise ignore it."""

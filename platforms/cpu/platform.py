@@ -8,13 +8,16 @@ import logging
 import os
 import platform as pyplatform
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from runtime.plugins.interfaces import (BackendCandidate, Communicator, CommunicatorSpec,
                                         EagerRunner, GraphRunner, ModelInfo, Platform)
 
+
+if TYPE_CHECKING:
+    from runtime.platforms.cpu.contention import ThreadShare
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +147,7 @@ class CpuPlatform(Platform):
 
     def __init__(self, info: CpuInfo | None = None) -> None:
         self.info = info or read_cpuinfo()
+        self.thread_share: ThreadShare | None = None  # set by set_threads under `auto`
 
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
@@ -168,6 +172,8 @@ class CpuPlatform(Platform):
         """Bind the rank's OpenMP threads one per core, as `RUNTIME_CPU_OMP_THREADS_BIND` says
         (`platforms/cpu/threads.py`); with `nobind`, the usable cores shared out evenly."""
         from runtime.platforms.cpu import threads
+        from runtime.platforms.cpu.contention import ThreadShare
+        self.thread_share = None
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"thread count must be at least 1, got {num_threads}")
         nodes, usable, spec = threads.numa_nodes(), threads.usable_cpus(), threads.bind_spec()
@@ -176,6 +182,7 @@ class CpuPlatform(Platform):
         if cpus is None:
             torch.set_num_threads(num_threads or max(1, len(usable) // host_ranks))
             return
+        count = len(cpus)
         if spec == "auto":
             load = threads.cpu_load(cpus)
             busy = threads.busy_cpus(cpus, load)
@@ -187,28 +194,30 @@ class CpuPlatform(Platform):
                     "(%s=%s pins anyway)", host_rank, busy,
                     ", ".join(f"{load[c]:.0%}" for c in busy), count, threads.BIND_ENV,
                     ",".join(map(str, cpus)))
-                torch.set_num_threads(count)
-                return
         failed = self.kernel_build_error()
         if failed:
             logger.warning("threads not pinned one per core (the CPU kernels did not build: "
                            "%s); rank %d runs %d threads on CPUs %s", failed, host_rank,
-                           len(cpus), cpus)
-            torch.set_num_threads(len(cpus))
-        else:
-            cpu_nodes = threads.nodes_of(cpus, nodes)
-            tids = torch.ops.runtime_cpu.bind_threads(cpus, cpu_nodes)
-            if len(set(tids)) != len(cpus):
-                logger.warning("binding ran on %d threads for %d CPUs; threads not pinned "
-                               "one per core", len(set(tids)), len(cpus))
-            logger.info("rank %d: %d threads pinned to CPUs %s (NUMA nodes %s)", host_rank,
-                        len(cpus), cpus, cpu_nodes)
+                           count, cpus)
+            torch.set_num_threads(count)
+            return
         # The main thread (OpenMP thread 0) keeps the rank's whole share where ranks share the
         # host or the list was asked for. A lone rank under `auto` is often the user's own
         # Python process: its main thread stays free, or every process it starts later would
         # inherit the share.
         lone = host_ranks == 1 and spec == "auto"
-        os.sched_setaffinity(0, usable if lone else cpus)
+        cpu_nodes = threads.nodes_of(cpus, nodes)
+        share = ThreadShare(host_rank, cpus, cpu_nodes, usable if lone else cpus, count)
+        self.thread_share = share if spec == "auto" else None  # a list asked for stays pinned
+        if count == len(cpus):
+            logger.info("rank %d: %d threads pinned to CPUs %s (NUMA nodes %s)", host_rank,
+                        len(cpus), cpus, cpu_nodes)
+
+    def rebalance_threads(self) -> None:
+        """Under `auto`, drop the threads of cores other processes took while the rank ran,
+        and pin them again once free (`platforms/cpu/contention.py`)."""
+        if self.thread_share is not None:
+            self.thread_share.check()
 
     def describe(self) -> dict[str, Any]:
         available = available_memory_bytes()

@@ -277,6 +277,7 @@ class Worker:
                                  for part in micro_batches(reqs, self.layout.pp_size)])
         if self.kv_connector is not None:
             out.kv_connector_output = self.kv_connector.get_finished()
+        self.platform.rebalance_threads()
         return out
 
 

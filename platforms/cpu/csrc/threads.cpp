@@ -57,8 +57,34 @@ std::vector<int64_t> bind_threads(std::vector<int64_t> cpus, std::vector<int64_t
   }
   return tids;
 }
+
+// Runs `count` pool threads, each free to move among all of `cpus` (undoing bind_threads' one
+// CPU per thread); returns their Linux thread ids in thread order.
+std::vector<int64_t> release_threads(std::vector<int64_t> cpus, int64_t count) {
+  TORCH_CHECK(!cpus.empty() && count >= 1, "release_threads needs CPUs and a thread count");
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int64_t cpu : cpus) CPU_SET(static_cast<int>(cpu), &set);
+  at::set_num_threads(static_cast<int>(count));
+  std::vector<int64_t> tids(count, -1);
+  std::vector<int> errors(count, 0);
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      errors[i] = sched_setaffinity(0, sizeof(set), &set) == 0 ? 0 : errno;
+      tids[i] = static_cast<int64_t>(syscall(SYS_gettid));
+    }
+  });
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(errors[i] == 0, "sched_setaffinity failed: ", std::strerror(errors[i]));
+  }
+  return tids;
+}
 #else
 std::vector<int64_t> bind_threads(std::vector<int64_t>, std::vector<int64_t>) {
+  TORCH_CHECK(false, "binding threads to CPUs needs Linux");
+}
+
+std::vector<int64_t> release_threads(std::vector<int64_t>, int64_t) {
   TORCH_CHECK(false, "binding threads to CPUs needs Linux");
 }
 #endif
@@ -67,4 +93,5 @@ std::vector<int64_t> bind_threads(std::vector<int64_t>, std::vector<int64_t>) {
 
 TORCH_LIBRARY_FRAGMENT(runtime_cpu, m) {
   m.def("bind_threads(int[] cpus, int[] nodes) -> int[]", &bind_threads);
+  m.def("release_threads(int[] cpus, int count) -> int[]", &release_threads);
 }
