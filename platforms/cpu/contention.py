@@ -98,7 +98,7 @@ class ThreadShare:
             self.pin()
         else:
             self.release(count)
-        self.sample = self.take_sample()
+        self.sample = self.read_sample()
 
     def pin(self) -> None:
         import torch
@@ -117,14 +117,21 @@ class ThreadShare:
         self.count = count
         os.sched_setaffinity(0, self.main_cpus)
 
-    def take_sample(self) -> tuple:
+    def read_sample(self) -> tuple | dict | None:
+        """The counts `wanted_count` compares, or None where /proc cannot be read."""
+        try:
+            return self.take_sample()
+        except OSError:
+            return None
+
+    def take_sample(self) -> tuple | dict:
         if self.pinned:
             return {tid: times for tid in self.pinned.values()
                     if (times := thread_times(tid)) is not None}
         return threads.cpu_times(threads.PROC_STAT.read_text(),
                                  not threads.niced_load_yields()), own_ticks()
 
-    def wanted_count(self, before: tuple, after: tuple) -> int:
+    def wanted_count(self, before: tuple | dict, after: tuple | dict) -> int:
         """The thread count the last interval asks for."""
         if self.pinned:
             return len(self.cpus) - len(lost_cpus(self.pinned, before, after))
@@ -140,9 +147,9 @@ class ThreadShare:
         if now < self.next_check:
             return
         self.next_check = now + INTERVAL_S
-        try:
-            after = self.take_sample()
-        except OSError:  # /proc unreadable: keep the threads as they are
+        after = self.read_sample()
+        if after is None or self.sample is None:  # /proc unreadable: keep the threads
+            self.sample = after
             return
         wanted = self.wanted_count(self.sample, after)
         self.sample = after
@@ -160,4 +167,4 @@ class ThreadShare:
                            self.host_rank, len(self.cpus) - wanted, self.cpus, wanted,
                            threads.BIND_ENV, ",".join(map(str, self.cpus)))
         self.wanted = []
-        self.sample = self.take_sample()
+        self.sample = self.read_sample()
