@@ -92,7 +92,7 @@ class ThreadShare:
         self.clock = clock
         self.pinned: dict[int, int] = {}  # CPU -> the thread pinned to it, while pinned
         self.count = count
-        self.wanted: list[int | None] = []  # thread counts the last samples asked for
+        self.wanted: list[int] = []  # thread counts the last samples asked for
         self.next_check = clock() + INTERVAL_S
         if count == len(cpus):
             self.pin()
@@ -136,9 +136,7 @@ class ThreadShare:
         if self.pinned:
             return len(self.cpus) - len(lost_cpus(self.pinned, before, after))
         load = others_load(self.cpus, before[0], after[0], before[1], after[1])
-        if load < 0.5:
-            return len(self.cpus)
-        return max(1, len(self.cpus) - math.ceil(load - 0.5))
+        return max(1, len(self.cpus) - math.ceil(load - 0.5))  # under half a core: all
 
     def check(self) -> None:
         """Every `INTERVAL_S`: sample, and change the thread count when `AGREEING_SAMPLES`

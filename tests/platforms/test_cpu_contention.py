@@ -1,12 +1,10 @@
 """Re-sharing a rank's threads while it runs (`platforms/cpu/contention.py`): which cores a
 sample says were lost, the other processes' load once unpinned, when the share changes, and the
-`release_threads` kernel that unpins the pool."""
+schedstat counts it reads (the `release_threads` kernel is tested with `bind_threads` in
+test_cpu_threads.py)."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -83,30 +81,6 @@ def test_lost_cores_are_dropped_after_two_samples_and_pinned_again_when_free():
 def test_a_share_busy_at_start_up_begins_unpinned():
     share = ScriptedShare([({0: (0, 0), 1: (0, 0)}, 0)], count=1)
     assert share.calls == ["release 1"]
-
-
-RELEASE = """
-import json, torch
-from runtime.platforms.cpu.platform import CpuPlatform
-assert CpuPlatform().kernel_build_error() is None
-def allowed(tids):
-    return [open(f"/proc/self/task/{t}/status").read().split("Cpus_allowed_list:")[1].split()[0]
-            for t in tids]
-pinned = allowed(torch.ops.runtime_cpu.bind_threads([0, 1], []))
-released = torch.ops.runtime_cpu.release_threads([0, 1], 2)
-print(json.dumps({"pinned": pinned, "released": allowed(released),
-                  "threads": torch.get_num_threads()}))
-"""
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
-                    or not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1")
-def test_release_threads_unpins_the_pool():
-    out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout.splitlines()[-1])
-    assert result == {"pinned": ["0", "1"], "released": ["0-1", "0-1"], "threads": 2}
 
 
 def test_thread_times_reads_this_threads_schedstat():

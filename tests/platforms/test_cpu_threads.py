@@ -83,10 +83,12 @@ from runtime.platforms.cpu import threads
 from runtime.platforms.cpu.platform import CpuPlatform
 platform = CpuPlatform()
 assert platform.kernel_build_error() is None
+def allowed(tids):
+    return [open(f"/proc/self/task/{t}/status").read().split("Cpus_allowed_list:")[1].split()[0]
+            for t in tids]
 tids = torch.ops.runtime_cpu.bind_threads([0, 1], [0])
-allowed = [open(f"/proc/self/task/{t}/status").read().split("Cpus_allowed_list:")[1].split()[0]
-           for t in tids]
-result = {"tids": tids, "allowed": allowed}
+result = {"tids": tids, "allowed": allowed(tids),
+          "released": allowed(torch.ops.runtime_cpu.release_threads([0, 1], 2))}
 os.environ["RUNTIME_CPU_OMP_THREADS_BIND"] = "1"
 platform.set_threads(None, 0, 1)
 result["one"] = [torch.get_num_threads(), sorted(os.sched_getaffinity(0))]
@@ -111,6 +113,7 @@ def test_bind_threads_pins_each_openmp_thread():
     result = json.loads(out.stdout.splitlines()[-1])
     assert len(set(result["tids"])) == 2  # one pool thread per CPU
     assert result["allowed"] == ["0", "1"]
+    assert result["released"] == ["0-1", "0-1"]  # release_threads unpins the pool
     # an explicit list: one thread, the main thread on CPU 1
     assert result["one"] == [1, [1]]
     # a second engine in the same process starts from every usable CPU again
