@@ -11,9 +11,11 @@ threads of the cores it lost and runs the rest unpinned, and pins again once the
 - **Pinned**: a core is lost when its pinned thread spent at least `WAIT_SHARE` of its runnable
   time waiting for the CPU (the thread's `schedstat`: the kernel counts the wait, so processes
   that give way to the rank, niced ones, cost nothing and are not seen).
-- **Unpinned**: the other processes' load on the rank's cores is their busy time in
-  /proc/stat less this process's own CPU time; the rank pins all its cores again when that
-  load leaves less than half a core busy, and otherwise runs one thread per core it leaves.
+- **Unpinned**: the threads may run on any core of the rank's pool (its whole `auto` share,
+  which is wider than its cores under `--num-threads`, so a lone thread whose core was taken
+  moves to a free one). The other processes' load on the pool is its busy time in /proc/stat
+  less this process's own CPU time; the rank pins its cores again when that load is under half
+  a core, and otherwise runs one thread per core it leaves, at least one.
 
 A change needs `AGREEING_SAMPLES` samples of `INTERVAL_S` seconds in a row that ask for it.
 """
@@ -82,17 +84,18 @@ def others_load(cpus: list[int], stat_before: dict[int, tuple[int, int]],
 
 
 class ThreadShare:
-    """The threads of one rank: pinned one per core of `cpus`, or fewer and unpinned while
-    other processes hold some of those cores. `check` is called between steps."""
+    """The threads of one rank: pinned one per core of `cpus`, or fewer and unpinned on `pool`
+    (`cpus` and any other cores of the rank's share) while other processes hold some of its
+    cores. `check` is called between steps."""
 
-    def __init__(self, host_rank: int, cpus: list[int], nodes: list[int],
+    def __init__(self, host_rank: int, cpus: list[int], pool: list[int], nodes: list[int],
                  main_cpus: list[int], count: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.host_rank, self.cpus, self.nodes, self.main_cpus = host_rank, cpus, nodes, main_cpus
-        self.clock = clock
+        self.host_rank, self.cpus, self.pool = host_rank, cpus, pool
+        self.nodes, self.main_cpus, self.clock = nodes, main_cpus, clock
         self.pinned: dict[int, int] = {}  # CPU -> the thread pinned to it, while pinned
         self.count = count
-        self.wanted: list[int] = []  # thread counts the last samples asked for
+        self.wanted: list[tuple[int, bool]] = []  # (count, pinned) the last samples asked for
         self.next_check = clock() + INTERVAL_S
         if count == len(cpus):
             self.pin()
@@ -112,7 +115,7 @@ class ThreadShare:
 
     def release(self, count: int) -> None:
         import torch
-        torch.ops.runtime_cpu.release_threads(self.cpus, count)
+        torch.ops.runtime_cpu.release_threads(self.pool, count)
         self.pinned = {}
         self.count = count
         os.sched_setaffinity(0, self.main_cpus)
@@ -131,16 +134,20 @@ class ThreadShare:
         return threads.cpu_times(threads.PROC_STAT.read_text(),
                                  not threads.niced_load_yields()), own_ticks()
 
-    def wanted_count(self, before: tuple | dict, after: tuple | dict) -> int:
-        """The thread count the last interval asks for."""
+    def wanted_state(self, before: tuple | dict, after: tuple | dict) -> tuple[int, bool]:
+        """The (thread count, pinned) the last interval asks for."""
         if self.pinned:
-            return len(self.cpus) - len(lost_cpus(self.pinned, before, after))
-        load = others_load(self.cpus, before[0], after[0], before[1], after[1])
-        return max(1, len(self.cpus) - math.ceil(load - 0.5))  # under half a core: all
+            lost = lost_cpus(self.pinned, before, after)
+            return (len(self.cpus), True) if not lost else (max(1, len(self.cpus) - len(lost)),
+                                                            False)
+        load = others_load(self.pool, before[0], after[0], before[1], after[1])
+        if load < 0.5:
+            return len(self.cpus), True
+        return max(1, min(len(self.cpus), len(self.pool) - math.ceil(load - 0.5))), False
 
     def check(self) -> None:
-        """Every `INTERVAL_S`: sample, and change the thread count when `AGREEING_SAMPLES`
-        samples in a row ask for the same other count."""
+        """Every `INTERVAL_S`: sample, and change the threads when `AGREEING_SAMPLES` samples
+        in a row ask for the same other (count, pinned)."""
         now = self.clock()
         if now < self.next_check:
             return
@@ -149,20 +156,22 @@ class ThreadShare:
         if after is None or self.sample is None:  # /proc unreadable: keep the threads
             self.sample = after
             return
-        wanted = self.wanted_count(self.sample, after)
+        wanted = self.wanted_state(self.sample, after)
         self.sample = after
         self.wanted = (self.wanted + [wanted])[-AGREEING_SAMPLES:]
-        if wanted == self.count or self.wanted.count(wanted) < AGREEING_SAMPLES:
+        current = (self.count, bool(self.pinned))
+        if wanted == current or self.wanted.count(wanted) < AGREEING_SAMPLES:
             return
-        if wanted == len(self.cpus):
+        count, pin = wanted
+        if pin:
             self.pin()
             logger.info("rank %d: CPUs %s are free again: %d threads pinned", self.host_rank,
-                        self.cpus, wanted)
+                        self.cpus, count)
         else:
-            self.release(wanted)
-            logger.warning("rank %d: other processes took %d of CPUs %s while it ran: %d "
-                           "unpinned thread(s) until they leave (%s=%s pins anyway)",
-                           self.host_rank, len(self.cpus) - wanted, self.cpus, wanted,
-                           threads.BIND_ENV, ",".join(map(str, self.cpus)))
+            self.release(count)
+            logger.warning("rank %d: other processes took cores of CPUs %s while it ran: %d "
+                           "unpinned thread(s) on CPUs %s until they leave (%s=%s pins anyway)",
+                           self.host_rank, self.cpus, count, self.pool, threads.BIND_ENV,
+                           ",".join(map(str, self.cpus)))
         self.wanted = []
         self.sample = self.read_sample()

@@ -182,9 +182,12 @@ class CpuPlatform(Platform):
         if cpus is None:
             torch.set_num_threads(num_threads or max(1, len(usable) // host_ranks))
             return
-        count = len(cpus)
+        count, pool = len(cpus), cpus
         if spec == "auto":
-            load = threads.cpu_load(cpus)
+            pool = threads.plan_cpus(spec, host_rank, host_ranks, None, threads.reserved_cpus(),
+                                     nodes, usable)
+            load = threads.cpu_load(pool)
+            cpus = threads.idlest(pool, load, count)  # fewer threads than cores: the free ones
             busy = threads.busy_cpus(cpus, load)
             if busy:
                 count = max(1, len(cpus) - len(busy))
@@ -207,7 +210,7 @@ class CpuPlatform(Platform):
         # inherit the share.
         lone = host_ranks == 1 and spec == "auto"
         cpu_nodes = threads.nodes_of(cpus, nodes)
-        share = ThreadShare(host_rank, cpus, cpu_nodes, usable if lone else cpus, count)
+        share = ThreadShare(host_rank, cpus, pool, cpu_nodes, usable if lone else pool, count)
         self.thread_share = share if spec == "auto" else None  # a list asked for stays pinned
         if count == len(cpus):
             logger.info("rank %d: %d threads pinned to CPUs %s (NUMA nodes %s)", host_rank,

@@ -215,3 +215,10 @@ def load_between(before: dict[int, tuple[int, int]], after: dict[int, tuple[int,
 
 def busy_cpus(cpus: list[int], load: dict[int, float]) -> list[int]:
     return [cpu for cpu in cpus if load.get(cpu, 0.0) >= BUSY_SHARE]
+
+
+def idlest(cpus: list[int], load: dict[int, float], count: int) -> list[int]:
+    """`count` of `cpus`, those not busy first (two engines of one thread each on a host then
+    take different cores), in CPU order."""
+    busy = set(busy_cpus(cpus, load))
+    return sorted(sorted(cpus, key=lambda cpu: cpu in busy)[:count])

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from runtime.platforms.cpu import contention
+from runtime.platforms.cpu import contention, threads
 from runtime.platforms.cpu.contention import ThreadShare, lost_cpus, others_load, own_ticks
 
 
@@ -35,12 +35,13 @@ def test_others_load_is_busy_time_less_our_own():
 class ScriptedShare(ThreadShare):
     """A share whose samples come from a script, and whose pinning is recorded."""
 
-    def __init__(self, samples: list, count: int) -> None:
+    def __init__(self, samples: list, count: int, cpus: tuple = (0, 1)) -> None:
         self.samples, self.calls, self.now = iter(samples), [], 0.0
-        super().__init__(0, [0, 1], [0], [0, 1], count, clock=lambda: self.now)
+        super().__init__(0, list(cpus), [0, 1], [0], [0, 1], count, clock=lambda: self.now)
 
     def pin(self) -> None:
-        self.pinned, self.count = {0: 100, 1: 101}, 2
+        self.pinned = {cpu: 100 + cpu for cpu in self.cpus}
+        self.count = len(self.cpus)
         self.calls.append("pin")
 
     def release(self, count: int) -> None:
@@ -76,6 +77,35 @@ def test_lost_cores_are_dropped_after_two_samples_and_pinned_again_when_free():
     share.step(1.0)
     share.step(1.0)
     assert share.calls == ["pin", "release 1", "pin"]  # it left
+
+
+def test_a_lone_thread_whose_core_is_taken_runs_unpinned_on_the_pool():
+    # `--num-threads 1` pinned to CPU 0 of a two-core share; another process takes CPU 0
+    taken = [{100: (0, 0)}, {100: (5, 5)}, {100: (10, 10)}]
+    both = ({0: (0, 0), 1: (0, 0)}, 0)  # unpinned: one core each, ours and the other's
+    still = [both, ({0: (100, 100), 1: (100, 100)}, 100), ({0: (200, 200), 1: (200, 200)}, 200)]
+    share = ScriptedShare(taken + still, count=1, cpus=(0,))
+    share.step(1.0)
+    share.step(1.0)
+    assert share.calls == ["pin", "release 1"]  # one thread, free to move to CPU 1
+    share.step(1.0)
+    share.step(1.0)
+    assert share.calls == ["pin", "release 1"]  # no flip back while the other one runs
+
+
+def test_losing_every_core_keeps_one_thread():
+    both_lost = [{100: (0, 0), 101: (0, 0)}, {100: (5, 5), 101: (5, 5)},
+                 {100: (10, 10), 101: (10, 10)}, ({0: (0, 0), 1: (0, 0)}, 0)]
+    share = ScriptedShare(both_lost, count=2)
+    share.step(1.0)
+    share.step(1.0)
+    assert share.calls == ["pin", "release 1"]
+
+
+def test_fewer_threads_than_cores_take_the_free_ones():
+    assert threads.idlest([0, 1, 2, 3], {0: 0.9, 1: 0.0, 2: 0.95, 3: 0.1}, 2) == [1, 3]
+    assert threads.idlest([0, 1], {}, 1) == [0]
+    assert threads.idlest([0, 1], {0: 1.0, 1: 1.0}, 1) == [0]
 
 
 def test_a_share_busy_at_start_up_begins_unpinned():

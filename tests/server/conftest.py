@@ -163,7 +163,7 @@ def client(tiny_server):
 @pytest.fixture(scope="session")
 def smollm2_server(tmp_path_factory):
     """The embedded default model (SmolLM2-135M-Instruct), reading hermes tool calls."""
-    server = Server(["--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--num-threads",
+    server = Server(["--kv-cache-memory", "128MiB", "--max-model-len", "2048", "--num-threads",
                      "1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
                     str(tmp_path_factory.mktemp("smollm2") / "server.log"))
     yield server
