@@ -14,7 +14,10 @@ Order of calls in one engine step:
    being admitted, `update_state_after_alloc` once its blocks are given, `on_evict` for each
    cached block handed out again; then `build_connector_meta` once.
 2. each worker, before the forward (and before the step's requests touch their blocks):
-   `start_load_kv(meta)`, which carries the orders out; after the step, `get_finished()`.
+   `start_load_kv(meta)`, which carries the orders out or starts them; during the forward,
+   in each attention layer, `wait_for_layer_load(name)` before it reads the cache and
+   `save_kv_layer(name, metadata)` once it wrote the step's K and V; after the forward
+   `wait_for_save()`, then `get_finished()`.
 3. scheduler side, with every rank's `KVConnectorOutput` merged: `update_connector_output`;
    `request_finished` for each request that ended, and when that gave orders, one more
    `build_connector_meta` whose orders every worker carries out at once (no forward), before
@@ -22,10 +25,10 @@ Order of calls in one engine step:
 
 Loads are finished within the step that ordered them: a request whose blocks are loaded is
 admitted without compute in that step and computed from the next step on, and a block whose
-load failed on any rank is computed again, never read half-written. (This version moves whole
-blocks once per step; per-layer loads and saves during the forward, for connectors that stream
-KV between instances, are not part of it yet.) Everything here is plain data or torch; nothing
-imports the engine.
+load failed on any rank is computed again, never read half-written. The per-layer hooks are
+called only for a connector that overrides one of them (it then runs every step eagerly: a
+captured graph's replay would skip the calls); the built-in connectors move whole blocks at
+the step's edges. Everything here is plain data or torch; nothing imports the engine.
 """
 from __future__ import annotations
 
@@ -181,6 +184,28 @@ class KVConnectorWorker(ABC):
     def start_load_kv(self, meta: Any) -> None:
         """Called before the step's forward with this step's `build_connector_meta()`, before
         any block it names is written by the forward."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Called in each attention layer (named as in `register_kv_caches`) during the
+        forward, before it reads its cache: a connector whose loads run in the background
+        waits here until that layer's blocks are in."""
+
+    def save_kv_layer(self, layer_name: str, metadata: Any) -> None:
+        """Called in each attention layer that keeps a cache, once it wrote this step's K and V
+        (`metadata` is the step's attention metadata: its slot mapping says where): a
+        connector that saves during the forward starts copying that layer's blocks."""
+
+    def wait_for_save(self) -> None:
+        """Called after the forward, before `get_finished`: the saves started in
+        `save_kv_layer` must be complete when it returns (the blocks may be written again
+        from the next step on)."""
+
+    @property
+    def uses_layer_hooks(self) -> bool:
+        """Whether this connector overrides a per-layer hook (else none is called)."""
+        base = KVConnectorWorker
+        return any(getattr(type(self), name) is not getattr(base, name)
+                   for name in ("wait_for_layer_load", "save_kv_layer"))
 
     @abstractmethod
     def get_finished(self) -> KVConnectorOutput:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.forward_context import get_forward_context
+from runtime.forward_context import get_forward_context, get_kv_connector
 from runtime.layers.build_context import BuildContext
 from runtime.plugins.kv_connector import KVCacheLayer
 from runtime.layers.mla_attention import MLAAttention
@@ -53,6 +53,7 @@ class Attention(nn.Module):
         self.impl = backend(num_heads, head_size, scale, num_kv_heads, sliding_window,
                             logits_soft_cap, **extra)
         self.kv_cache = torch.empty(0)  # bound by the model runner once the cache is allocated
+        self.kv_layer_name = ""  # its cache's name for a KV connector, set by PagedKVCache
         # set by the worker for --calculate-kv-scales: the next forward sets the FP8 scales
         self.calculate_kv_scales = False
 
@@ -62,10 +63,15 @@ class Attention(nn.Module):
         if self.calculate_kv_scales:
             self.impl.calculate_kv_scales(k, v)
             self.calculate_kv_scales = False
+        metadata, connector = get_forward_context(), get_kv_connector()
+        if connector is not None:
+            connector.wait_for_layer_load(self.kv_layer_name)
         out = self.impl.forward(q.view(t, self.num_heads, self.head_size),
                                 k.view(t, self.num_kv_heads, self.head_size),
                                 v.view(t, self.num_kv_heads, self.head_size),
-                                self.kv_cache, get_forward_context())
+                                self.kv_cache, metadata)
+        if connector is not None and self.kv_sharing_target is None:
+            connector.save_kv_layer(self.kv_layer_name, metadata)
         return out.reshape(t, self.num_heads * self.head_size)
 
 
@@ -88,6 +94,10 @@ class PagedKVCache:
         # (layer, the layer whose cache it reads)
         self.shared = [(m, modules[m.kv_sharing_target]) for m in attention
                        if getattr(m, "kv_sharing_target", None) is not None]
+        for i, layer in enumerate(self.layers):
+            layer.kv_layer_name = f"layer.{i}"
+        for layer, target in self.shared:  # it waits for the cache it reads
+            layer.kv_layer_name = target.kv_layer_name
         self.num_zeroed_blocks = 0
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
@@ -114,8 +124,8 @@ class PagedKVCache:
 
     def connector_layers(self) -> list[KVCacheLayer]:
         """The layers' caches as a KV connector addresses them."""
-        return [KVCacheLayer(f"layer.{i}", layer.kv_cache, layer.impl.kv_cache_block_dim)
-                for i, layer in enumerate(self.layers)]
+        return [KVCacheLayer(layer.kv_layer_name, layer.kv_cache, layer.impl.kv_cache_block_dim)
+                for layer in self.layers]
 
     def zero_new_blocks(self, reqs: Iterable[Any]) -> None:
         """Zero the blocks `reqs` (a step's requests, each with its `block_ids`) reach beyond

@@ -12,10 +12,11 @@ from torch import nn
 from runtime.batch import Batch, build_batch
 from runtime.core.messages import ScheduledRequest, StepInput, StepOutput, TokenLogprobs
 from runtime.distributed.pipeline import PipelineStage
-from runtime.forward_context import forward_context
+from runtime.forward_context import forward_context, kv_connector_context
 from runtime.layers.attention import PagedKVCache
 from runtime.layers.recurrent_state import RecurrentStateCache
 from runtime.plugins.interfaces import EagerRunner, GraphRunner
+from runtime.plugins.kv_connector import KVConnectorWorker
 from runtime.sampling.generators import SeededGenerators
 from runtime.sampling.sampler import Sampler, SamplingBatch, gather_logprobs
 from runtime.sampling_params import SamplingParams
@@ -57,6 +58,8 @@ class ModelRunner:
         # preemption, dropped when they finish
         self.generators = generators or SeededGenerators(device)
         self.graph_runner = graph_runner or EagerRunner()
+        # a KV connector whose per-layer hooks each attention layer calls (set by the worker)
+        self.layer_connector: KVConnectorWorker | None = None
         self.proposer = proposer
         self.pooling = pooling
         # a multimodal model: its encoder cache and the merge of image embeddings
@@ -181,11 +184,12 @@ class ModelRunner:
                 batch.positions = positions
         if self.pp.is_first:
             embeds = merge_prompt_embeds(self.model, reqs, batch, embeds)
-        with forward_context(batch.metadata):
-            # graph runners record token-id steps: a step with images or prompt embeddings
-            # runs eagerly
-            hidden = self._forward(self.graph_runner.run if embeds is None else self.model,
-                                   batch, embeds)
+        with forward_context(batch.metadata), kv_connector_context(self.layer_connector):
+            # graph runners record token-id steps: a step with images or prompt embeddings,
+            # or one whose layers call a KV connector, runs eagerly
+            eager = embeds is not None or self.layer_connector is not None
+            hidden = self._forward(self.model if eager else self.graph_runner.run, batch,
+                                   embeds)
         if hidden is None:  # a pipeline stage before the last: it sent its output on
             return out
         cu = batch.query_start_loc

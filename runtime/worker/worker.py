@@ -207,6 +207,8 @@ class Worker:
         self.kv_connector = build_worker_side(cfg, self.model_config, self.source, self.rank)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.runner.kv_cache.connector_layers())
+        self.runner.layer_connector = self.kv_connector if self.kv_connector is not None \
+            and self.kv_connector.uses_layer_hooks else None
         self.runner.graph_runner.capture(self.runner.model.forward, CaptureSpec(
             forward_context=forward_context, current_metadata=get_forward_context,
             attention_backend=self.attention_backend, device=self.device,
@@ -225,7 +227,8 @@ class Worker:
             self.runner.release_kv_cache()
             if self.kv_connector is not None:
                 self.kv_connector.shutdown()
-            self.kv_connector = None  # it holds the cache too; a new one comes with the next
+            # it holds the cache too: a new one comes with the next cache
+            self.kv_connector = self.runner.layer_connector = None
             info = self.model_info()
             self.runner.graph_runner = self.answers.graph_runner(info, info.enforce_eager)
             self.asleep.add("kv_cache")
@@ -276,6 +279,7 @@ class Worker:
             out = merge_outputs([self.runner.execute(part)
                                  for part in micro_batches(reqs, self.layout.pp_size)])
         if self.kv_connector is not None:
+            self.kv_connector.wait_for_save()
             out.kv_connector_output = self.kv_connector.get_finished()
         self.platform.rebalance_threads()
         return out
