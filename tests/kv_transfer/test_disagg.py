@@ -150,3 +150,39 @@ def test_over_tcp_the_consumer_decodes_the_producers_prefill(tiny_llama):
     assert again.num_cached_tokens == 0
     assert consumer.engine.core.kv_connector.stats()["failed_loads"] == 1
     producer.engine.core.shutdown()
+
+
+def test_a_tcp_fetch_runs_beside_the_step_and_lands_by_its_end():
+    """The consumer's start_load_kv returns while the producer has not answered yet; the
+    blocks are in when get_finished returns."""
+    import socket
+    import threading
+
+    import torch
+
+    from runtime.kv_transfer.p2p.worker import P2pTcpWorker
+    from runtime.plugins.kv_connector import KVCacheLayer, KVConnectorContext
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def side(role: str, cache: torch.Tensor) -> P2pTcpWorker:
+        worker = P2pTcpWorker(KVConnectorContext(role, BLOCK, "ns", {"kv_port": port}))
+        worker.register_kv_caches([KVCacheLayer("layer.0", cache, 0)])
+        return worker
+    produced, consumed = torch.arange(4 * 8.0).view(4, 8), torch.zeros(4, 8)
+    producer, consumer = side("kv_producer", produced), side("kv_consumer", consumed)
+    hashes = [b"a", b"b"]
+    producer.start_load_kv([("stage", "p", [0, 1], hashes)])
+    answer, release = producer._answer, threading.Event()
+    producer._answer = lambda ask: release.wait(10) and answer(ask)
+    try:
+        consumer.start_load_kv([("fetch", "127.0.0.1", port, "p", 0, hashes, [2, 3], "c")])
+        assert consumed.eq(0).all()  # the producer is still holding its answer back
+        release.set()
+        report = consumer.get_finished()
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+    assert not report.failed_loads and report.bytes_loaded == 2 * 8 * 4
+    assert torch.equal(consumed[2:], produced[:2])

@@ -5,7 +5,8 @@ memory when it finishes (an order run before its output leaves), and its output'
 kv_transfer_params name this instance's `kv_ip` / `kv_port` (rank r listens on kv_port + r).
 
 Consumer: a request with `do_remote_prefill` gets the blocks the params promise, and each rank
-fetches them from the producer's rank in the step that admits it, checking the block hashes
+fetches them from the producer's rank during the step that admits it (in the background, while
+the step's forward computes the other requests), checking the block hashes
 against the prompt's own; a fetch that fails (the producer is gone, the KV expired, another
 prompt's KV) has those blocks computed (vLLM's "recompute" load-failure policy).
 """

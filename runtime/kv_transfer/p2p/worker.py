@@ -5,6 +5,10 @@ One exchange per request and rank: the decode side sends a length-prefixed JSON 
 {"request_id", "first", "count"}; the prefill side answers with a length-prefixed torch.save of
 {"hashes": [hex, ...], "layers": [tensor per layer, its blocks stacked]} (or {"error": why})
 and forgets the request's KV. KV nobody fetched is dropped after `kv_expiry` seconds.
+
+Fetches run in background threads while the step's forward runs: the blocks they fill belong
+to requests admitted without compute this step and are not in the prefix cache until the step
+ends, so no layer reads them; `get_finished` waits for them.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import socket
 import socketserver
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -28,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_EXPIRY_S = 120.0
 DEFAULT_FETCH_TIMEOUT_S = 30.0
+FETCH_THREADS = 4  # requests fetched at once by one rank
 
 
 def _send(sock: socket.socket, payload: bytes) -> None:
@@ -65,6 +71,8 @@ class P2pTcpWorker(KVConnectorWorker):
         self.lock = threading.Lock()
         self.server: socketserver.ThreadingTCPServer | None = None
         self.output = KVConnectorOutput()
+        self.fetcher = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kv-p2p-fetch")
+        self.fetches: list[Future[KVConnectorOutput]] = []  # this step's, until get_finished
         if context.role in PRODUCES:
             self._serve(str(extra.get("kv_ip", DEFAULT_IP)),
                         int(extra.get("kv_port", DEFAULT_PORT)) + context.rank)
@@ -103,13 +111,12 @@ class P2pTcpWorker(KVConnectorWorker):
 
     def start_load_kv(self, meta: Any) -> None:
         for order in meta or ():
-            started = time.perf_counter()
             if order[0] == "stage":
+                started = time.perf_counter()
                 self._stage(*order[1:])
                 self.output.save_seconds += time.perf_counter() - started
             else:
-                self._fetch(*order[1:])
-                self.output.load_seconds += time.perf_counter() - started
+                self.fetches.append(self.fetcher.submit(self._fetch, *order[1:]))
 
     def _stage(self, request_id: str, block_ids: list[int], hashes: list[bytes]) -> None:
         index = torch.tensor(block_ids, dtype=torch.long)
@@ -123,7 +130,11 @@ class P2pTcpWorker(KVConnectorWorker):
         self.output.bytes_saved += sum(t.nbytes for t in layers)
 
     def _fetch(self, host: str, port: int, remote_request_id: str, first: int,
-               hashes: list[bytes], block_ids: list[int], request_id: str) -> None:
+               hashes: list[bytes], block_ids: list[int], request_id: str
+               ) -> KVConnectorOutput:
+        """One request's blocks from the producer's rank into `block_ids` (in a fetch thread);
+        what it did, as this step's report will count it."""
+        started, done = time.perf_counter(), KVConnectorOutput()
         address = (host, port + self.context.rank)
         try:
             with socket.create_connection(address, timeout=self.fetch_timeout) as sock:
@@ -136,13 +147,16 @@ class P2pTcpWorker(KVConnectorWorker):
         if why is not None:
             logger.warning("request %s: its KV could not be fetched from %s:%d (%s): "
                            "computing it", request_id, *address, why)
-            self.output.failed_loads[request_id] = first
-            return
-        for layer, blocks in zip(self.layers, reply["layers"]):
-            layer.tensor.index_copy_(layer.block_dim,
-                                     torch.tensor(block_ids, device=layer.tensor.device),
-                                     blocks.movedim(0, layer.block_dim).to(layer.tensor.device))
-            self.output.bytes_loaded += blocks.nbytes
+            done.failed_loads[request_id] = first
+        else:
+            for layer, blocks in zip(self.layers, reply["layers"]):
+                layer.tensor.index_copy_(layer.block_dim,
+                                         torch.tensor(block_ids, device=layer.tensor.device),
+                                         blocks.movedim(0, layer.block_dim)
+                                         .to(layer.tensor.device))
+                done.bytes_loaded += blocks.nbytes
+        done.load_seconds = time.perf_counter() - started
+        return done
 
     def _mismatch(self, reply: Any, hashes: list[bytes]) -> str | None:
         """Why the fetched KV cannot be used (None: it can)."""
@@ -161,9 +175,16 @@ class P2pTcpWorker(KVConnectorWorker):
 
     def get_finished(self) -> KVConnectorOutput:
         output, self.output = self.output, KVConnectorOutput()
+        for fetch in self.fetches:
+            done = fetch.result()
+            output.failed_loads.update(done.failed_loads)
+            output.bytes_loaded += done.bytes_loaded
+            output.load_seconds = max(output.load_seconds, done.load_seconds)
+        self.fetches = []
         return output
 
     def shutdown(self) -> None:
+        self.fetcher.shutdown(wait=True)
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
