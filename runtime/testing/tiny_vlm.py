@@ -123,3 +123,32 @@ def build_tiny_qwen_vl(path: str, version: str = "2", seed: int = 0) -> str:
     Qwen2VLImageProcessorPil(patch_size=vision["patch_size"], merge_size=2,
                              temporal_patch_size=2).save_pretrained(path)
     return path
+
+
+LLAVA_NEXT_PINPOINTS = [[32, 64], [64, 32], [64, 64]]
+
+
+def build_tiny_llava_next(path: str, text_model: str = "llama", seed: int = 0) -> str:
+    """A LlavaNextForConditionalGeneration: CLIP tower over 32x32 tiles of 8x8 patches (16 per
+    tile), tile grids `LLAVA_NEXT_PINPOINTS` (a 48x40 image: 70 image tokens), a Llama
+    (or `text_model` "qwen2": Qwen2) language model, the LLaVA-NeXT image processor (PIL)."""
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextConfig,
+                              LlavaNextForConditionalGeneration, LlavaNextImageProcessorPil,
+                              Qwen2Config)
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=2, image_size=32, patch_size=8,
+                              projection_dim=64, initializer_range=0.2)
+    text_config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[text_model]
+    text = text_config(**{**TINY_LLAMA, "num_attention_heads": 2, "num_key_value_heads": 1})
+    config = LlavaNextConfig(vision_config=vision, text_config=text,
+                             image_token_index=IMAGE_TOKEN_ID, initializer_range=0.2,
+                             image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers draws image_newline with a std of 1/sqrt(hidden)
+        model.model.image_newline.normal_(0, 0.2)
+    model.save_pretrained(path)
+    save_vlm_tokenizer(path)
+    LlavaNextImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                               image_grid_pinpoints=LLAVA_NEXT_PINPOINTS).save_pretrained(path)
+    return path
