@@ -55,7 +55,9 @@ class LlavaNextLayout(ImageLayout):
     def hf_inputs(self, features: list) -> dict[str, Any]:
         import torch
         items = [f.tensors() for f in features]
-        tiles = max(len(i["pixel_values"]) for i in items)
+        # padded to the most tiles any image can have, so prompts batch (transformers reads
+        # each image's own count from its size)
+        tiles = 1 + max(h // self.tile * (w // self.tile) for h, w in self.pinpoints)
         pixels = torch.zeros(len(items), tiles, *items[0]["pixel_values"].shape[1:])
         for k, i in enumerate(items):
             pixels[k, :len(i["pixel_values"])] = i["pixel_values"]
