@@ -29,6 +29,7 @@ class Mistral3Layout(ImageLayout):
         return image_sizes[0] // self.unit, image_sizes[1] // self.unit
 
     def item(self, out: Any) -> dict[str, Any]:
+        # the break and end ids ride along: the encoder's output holds their embeddings
         return {"pixel_values": out["pixel_values"][0], "image_sizes": out["image_sizes"][0],
                 "special_ids": torch.tensor([self.break_id, self.end_id])}
 

@@ -110,6 +110,19 @@ def test_each_image_takes_its_own_rows(llm, hf):
     assert min(f.length for f in features) > STEP_TOKENS
 
 
+def test_images_encoded_together_attend_only_within_each_image(llm):
+    prompt, sizes = CASES[2]
+    images = [random_image(3, sizes[0]), random_image(4, sizes[1])]
+    _, _, features = llm.engine.processor.prepare(request(prompt, images))
+    model = llm.engine.core.executor.worker.runner.model
+    items = [f.tensors() for f in features]
+    with torch.inference_mode():
+        together = model.embed_multimodal(items)
+        alone = [model.embed_multimodal([item])[0] for item in items]
+    for a, b in zip(together, alone):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_requests_sharing_an_image_encode_it_once(llm, hf):
     cache = llm.engine.core.scheduler.encoder_cache
     encoder = llm.engine.core.executor.worker.runner.encoder
