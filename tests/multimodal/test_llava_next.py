@@ -5,6 +5,9 @@ requests with the same image, prefix caching that never serves one image's block
 and preemption."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -144,3 +147,14 @@ def test_preempted_requests_encode_again_and_match_transformers(model_path, hf):
     assert small.engine.core.scheduler.num_preemptions > 0
     for prompt, image, out in zip(prompts, images, outs):
         assert out.outputs[0].token_ids == hf_generate(hf, prompt, [image], 16)[0]
+
+
+def test_full_feature_strategy_is_refused_naming_it(model_path, tmp_path):
+    # each tile's CLS would have to sit in the unpadded patch grid: transformers cannot either
+    path = shutil.copytree(model_path, tmp_path / "full")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config,
+                                                  "vision_feature_select_strategy": "full"}))
+    with pytest.raises(ValueError, match="vision_feature_select_strategy 'full' is not "
+                                         "supported; supported: default"):
+        LLM(str(path), dtype="float32")

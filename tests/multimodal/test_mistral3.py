@@ -8,6 +8,9 @@ transformers' PixtralProcessor needs torchvision, so the reference prompt is exp
 its rule (`expand`), from the image processor's `image_sizes`."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -163,3 +166,12 @@ def test_preempted_requests_encode_again_and_match_transformers(model_path, hf):
     assert small.engine.core.scheduler.num_preemptions > 0
     for prompt, image, out in zip(prompts, images, outs):
         assert out.outputs[0].token_ids == hf_generate(hf, prompt, [image], 24)[0]
+
+
+def test_several_feature_layers_are_refused_naming_it(model_path, tmp_path):
+    # the projector's norm is one layer wide, in transformers too
+    path = shutil.copytree(model_path, tmp_path / "layers")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "vision_feature_layer": [-2, -1]}))
+    with pytest.raises(ValueError, match=r"vision_feature_layer \[-2, -1\] is not supported"):
+        LLM(str(path), dtype="float32")
