@@ -21,7 +21,7 @@ class Mistral3Layout(ImageLayout):
         self.unit = hf_config.vision_config.patch_size * hf_config.spatial_merge_size
         self.processor_kwargs = {"patch_size": {"height": self.unit, "width": self.unit}}
         ids = tokenizer.convert_tokens_to_ids([BREAK_TOKEN, END_TOKEN])
-        if tokenizer.unk_token_id in ids:
+        if None in ids or tokenizer.unk_token_id in ids:
             raise ValueError(f"the tokenizer lacks Mistral 3's {BREAK_TOKEN} or {END_TOKEN}")
         self.break_id, self.end_id = ids
 

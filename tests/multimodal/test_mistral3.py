@@ -126,6 +126,16 @@ def test_images_encoded_together_attend_only_within_each_image(llm):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_chat_image_parts_equal_the_placeholder_prompt(llm):
+    image = random_image(300, (40, 56))
+    direct = llm.generate(request("[IMG]\nw6 w7 ", [image]), greedy(),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    reply = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                                    {"type": "text", "text": "w6 w7"}]}],
+                     greedy(), use_tqdm=False)
+    assert reply[0].outputs[0].token_ids == direct
+
+
 def test_requests_sharing_an_image_encode_it_once(llm, hf):
     cache = llm.engine.core.scheduler.encoder_cache
     encoder = llm.engine.core.executor.worker.runner.encoder
