@@ -39,6 +39,7 @@ class LlavaMultiModalProjector(nn.Module):
 
 class LlavaForConditionalGeneration(VisionLanguageModel):
     supports_prompt_embeds = True  # a prompt of embeddings carries no image
+    language_models = LANGUAGE_MODELS
 
     def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
@@ -48,9 +49,9 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         if vision.model_type != "clip_vision_model":
             raise ValueError(f"LLaVA with a {vision.model_type!r} vision tower is not supported; "
                              "supported: clip_vision_model")
-        if text.model_type not in LANGUAGE_MODELS:
+        if text.model_type not in self.language_models:
             raise ValueError(f"LLaVA with a {text.model_type!r} language model is not supported; "
-                             f"supported: {', '.join(LANGUAGE_MODELS)}")
+                             f"supported: {', '.join(self.language_models)}")
         if config.vision_feature_select_strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy "
                              f"{config.vision_feature_select_strategy!r} is not supported")
@@ -63,7 +64,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         self.vision_tower = CLIPVisionTower(vision, ctx, max(self.feature_layers))
         self.multi_modal_projector = LlavaMultiModalProjector(
             vision.hidden_size * len(layers), config, ctx)
-        self.language_model = LANGUAGE_MODELS[text.model_type](text, ctx)
+        self.language_model = self.language_models[text.model_type](text, ctx)
 
     def embed_multimodal(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each image's embeddings [patches (+ CLS with "full"), text hidden]."""

@@ -41,6 +41,9 @@ _BUILTIN: dict[str, str] = {
     "Lfm2ForCausalLM": "runtime.models.lfm2:Lfm2ForCausalLM",
     # vision-language models (runtime.multimodal processes their images)
     "LlavaForConditionalGeneration": "runtime.models.llava:LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration":
+        "runtime.models.llava_next:LlavaNextForConditionalGeneration",
+    "Mistral3ForConditionalGeneration": "runtime.models.mistral3:Mistral3ForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "runtime.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration":
         "runtime.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",

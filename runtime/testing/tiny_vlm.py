@@ -123,3 +123,75 @@ def build_tiny_qwen_vl(path: str, version: str = "2", seed: int = 0) -> str:
     Qwen2VLImageProcessorPil(patch_size=vision["patch_size"], merge_size=2,
                              temporal_patch_size=2).save_pretrained(path)
     return path
+
+
+LLAVA_NEXT_PINPOINTS = [[32, 64], [64, 32], [64, 64]]
+
+
+def build_tiny_llava_next(path: str, text_model: str = "llama", seed: int = 0) -> str:
+    """A LlavaNextForConditionalGeneration: CLIP tower over 32x32 tiles of 8x8 patches (16 per
+    tile), tile grids `LLAVA_NEXT_PINPOINTS` (a 48x40 image: 70 image tokens), a Llama
+    (or `text_model` "qwen2": Qwen2) language model, the LLaVA-NeXT image processor (PIL)."""
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextConfig,
+                              LlavaNextForConditionalGeneration, LlavaNextImageProcessorPil,
+                              Qwen2Config)
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=2, image_size=32, patch_size=8,
+                              projection_dim=64, initializer_range=0.2)
+    text_config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[text_model]
+    text = text_config(**{**TINY_LLAMA, "num_attention_heads": 2, "num_key_value_heads": 1})
+    config = LlavaNextConfig(vision_config=vision, text_config=text,
+                             image_token_index=IMAGE_TOKEN_ID, initializer_range=0.2,
+                             image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers draws image_newline with a std of 1/sqrt(hidden)
+        model.model.image_newline.normal_(0, 0.2)
+    model.save_pretrained(path)
+    save_vlm_tokenizer(path)
+    LlavaNextImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                               image_grid_pinpoints=LLAVA_NEXT_PINPOINTS).save_pretrained(path)
+    return path
+
+
+MISTRAL3_TOKENS = {"[IMG]": 3, "[IMG_BREAK]": 4, "[IMG_END]": 5}
+MISTRAL3_IMAGE = "[IMG]"  # an image in a Mistral 3 prompt
+
+
+def save_mistral3_tokenizer(path: str) -> None:
+    """Word-level, with Mistral 3's image tokens as special tokens, then words "w6" …"""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **MISTRAL3_TOKENS}
+    vocab.update({f"w{i}": i for i in range(len(vocab), VOCAB_SIZE)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in MISTRAL3_TOKENS])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>", pad_token="<unk>",
+                            extra_special_tokens={"image_token": MISTRAL3_IMAGE},
+                            chat_template=CHAT_TEMPLATE).save_pretrained(path)
+
+
+def build_tiny_mistral3(path: str, seed: int = 0) -> str:
+    """A Mistral3ForConditionalGeneration: Pixtral encoder of 8-pixel patches (2 layers, gated
+    GELU MLP), patches merged 2x2, a Mistral language model, the Pixtral image processor (PIL;
+    the engine resizes to multiples of 16 pixels, images up to 64): a 48x40 image is 3x3
+    merged patches, 12 tokens with its [IMG_BREAK]s and [IMG_END]."""
+    from transformers import (Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig,
+                              PixtralImageProcessorPil, PixtralVisionConfig)
+    torch.manual_seed(seed)
+    vision = PixtralVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=2, image_size=64, patch_size=8,
+                                 initializer_range=0.2)
+    text = MistralConfig(**{**TINY_LLAMA, "num_attention_heads": 2, "num_key_value_heads": 1,
+                            "sliding_window": None})
+    config = Mistral3Config(vision_config=vision, text_config=text, initializer_range=0.2,
+                            image_token_index=MISTRAL3_TOKENS["[IMG]"], spatial_merge_size=2,
+                            vision_feature_layer=-1, tie_word_embeddings=False)
+    Mistral3ForConditionalGeneration(config).eval().save_pretrained(path)
+    save_mistral3_tokenizer(path)
+    PixtralImageProcessorPil(patch_size={"height": 8, "width": 8},
+                             size={"longest_edge": 64}).save_pretrained(path)
+    return path

@@ -18,8 +18,8 @@ CONFIGS = {
         hidden_size=64, num_hidden_layers=2, architectures=["FalconMambaForCausalLM"]),
     "idefics3": lambda: transformers.Idefics3Config(
         architectures=["Idefics3ForConditionalGeneration"]),
-    "llava-next": lambda: transformers.LlavaNextConfig(
-        architectures=["LlavaNextForConditionalGeneration"]),
+    "llava-onevision": lambda: transformers.LlavaOnevisionConfig(
+        architectures=["LlavaOnevisionForConditionalGeneration"]),
 }
 
 
