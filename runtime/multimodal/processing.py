@@ -94,7 +94,9 @@ def llava_layout(hf_config: Any, tokenizer: Any) -> ImageLayout:
 LAYOUTS = {"LlavaForConditionalGeneration": llava_layout,
            "Qwen2VLForConditionalGeneration": QwenVLLayout,
            "Qwen2_5_VLForConditionalGeneration": QwenVLLayout,
-           "Qwen3VLForConditionalGeneration": QwenVLLayout}
+           "Qwen3VLForConditionalGeneration": QwenVLLayout,
+           "Qwen3_5ForConditionalGeneration": QwenVLLayout,
+           "Qwen3_5MoeForConditionalGeneration": QwenVLLayout}
 
 
 def is_multimodal_architecture(architecture: str) -> bool:
