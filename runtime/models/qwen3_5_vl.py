@@ -65,8 +65,11 @@ class Qwen3_5ForConditionalGeneration(Qwen2VLForConditionalGeneration):
         super().__init__(config, ctx)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Qwen3-VL's vision names, as Qwen2-VL's."""
-        return super().load_weights((qwen2_vl_name(name), t) for name, t in weights)
+        """Qwen3-VL's vision names, as Qwen2-VL's; the multi-token-prediction head (`mtp.*`,
+        a speculative decoder the released checkpoints carry) is skipped, as transformers
+        skips it."""
+        return super().load_weights((qwen2_vl_name(name), t) for name, t in weights
+                                    if not name.startswith("mtp."))
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):

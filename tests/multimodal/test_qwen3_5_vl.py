@@ -112,7 +112,13 @@ def test_preempted_requests_resume_at_their_positions(model_path, hf):
 
 
 def test_moe_variant_matches_transformers(tmp_path):
+    """Its checkpoint also holds a tensor of a multi-token-prediction head, as the released
+    ones do, which both engines skip."""
+    from safetensors.torch import load_file, save_file
     path = build_tiny_qwen3_5_vl(str(tmp_path), moe=True)
+    weights = str(tmp_path / "model.safetensors")
+    save_file({**load_file(weights), "mtp.fc.weight": torch.zeros(64, 128)}, weights,
+              metadata={"format": "pt"})
     llm = LLM(path, dtype="float32", max_num_batched_tokens=8, max_num_encoder_input_tokens=16,
               encoder_cache_size=16)
     out = llm.generate(request(*PROMPTS[1]), greedy(), use_tqdm=False)[0]
