@@ -141,6 +141,13 @@ def test_qwen3_vl_embeddings_with_their_grid_give_the_image_s_tokens(qwen3_vl_pa
         [{"prompt": prompt, "multi_modal_data": {"image": images}},
          {"prompt": prompt, "multi_modal_data": {"image": items}}], GREEDY, use_tqdm=False)
     assert_same(by_embeds, by_image)
+    # a chat part in the server's form: the dict of base64 tensors
+    encoded = {name: encode(t) for name, t in items[1].items()}
+    replies = [llm.chat([{"role": "user", "content": [part, {"type": "text", "text": "w5"}]}],
+                        GREEDY, use_tqdm=False)[0]
+               for part in ({"type": "image_pil", "image_pil": images[1]},
+                            {"type": "image_embeds", "image_embeds": encoded})]
+    assert_same(*replies)
     for item, error in [(items[0]["image_embeds"], "need their 'image_grid_thw'"),
                         ({**items[0], "image_grid_thw": torch.tensor([1, 4, 4])},
                          "12 rows, but their image_grid_thw"),
