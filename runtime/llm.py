@@ -56,7 +56,8 @@ class LLM:
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or
         "prompt_token_ids", and "multi_modal_data" ({"image": a PIL image or a list}) for a
-        vision-language model, its prompt holding one placeholder per image; with
+        vision-language model, its prompt holding one placeholder per image (with
+        `enable_mm_embeds=True`, an image may be its embeddings: runtime.multimodal.embeds); with
         `enable_prompt_embeds=True`, {"prompt_embeds": tensor} ([tokens, hidden size], as
         transformers' `inputs_embeds`). `sampling_params` is one for all or one per prompt, and so is
         `lora_request` (None: the base model). Every prompt is validated before any is queued,

@@ -189,6 +189,9 @@ class EngineConfig:
     enable_prompt_embeds: bool = option(
         False, "accept prompts given as embeddings (prompt_embeds: a [tokens, hidden size] "
                "tensor) in place of token ids")
+    enable_mm_embeds: bool = option(
+        False, "accept images given as their embeddings (image_embeds: a [tokens, hidden "
+               "size] tensor, Qwen-VL with its image_grid_thw) in place of pixels")
     generation_config: str = option(
         "auto", "'auto': sampling defaults (temperature, top_p, top_k, repetition_penalty, "
                 "max_new_tokens) from the model's generation_config.json; 'vllm': none, "

@@ -20,13 +20,14 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FLAG = "enable_prompt_embeds=True (--enable-prompt-embeds)"
 
 
-def decode_prompt_embeds(encoded: str | bytes) -> torch.Tensor:
+def decode_prompt_embeds(encoded: str | bytes, name: str = "prompt_embeds") -> torch.Tensor:
     """vLLM's wire format: base64 of a `torch.save`d tensor, read with `weights_only` (no
-    code runs) on the CPU, sparse layouts checked for out-of-range indices, made dense."""
+    code runs) on the CPU, sparse layouts checked for out-of-range indices, made dense.
+    `name`: the field an error names."""
     try:
         raw = base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError("prompt_embeds must be base64 of a torch.save()d tensor: "
+        raise ValueError(f"{name} must be base64 of a torch.save()d tensor: "
                          "the base64 does not decode") from None
     try:
         with torch.sparse.check_sparse_tensor_invariants():
@@ -34,11 +35,11 @@ def decode_prompt_embeds(encoded: str | bytes) -> torch.Tensor:
             if isinstance(tensor, torch.Tensor):
                 tensor = tensor.to_dense()
     except Exception as e:  # torch.load raises many kinds for a malformed file
-        raise ValueError(f"prompt_embeds must be base64 of a torch.save()d tensor: "
+        raise ValueError(f"{name} must be base64 of a torch.save()d tensor: "
                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                          ) from None
     if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"prompt_embeds must hold a tensor, got {type(tensor).__name__}")
+        raise ValueError(f"{name} must hold a tensor, got {type(tensor).__name__}")
     return tensor
 
 

@@ -58,13 +58,15 @@ class Qwen3_5Attention(nn.Module):
 
 
 class Qwen3_5DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen3_5Attention
+
     def __init__(self, config, layer_idx: int, ctx: BuildContext, prefix: str) -> None:
         nn.Module.__init__(self)
         self.layer_type = config.layer_types[layer_idx]
         if self.layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(config, ctx, f"{prefix}.linear_attn")
         elif self.layer_type == "full_attention":
-            self.self_attn = Qwen3_5Attention(config, layer_idx, ctx, f"{prefix}.self_attn")
+            self.self_attn = self.attention_cls(config, layer_idx, ctx, f"{prefix}.self_attn")
         else:
             raise ValueError(f"layer {layer_idx}: layer type {self.layer_type!r}; allowed are "
                              "'linear_attention' and 'full_attention'")

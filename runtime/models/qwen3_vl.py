@@ -60,7 +60,7 @@ class Qwen3VisionTransformer(nn.Module):
             for _ in range(config.depth))
         out = config.out_hidden_size
         self.merger = PatchMerger(out, dim, self.merge, ctx, False)
-        self.deepstack_layers = list(config.deepstack_visual_indexes)
+        self.deepstack_layers = list(getattr(config, "deepstack_visual_indexes", None) or ())
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(out, dim, self.merge, ctx, False, postshuffle=True)
             for _ in self.deepstack_layers)

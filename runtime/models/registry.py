@@ -48,6 +48,10 @@ _BUILTIN: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration":
         "runtime.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "runtime.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration":
+        "runtime.models.qwen3_5_vl:Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration":
+        "runtime.models.qwen3_5_vl:Qwen3_5MoeForConditionalGeneration",
     # pooling models (runner="pooling"): encoders and classifiers
     "BertModel": "runtime.models.bert:BertModel",
     "BertForSequenceClassification": "runtime.models.bert:BertForSequenceClassification",

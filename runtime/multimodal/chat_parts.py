@@ -1,12 +1,13 @@
 """Image content parts of chat messages, as the APIs send them: OpenAI's `image_url`,
-Anthropic's `image` block (base64 or url source), the Responses API's `input_image`, and for
-`LLM.chat` vLLM's `image_pil`. Each becomes the model's placeholder on a line of its own in the
-template text; the images are collected in order for the processor."""
+Anthropic's `image` block (base64 or url source), the Responses API's `input_image`, vLLM's
+`image_embeds` (runtime.multimodal.embeds), and for `LLM.chat` vLLM's `image_pil`. Each
+becomes the model's placeholder on a line of its own in the template text; the images are
+collected in order for the processor."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
-IMAGE_PART_TYPES = ("image_url", "image", "input_image", "image_pil")
+IMAGE_PART_TYPES = ("image_url", "image", "input_image", "image_pil", "image_embeds")
 UNSUPPORTED_PART_TYPES = ("input_audio", "audio_url", "video_url", "video", "file",
                           "input_file")
 
@@ -51,6 +52,10 @@ def image_of(part: dict[str, Any]) -> Any:
         return None
     if kind == "image_pil":
         image = part.get("image_pil")
+    elif kind == "image_embeds":  # a tensor (base64), or {"image_embeds", "image_grid_thw"}
+        value = part.get("image_embeds")
+        image = value if isinstance(value, dict) or value is None or \
+            (isinstance(value, str) and not value) else {"image_embeds": value}
     elif kind == "image_url":  # OpenAI: {"image_url": {"url": ...}} (or the URL itself)
         value = part.get("image_url")
         image = value.get("url") if isinstance(value, dict) else value

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from runtime.multimodal.embeds import embeds_feature, embeds_width, image_items, is_embeds_item
 from runtime.multimodal.inputs import MultiModalFeature, TensorData
 from runtime.multimodal.media import MediaError, MediaPolicy, load_image
 
@@ -110,7 +111,9 @@ LAYOUTS = {"LlavaForConditionalGeneration": llava_layout,
            "Mistral3ForConditionalGeneration": mistral3_layout,
            "Qwen2VLForConditionalGeneration": QwenVLLayout,
            "Qwen2_5_VLForConditionalGeneration": QwenVLLayout,
-           "Qwen3VLForConditionalGeneration": QwenVLLayout}
+           "Qwen3VLForConditionalGeneration": QwenVLLayout,
+           "Qwen3_5ForConditionalGeneration": QwenVLLayout,
+           "Qwen3_5MoeForConditionalGeneration": QwenVLLayout}
 
 
 def is_multimodal_architecture(architecture: str) -> bool:
@@ -118,11 +121,13 @@ def is_multimodal_architecture(architecture: str) -> bool:
 
 
 class MultiModalProcessor:
-    """`limits`: the most items of each modality one prompt may hold (--limit-mm-per-prompt)."""
+    """`limits`: the most items of each modality one prompt may hold (--limit-mm-per-prompt);
+    `enable_mm_embeds`: whether an image may be given as its embeddings
+    (runtime.multimodal.embeds)."""
 
     def __init__(self, model_path: str, hf_config: Any, tokenizer: Any,
                  limits: dict[str, int] | None = None,
-                 policy: MediaPolicy = MediaPolicy()) -> None:
+                 policy: MediaPolicy = MediaPolicy(), enable_mm_embeds: bool = False) -> None:
         from transformers import AutoImageProcessor
         architecture = hf_config.architectures[0]
         self.layout = LAYOUTS[architecture](hf_config, tokenizer)
@@ -132,6 +137,8 @@ class MultiModalProcessor:
             self.layout.placeholder_token_id)
         self.limits = {"image": DEFAULT_ITEMS_PER_PROMPT, **(limits or {})}
         self.policy = policy
+        self.enable_mm_embeds = enable_mm_embeds
+        self.embeds_width = embeds_width(hf_config)
         self._processed: OrderedDict[str, MultiModalFeature] = OrderedDict()
         self.num_processed_hits = 0
 
@@ -149,7 +156,7 @@ class MultiModalProcessor:
         images = mm_data.get("image")
         if images is None:
             return token_ids, []
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        images = image_items(images)
         if len(images) > self.limits["image"]:
             raise ValueError(f"the prompt has {len(images)} images, more than the "
                              f"{self.limits['image']} allowed (--limit-mm-per-prompt)")
@@ -165,7 +172,9 @@ class MultiModalProcessor:
         for k, (pos, item) in enumerate(zip(positions, images)):
             expanded += token_ids[last:pos]
             try:
-                feature = self._processed_image(load_image(item, self.policy))
+                feature = embeds_feature(item, self.layout, self.embeds_width,
+                                         self.enable_mm_embeds) if is_embeds_item(item) \
+                    else self._processed_image(load_image(item, self.policy))
             except MediaError as e:
                 raise MediaError(f"image {k}: {e}", e.status) from None
             features.append(msgspec.structs.replace(feature, offset=len(expanded)))
@@ -203,4 +212,4 @@ def build_multimodal_processor(config: Any, source: Any, hf_config: Any,
         return None
     policy = MediaPolicy(tuple(config.allowed_media_domains), config.allowed_local_media_path)
     return MultiModalProcessor(source.path, hf_config, tokenizer, config.limit_mm_per_prompt,
-                               policy)
+                               policy, config.enable_mm_embeds)

@@ -194,4 +194,60 @@ def build_tiny_mistral3(path: str, seed: int = 0) -> str:
     save_mistral3_tokenizer(path)
     PixtralImageProcessorPil(patch_size={"height": 8, "width": 8},
                              size={"longest_edge": 64}).save_pretrained(path)
+def save_qwen3_5_tokenizer(path: str) -> None:
+    """transformers makes every qwen3_5 folder's tokenizer its byte-level BPE
+    `Qwen3_5Tokenizer` (the tokenizer file's vocabulary and merges, its own pre-tokenizer), so
+    this one is byte-level too: Qwen-VL's vision tokens as special tokens, then the 256 byte
+    symbols (one token per byte: no merges), then unused tokens up to VOCAB_SIZE."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **QWEN_VL_TOKENS}
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab.update({c: len(vocab) + i for i, c in enumerate(symbols)})
+    vocab.update({f"<unused{i}>": i for i in range(len(vocab), VOCAB_SIZE)})
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in QWEN_VL_TOKENS])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>", pad_token="<unk>",
+                            extra_special_tokens={"image_token": "<|image_pad|>",
+                                                  "video_token": "<|video_pad|>"},
+                            chat_template=CHAT_TEMPLATE).save_pretrained(path)
+
+
+def build_tiny_qwen3_5_vl(path: str, moe: bool = False, seed: int = 0) -> str:
+    """A Qwen3_5ForConditionalGeneration (`moe`: Qwen3_5MoeForConditionalGeneration, 4
+    experts, top 2, a shared expert): Qwen3-VL's vision tower without DeepStack (16-pixel
+    patches merged 2x2, a 4x4 learned position table: a 56x56 image gives 4 image tokens, a
+    112x84 one 12) and a hybrid text model of a gated delta-net then gated attention, half of
+    each 32-dim head rotated by interleaved M-RoPE sections (4, 2, 2); a byte-level
+    tokenizer (`save_qwen3_5_tokenizer`)."""
+    from transformers import Qwen2VLImageProcessorPil
+    torch.manual_seed(seed)
+    text = dict(TINY_LLAMA, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 0.5, "mrope_section": [4, 2, 2],
+                                 "mrope_interleaved": True})
+    if moe:
+        from transformers import Qwen3_5MoeConfig as Config
+        from transformers import Qwen3_5MoeForConditionalGeneration as Model
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=48)
+    else:
+        from transformers import Qwen3_5Config as Config
+        from transformers import Qwen3_5ForConditionalGeneration as Model
+    vision = dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=2, out_hidden_size=64,
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                  num_position_embeddings=16, initializer_range=0.2)
+    config = Config(text_config=text, vision_config=vision, image_token_id=3,
+                    vision_start_token_id=4, vision_end_token_id=5, video_token_id=6,
+                    initializer_range=0.2)
+    Model(config).eval().save_pretrained(path)
+    save_qwen3_5_tokenizer(path)
+    Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2
+                             ).save_pretrained(path)
     return path

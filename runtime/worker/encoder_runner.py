@@ -14,6 +14,7 @@ from torch import nn
 
 from runtime.batch import Batch
 from runtime.core.messages import ScheduledRequest
+from runtime.multimodal.embeds import EMBEDS_KEY
 from runtime.multimodal.inputs import MultiModalFeature
 from runtime.multimodal.mrope import mrope_positions
 
@@ -69,6 +70,11 @@ class EncoderRunner:
     def _encode_missing(self, features: list[MultiModalFeature]) -> None:
         missing = list({f.identifier: f for f in features
                         if f.identifier not in self.cache}.values())
+        for feature in missing:  # given as embeddings (runtime.multimodal.embeds)
+            if EMBEDS_KEY in feature.data:
+                self.cache[feature.identifier] = feature.data[EMBEDS_KEY].tensor().to(
+                    self.device)
+        missing = [f for f in missing if EMBEDS_KEY not in f.data]
         if not missing:
             return
         outputs = self.model.embed_multimodal(

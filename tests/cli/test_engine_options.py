@@ -55,6 +55,7 @@ VALUES = {
     "download_dir": ("--download-dir /nowhere", "/nowhere"),
     "trust_remote_code": ("--trust-remote-code", True),
     "enable_prompt_embeds": ("--enable-prompt-embeds", True),
+    "enable_mm_embeds": ("--enable-mm-embeds", True),
     "max_logprobs": ("--max-logprobs 5", 5),
     "generation_config": ("--generation-config vllm", "vllm"),
     "engine_stall_timeout": ("--engine-stall-timeout 5", 5.0),
