@@ -59,6 +59,7 @@ class CpuPagedAttention(TorchPagedAttention):
 
     name = "cpu_paged"
     supports_attention_sinks = True
+    can_return_lse = True
 
     @classmethod
     def supports(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
@@ -136,3 +137,21 @@ class CpuPagedAttention(TorchPagedAttention):
             out, q, k_cache, v_cache, tables, lens, self.scale, self.sliding_window or -1, *scales,
             self.sinks)
         return out
+
+    def _decode_lse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    metadata: AttentionMetadata, nd: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode context parallel: the kernel over this rank's shard, which is contiguous in
+        its blocks (its local length), with LSE. A window or chunk counts positions, which a
+        shard does not hold contiguously: those layers decode through the portable path."""
+        if (self.logits_soft_cap is not None or self.sliding_window is not None
+                or self.attention_chunk_size is not None):
+            return super()._decode_lse(q, k_cache, v_cache, metadata, nd)
+        lens = metadata.dcp.local_len(metadata.seq_lens[:nd]).to(torch.int32)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        scales = ((self.k_scale.item(), self.v_scale.item()) if is_fp8(k_cache.dtype)
+                  else (1.0, 1.0))
+        torch.ops.runtime_cpu.paged_attention_decode(
+            out, q, k_cache, v_cache, metadata.block_tables[:nd], lens, self.scale, -1, *scales,
+            None, lse)
+        return out, lse
