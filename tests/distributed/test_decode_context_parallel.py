@@ -4,6 +4,7 @@ giving the same greedy tokens and logprobs as one rank, with chunked prefill and
 preemption; what it cannot run is refused with the reason."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -15,6 +16,10 @@ from runtime.attention_backends.base import AttentionMetadata
 from runtime.attention_backends.context_parallel import ContextParallel, merge_attn_states
 from runtime.attention_backends.cpu_paged import CpuPagedAttention
 from runtime.attention_backends.torch_paged import TorchPagedAttention
+from runtime.config import EngineConfig
+from runtime.distributed.layout import ParallelLayout, check_decode_context_parallel
+from runtime.model_spec import ModelSpec
+from runtime.models.registry import choose_model
 from runtime.testing.paged_batch import build_layer, in_layout
 from tests.parity import LOGPROB_ATOL, PROMPTS, assert_matches_hf, hf_greedy
 
@@ -167,3 +172,32 @@ def test_matches_one_rank(tp, dcp, interleave, one_rank, caplog):
                 < LOGPROB_ATOL
     hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert_matches_hf(outputs, [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS])
+
+
+def test_refused_with_the_reason(tiny_model_factory):
+    with pytest.raises(ValueError, match=r"decode_context_parallel_size 3 must divide "
+                                         r"tensor_parallel_size 4 .*allowed: \[1, 2, 4\]"):
+        EngineConfig(tensor_parallel_size=4, decode_context_parallel_size=3)
+    with pytest.raises(ValueError, match="cp_kv_cache_interleave_size 3 must divide block_size"):
+        EngineConfig(tensor_parallel_size=2, decode_context_parallel_size=2,
+                     cp_kv_cache_interleave_size=3)
+    with pytest.raises(ValueError, match="does not run speculative decoding"):
+        EngineConfig(tensor_parallel_size=2, decode_context_parallel_size=2,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="does not run with a KV connector"):
+        EngineConfig(tensor_parallel_size=2, decode_context_parallel_size=2,
+                     kv_offloading_size=0.1)
+    # 2 KV heads at tp 2: one per rank, no copy for DCP to split
+    path = tiny_model_factory("LlamaForCausalLM")
+    with pytest.raises(ValueError, match="must divide tensor_parallel_size / num_kv_heads .*"
+                                         "a multiple of 4"):
+        LLM(path, tensor_parallel_size=2, decode_context_parallel_size=2)
+    config = EngineConfig(model=path, tensor_parallel_size=2, decode_context_parallel_size=2)
+    model = ModelSpec.resolve(config).model_config
+    layout = ParallelLayout.of(config)
+    for change, reason in [(dict(attention_kind="mla"), "not built for MLA"),
+                           (dict(attention_sinks=True), "does not merge attention sinks"),
+                           (dict(choice=choose_model(["BambaForCausalLM"])),
+                            "does not split .* recurrent layers")]:
+        with pytest.raises(ValueError, match=reason):
+            check_decode_context_parallel(dataclasses.replace(model, **change), layout)
