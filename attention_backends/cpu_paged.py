@@ -12,6 +12,8 @@ tokens with their `query_start_loc`: no padded batch, no gathers. The kernels ar
 `torch.ops.runtime_cpu`, which the CPU platform builds and loads before it offers this backend. An
 FP8 cache is widened to float32 in the kernel's registers as it is read. Attention sinks
 (gpt-oss) join the decode kernel's softmax; prefill chunks take them through the portable path.
+Under decode context parallel the decode kernel runs over each rank's shard and also returns
+the log-sum-exp; prefill chunks take the portable path.
 """
 from __future__ import annotations
 

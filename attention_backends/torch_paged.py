@@ -5,6 +5,10 @@ prefill chunks run one request at a time through `scaled_dot_product_attention`.
 (see `base`) is written as `x / scale` saturated to the format's range and read back as
 `stored * scale` in the query's dtype; prefill chunks then read their own new K/V back from the
 cache too, so every token sees the same rounded values whichever step wrote them.
+
+Under decode context parallel (`forward_with_lse`) every request attends over this rank's
+shard of its context, read back from the cache and masked at the shard's real positions, and
+returns its log-sum-exp with the output.
 """
 from __future__ import annotations
 
