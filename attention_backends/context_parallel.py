@@ -21,7 +21,8 @@ import torch
 
 @dataclass(frozen=True)
 class ContextParallel:
-    """This rank's place in its DCP group, and the interleave rule."""
+    """This rank's place in its DCP group, and the interleave rule. Its methods take torch
+    tensors or numpy arrays of positions alike (`local_len`: tensors)."""
 
     rank: int = 0
     world_size: int = 1

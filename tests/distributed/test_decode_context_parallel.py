@@ -47,6 +47,13 @@ def test_interleave_rule(world, interleave):
         assert cp.local_len(lens).tolist() == [int((owner[:n] == cp.rank).sum()) for n in lens]
 
 
+def test_groups_are_consecutive_ranks_of_a_tensor_parallel_group():
+    layout = ParallelLayout(tp_size=4, pp_size=2, dcp_size=2)
+    assert [layout.dcp_group(r) for r in range(8)] == [[0, 1], [0, 1], [2, 3], [2, 3],
+                                                       [4, 5], [4, 5], [6, 7], [6, 7]]
+    assert [layout.dcp_rank(r) for r in range(8)] == [0, 1] * 4
+
+
 def reference(query, keys, values, query_lens, seq_lens, scale, window):
     """Causal attention of each request's new tokens over its whole context, in float32."""
     out, start = [], 0
