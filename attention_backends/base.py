@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.attention_backends.context_parallel import ContextParallel
+
 # vLLM's `--kv-cache-dtype` names for the FP8 formats; "fp8" is e4m3.
 FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                        "fp8_e5m2": torch.float8_e5m2}
@@ -78,6 +80,9 @@ class AttentionMetadata:
     checkpoint_rows: torch.Tensor | None = None
     checkpoint_ids: torch.Tensor | None = None
     num_decode_checkpoints: int = 0
+    # decode context parallel: this rank's place in its group; `slot_mapping` is then -1 for
+    # the tokens other ranks keep, and `block_tables` address this rank's shard (None: off)
+    dcp: ContextParallel | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -127,6 +132,8 @@ class AttentionBackend(ABC):
     supports_attention_sinks: bool = False
     # Whether the backend applies `attention_chunk_size` (Llama 4's chunked attention).
     supports_chunked_attention: bool = False
+    # Whether the backend has `forward_with_lse`, which decode context parallel needs.
+    can_return_lse: bool = False
 
     @classmethod
     def supports_kv_cache_dtype(cls, dtype: torch.dtype,
@@ -226,6 +233,20 @@ class AttentionBackend(ABC):
         and with `causal` False each token attends to every token of its request.
         Returns [num_tokens, num_heads, head_size].
         """
+
+    def forward_with_lse(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         kv_cache: torch.Tensor,
+                         metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode context parallel (`metadata.dcp` set): write the tokens this rank keeps
+        (`slot_mapping` >= 0), then attend over this rank's shard of each context alone.
+
+        query [num_tokens, num_heads, head_size] holds the heads of the whole DCP group (it
+        shares this rank's KV heads). Returns the partial output [num_tokens, num_heads,
+        head_size] and its log-sum-exp [num_tokens, num_heads] float32 (a query that sees no
+        key here: output 0, LSE -inf), for `context_parallel.merge_attn_states`.
+        """
+        raise NotImplementedError(f"attention backend {self.name} cannot return the "
+                                  f"log-sum-exp decode context parallel merges by")
 
 
 class MLAAttentionBackend(AttentionBackend):

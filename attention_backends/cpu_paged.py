@@ -12,6 +12,8 @@ tokens with their `query_start_loc`: no padded batch, no gathers. The kernels ar
 `torch.ops.runtime_cpu`, which the CPU platform builds and loads before it offers this backend. An
 FP8 cache is widened to float32 in the kernel's registers as it is read. Attention sinks
 (gpt-oss) join the decode kernel's softmax; prefill chunks take them through the portable path.
+Under decode context parallel the decode kernel runs over each rank's shard and also returns
+the log-sum-exp; prefill chunks take the portable path.
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ class CpuPagedAttention(TorchPagedAttention):
 
     name = "cpu_paged"
     supports_attention_sinks = True
+    can_return_lse = True
 
     @classmethod
     def supports(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
@@ -136,3 +139,21 @@ class CpuPagedAttention(TorchPagedAttention):
             out, q, k_cache, v_cache, tables, lens, self.scale, self.sliding_window or -1, *scales,
             self.sinks)
         return out
+
+    def _decode_lse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    metadata: AttentionMetadata, nd: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode context parallel: the kernel over this rank's shard, which is contiguous in
+        its blocks (its local length), with LSE. A window or chunk counts positions, which a
+        shard does not hold contiguously: those layers decode through the portable path."""
+        if (self.logits_soft_cap is not None or self.sliding_window is not None
+                or self.attention_chunk_size is not None):
+            return super()._decode_lse(q, k_cache, v_cache, metadata, nd)
+        lens = metadata.dcp.local_len(metadata.seq_lens[:nd]).to(torch.int32)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        scales = ((self.k_scale.item(), self.v_scale.item()) if is_fp8(k_cache.dtype)
+                  else (1.0, 1.0))
+        torch.ops.runtime_cpu.paged_attention_decode(
+            out, q, k_cache, v_cache, metadata.block_tables[:nd], lens, self.scale, -1, *scales,
+            None, lse)
+        return out, lse

@@ -5,6 +5,10 @@ prefill chunks run one request at a time through `scaled_dot_product_attention`.
 (see `base`) is written as `x / scale` saturated to the format's range and read back as
 `stored * scale` in the query's dtype; prefill chunks then read their own new K/V back from the
 cache too, so every token sees the same rounded values whichever step wrote them.
+
+Under decode context parallel (`forward_with_lse`) every request attends over this rank's
+shard of its context, read back from the cache and masked at the shard's real positions, and
+returns its log-sum-exp with the output.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.attention_backends.base import AttentionBackend, AttentionMetadata, is_fp8
+from runtime.attention_backends.context_parallel import ContextParallel
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -65,8 +70,24 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return torch.matmul(weights.to(v.dtype), v)
 
 
+def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               mask: torch.Tensor, soft_cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend` under a boolean `mask`, with each row's log-sum-exp of its (capped) scores
+    [..., H, Lq] in float32; a row that sees no key gets output 0 and LSE -inf."""
+    group = q.size(-3) // k.size(-3)
+    k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    weights = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
+    return torch.matmul(weights.to(v.dtype), v), lse
+
+
 class TorchPagedAttention(AttentionBackend):
     name = "torch_paged"
+    can_return_lse = True
     fp8_kv_cache = True
     supports_logits_soft_cap = True
     supports_encoder_attention = True
@@ -98,6 +119,52 @@ class TorchPagedAttention(AttentionBackend):
         if nd < metadata.num_reqs:
             self._prefills(out, query, key, value, k_cache, v_cache, metadata, nd, block_size)
         return out
+
+    def forward_with_lse(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         kv_cache: torch.Tensor,
+                         metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        k_cache, v_cache = self._caches(kv_cache)
+        kept = metadata.slot_mapping >= 0
+        self._write_kv(key[kept], value[kept], k_cache, v_cache, metadata.slot_mapping[kept])
+        out = torch.empty_like(query)
+        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+        nd = metadata.num_decode_tokens
+        if nd:
+            out[:nd], lse[:nd] = self._decode_lse(query[:nd], k_cache, v_cache, metadata, nd)
+        starts = metadata.query_start_loc_cpu
+        for i in range(nd, metadata.num_reqs):
+            q_lo, q_hi, seq_len = starts[i], starts[i + 1], metadata.seq_lens_cpu[i]
+            q_pos = torch.arange(seq_len - (q_hi - q_lo), seq_len, device=query.device)
+            o, l = self._attend_shard(query[q_lo:q_hi].unsqueeze(0), k_cache, v_cache,
+                                      metadata.block_tables[i:i + 1], q_pos.unsqueeze(0),
+                                      seq_len, metadata.dcp)
+            out[q_lo:q_hi], lse[q_lo:q_hi] = o[0], l[0]
+        return out, lse
+
+    def _decode_lse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    metadata: AttentionMetadata, nd: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decodes' partial attention over this rank's shard, with LSE."""
+        o, lse = self._attend_shard(q.unsqueeze(1), k_cache, v_cache, metadata.block_tables[:nd],
+                                    metadata.seq_lens[:nd].unsqueeze(1) - 1,
+                                    max(metadata.seq_lens_cpu[:nd]), metadata.dcp)
+        return o.squeeze(1), lse.squeeze(1)
+
+    def _attend_shard(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      tables: torch.Tensor, q_pos: torch.Tensor, max_len: int,
+                      dcp: ContextParallel) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, Lq, H, D] at positions `q_pos` [B, Lq] over the shard of B contexts of up to
+        `max_len` tokens: the mask is taken at the shard's global positions, so causality,
+        the sliding window and chunks hold exactly. Returns [B, Lq, H, D] and [B, Lq, H]."""
+        block_size = k_cache.size(1)
+        num_blocks = -(-max_len // (block_size * dcp.world_size))
+        blocks = tables[:, :num_blocks]
+        k = read_kv(k_cache[blocks].flatten(1, 2).transpose(1, 2), self.k_scale, q.dtype)
+        v = read_kv(v_cache[blocks].flatten(1, 2).transpose(1, 2), self.v_scale, q.dtype)
+        k_pos = dcp.positions(torch.arange(num_blocks * block_size, device=q.device))
+        mask = self.visible(q_pos.unsqueeze(-1), k_pos)  # [B, Lq, L]
+        o, lse = attend_lse(q.transpose(1, 2), k, v, self.scale, mask.unsqueeze(1),
+                            self.logits_soft_cap)
+        return o.transpose(1, 2), lse.transpose(1, 2)
 
     def _prefills(self, out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from runtime.attention_backends.base import AttentionMetadata
+from runtime.attention_backends.context_parallel import ContextParallel
 
 if TYPE_CHECKING:
     from runtime.core.messages import ScheduledRequest
@@ -34,8 +35,11 @@ class Batch:
         return self.query_start_loc[1:] - 1
 
 
-def build_batch(reqs: list[ScheduledRequest], block_size: int, device: torch.device) -> Batch:
-    """The batch of `reqs`, in their order (a runner puts decodes first: backends batch them)."""
+def build_batch(reqs: list[ScheduledRequest], block_size: int, device: torch.device,
+                dcp: ContextParallel | None = None) -> Batch:
+    """The batch of `reqs`, in their order (a runner puts decodes first: backends batch them).
+    Under decode context parallel (`dcp`), the slots are this rank's (-1 for tokens another
+    rank keeps) and each table block holds `block_size` tokens of this rank's shard."""
     query_lens = np.array([len(r.token_ids) for r in reqs], dtype=np.int64)
     starts = np.array([r.start_pos for r in reqs], dtype=np.int64)
     seq_lens = starts + query_lens
@@ -49,8 +53,11 @@ def build_batch(reqs: list[ScheduledRequest], block_size: int, device: torch.dev
     for i, r in enumerate(reqs):
         block_tables[i, :len(r.block_ids)] = r.block_ids
     req_of_token = np.repeat(np.arange(len(reqs)), query_lens)
-    slots = (block_tables[req_of_token, positions // block_size].astype(np.int64) * block_size
-             + positions % block_size)
+    local = positions if dcp is None else dcp.local_index(positions)
+    slots = (block_tables[req_of_token, local // block_size].astype(np.int64) * block_size
+             + local % block_size)
+    if dcp is not None:
+        slots[dcp.owner(positions) != dcp.rank] = -1
     metadata = AttentionMetadata(
         slot_mapping=torch.from_numpy(slots).to(device),
         query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(device),
@@ -62,6 +69,7 @@ def build_batch(reqs: list[ScheduledRequest], block_size: int, device: torch.dev
         max_seq_len=int(seq_lens.max()),
         num_decode_tokens=int(np.argmax(query_lens > 1)) if (query_lens > 1).any()
         else len(reqs),
+        dcp=dcp,
     )
     if reqs[0].state_slot is not None:
         metadata.state_indices = torch.tensor([r.state_slot for r in reqs], device=device)

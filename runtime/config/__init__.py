@@ -252,6 +252,14 @@ class EngineConfig:
     enable_expert_parallel: bool = option(
         False, "MoE layers: each tensor-parallel rank holds num_experts / tp whole experts "
                "instead of a slice of every expert", aliases=("-ep",), group=PARALLEL)
+    decode_context_parallel_size: int = option(
+        1, "ranks of each tensor-parallel group that split every sequence's KV tokens between "
+           "them instead of each holding a copy of the same KV heads (divides "
+           "--tensor-parallel-size): the KV cache holds this many times the tokens",
+        aliases=("-dcp",), group=PARALLEL)
+    cp_kv_cache_interleave_size: int = option(
+        1, "decode context parallel deals each sequence's tokens to the ranks in runs of this "
+           "many positions (divides --block-size)", group=PARALLEL)
     data_parallel_size: int = option(
         1, "engine replicas behind the server, each with tp x pp ranks", aliases=("-dp",),
         group=PARALLEL)
@@ -339,7 +347,30 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         self._check_partial_prefills()
+        self._check_decode_context_parallel()
         self._resolve_multimodal()
+
+    def _check_decode_context_parallel(self) -> None:
+        dcp, tp, interleave = (self.decode_context_parallel_size, self.tensor_parallel_size,
+                               self.cp_kv_cache_interleave_size)
+        if dcp < 1 or tp % dcp:
+            allowed = [n for n in range(1, tp + 1) if tp % n == 0]
+            raise ValueError(f"decode_context_parallel_size {dcp} must divide "
+                             f"tensor_parallel_size {tp} (its groups are tensor-parallel "
+                             f"ranks); allowed: {allowed}")
+        if interleave < 1 or self.block_size % interleave:
+            raise ValueError(f"cp_kv_cache_interleave_size {interleave} must divide "
+                             f"block_size {self.block_size}")
+        if dcp == 1:
+            return
+        if self.speculative_config is not None:
+            raise ValueError("decode context parallel does not run speculative decoding: "
+                             "verifying proposals and the draft model's own KV would need "
+                             "their sharded cache too")
+        if self.kv_transfer_config is not None:
+            raise ValueError("decode context parallel does not run with a KV connector: "
+                             "connectors move whole blocks of one rank, while each rank holds "
+                             "only its share of every block")
 
     def _resolve_multimodal(self) -> None:
         """The encoder's budget and cache default to the step's budget; the per-prompt limits

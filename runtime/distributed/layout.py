@@ -1,8 +1,9 @@
 """Where each rank sits: global rank = pp_rank * tp_size + tp_rank.
 
 A tensor-parallel group is one pipeline stage's `tp_size` consecutive ranks; a pipeline group
-links the ranks with the same tp_rank across stages. The output (sampled tokens) comes from the
-last stage's tp_rank 0.
+links the ranks with the same tp_rank across stages; a decode-context-parallel group is
+`dcp_size` consecutive ranks of a tensor-parallel group (they hold the same KV heads, as vLLM
+groups them). The output (sampled tokens) comes from the last stage's tp_rank 0.
 """
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ class ParallelLayout:
     tp_size: int = 1
     pp_size: int = 1
     enable_expert_parallel: bool = False
+    dcp_size: int = 1
 
     @classmethod
     def of(cls, config: EngineConfig) -> "ParallelLayout":
         return cls(config.tensor_parallel_size, config.pipeline_parallel_size,
-                   config.enable_expert_parallel)
+                   config.enable_expert_parallel, config.decode_context_parallel_size)
 
     @property
     def ep_size(self) -> int:
@@ -52,6 +54,13 @@ class ParallelLayout:
     def pp_group(self, rank: int) -> list[int]:
         return list(range(self.tp_rank(rank), self.world_size, self.tp_size))
 
+    def dcp_rank(self, rank: int) -> int:
+        return self.tp_rank(rank) % self.dcp_size
+
+    def dcp_group(self, rank: int) -> list[int]:
+        start = rank - self.dcp_rank(rank)
+        return list(range(start, start + self.dcp_size))
+
 
 def check_model_fits(model_config: ModelConfig, layout: ParallelLayout) -> None:
     """Raise ValueError, saying what is allowed, when the model cannot be split this way."""
@@ -70,9 +79,32 @@ def check_model_fits(model_config: ModelConfig, layout: ParallelLayout) -> None:
         raise ValueError(f"expert parallel splits the model's {experts} experts across the "
                          f"tensor_parallel_size {tp} ranks, which must divide them; allowed: "
                          f"{allowed}")
+    if layout.dcp_size > 1:
+        check_decode_context_parallel(model_config, layout)
     if pp > model_config.num_layers:
         raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's "
                          f"{model_config.num_layers} layers (each stage needs at least one)")
+
+
+def check_decode_context_parallel(model_config: ModelConfig, layout: ParallelLayout) -> None:
+    """Raise ValueError, with the reason, for what decode context parallel cannot split."""
+    tp, dcp, kv_heads = layout.tp_size, layout.dcp_size, model_config.num_kv_heads
+    name = model_config.architecture
+    if model_config.attention_kind == "mla":
+        raise ValueError(f"decode context parallel is not built for MLA ({name}): its "
+                         "latent cache and absorbed decode have no log-sum-exp merge here")
+    if model_config.is_hybrid:
+        raise ValueError(f"decode context parallel does not split {name}'s recurrent layers: "
+                         "their state is one per sequence, not per token")
+    if model_config.attention_sinks:
+        raise ValueError(f"decode context parallel does not merge attention sinks ({name}): "
+                         "the ranks' partial softmaxes would each count the sink")
+    if tp % kv_heads or tp // kv_heads % dcp:
+        raise ValueError(f"decode_context_parallel_size {dcp} splits the tokens of KV heads "
+                         f"that tensor parallel replicates, so it must divide "
+                         f"tensor_parallel_size / num_kv_heads (the ranks holding a copy of "
+                         f"each of the model's {kv_heads} KV heads at tp {tp}): use a "
+                         f"tensor_parallel_size that is a multiple of {kv_heads * dcp}")
 
 
 def num_experts(hf_config) -> int:

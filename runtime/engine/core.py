@@ -151,14 +151,18 @@ class EngineCore:
         if num_state_slots:
             state = (f"; recurrent state: {num_state_slots} slots of {slot_bytes / 2**20:.2f} "
                      f"MiB ({num_state_slots * slot_bytes / 2**20:.1f} MiB)")
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB per tensor-parallel "
+        # decode context parallel: a block holds block_size tokens on each of the group's ranks
+        dcp = config.decode_context_parallel_size
+        block_tokens = config.block_size * dcp
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens%s, %.1f MiB per tensor-parallel "
                     "rank over all stages; %d bytes per token%s)%s", num_blocks,
-                    config.block_size, num_blocks * config.block_size,
-                    num_blocks * per_block / 2**20, per_block // config.block_size,
+                    block_tokens, num_blocks * block_tokens,
+                    f" (x {dcp} with decode context parallel)" if dcp > 1 else "",
+                    num_blocks * per_block / 2**20, per_block // block_tokens,
                     ", one MLA latent per layer" if model_config.attention_kind == "mla" else "",
                     state)
         if not self.encoder_only:
-            self._fit_max_model_len(num_blocks * config.block_size, "the KV cache",
+            self._fit_max_model_len(num_blocks * block_tokens, "the KV cache",
                                     "raise --kv-cache-memory")
             if not config.enable_chunked_prefill:  # a longer prompt would wait forever
                 self._fit_max_model_len(config.max_num_batched_tokens,
@@ -173,7 +177,7 @@ class EngineCore:
             logger.info("prefix caching off: --mamba-cache-mode none keeps no checkpoints of "
                         "%s's recurrent state", model_config.architecture)
         enable_caching = config.enable_prefix_caching and (checkpointing or not num_state_slots)
-        self.kv = KVCacheManager(num_blocks, config.block_size, enable_caching, num_state_slots,
+        self.kv = KVCacheManager(num_blocks, block_tokens, enable_caching, num_state_slots,
                                  num_checkpoints, config.mamba_checkpoint_interval)
         self.kv_connector = build_scheduler_side(config, model_config, source, num_blocks)
         self.scheduler = Scheduler(config, self.kv, model_config.max_model_len,

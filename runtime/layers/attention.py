@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime.attention_backends.base import AttentionMetadata
+from runtime.attention_backends.context_parallel import merged_weights
 from runtime.forward_context import get_forward_context, get_kv_connector
 from runtime.layers.build_context import BuildContext
 from runtime.plugins.kv_connector import KVCacheLayer
@@ -52,6 +54,8 @@ class Attention(nn.Module):
         backend = ctx.encoder_attention_backend if encoder else ctx.attention_backend
         self.impl = backend(num_heads, head_size, scale, num_kv_heads, sliding_window,
                             logits_soft_cap, **extra)
+        # decode context parallel: the group whose ranks keep shards of this layer's contexts
+        self.dcp_group = None if encoder else ctx.dcp_group
         self.kv_cache = torch.empty(0)  # bound by the model runner once the cache is allocated
         self.kv_layer_name = ""  # its cache's name for a KV connector, set by PagedKVCache
         # set by the worker for --calculate-kv-scales: the next forward sets the FP8 scales
@@ -63,16 +67,33 @@ class Attention(nn.Module):
         if self.calculate_kv_scales:
             self.impl.calculate_kv_scales(k, v)
             self.calculate_kv_scales = False
+        q = q.view(t, self.num_heads, self.head_size)
+        k = k.view(t, self.num_kv_heads, self.head_size)
+        v = v.view(t, self.num_kv_heads, self.head_size)
         metadata, connector = get_forward_context(), get_kv_connector()
         if connector is not None:
             connector.wait_for_layer_load(self.kv_layer_name)
-        out = self.impl.forward(q.view(t, self.num_heads, self.head_size),
-                                k.view(t, self.num_kv_heads, self.head_size),
-                                v.view(t, self.num_kv_heads, self.head_size),
-                                self.kv_cache, metadata)
+        if metadata.dcp is not None and not metadata.prefill_only:
+            out = self._context_parallel(q, k, v, metadata)
+        else:
+            out = self.impl.forward(q, k, v, self.kv_cache, metadata)
         if connector is not None and self.kv_sharing_target is None:
             connector.save_kv_layer(self.kv_layer_name, metadata)
         return out.reshape(t, self.num_heads * self.head_size)
+
+    def _context_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          metadata: AttentionMetadata) -> torch.Tensor:
+        """Decode context parallel: the group's ranks share these KV heads and each keeps a
+        shard of every context. Every rank attends all the group's query heads over its
+        shard (with LSE); the LSEs are all-gathered, each rank weights its partial outputs by
+        its share, and an all-reduce sums them: this rank keeps its own heads' rows."""
+        group = self.dcp_group
+        heads = group.all_gather(q, dim=1)  # [T, dcp * H, D], in group-rank order
+        out, lse = self.impl.forward_with_lse(heads, k, v, self.kv_cache, metadata)
+        weights = merged_weights(group.all_gather(lse.unsqueeze(0), dim=0))[group.rank]
+        merged = group.all_reduce(out.float() * weights.unsqueeze(-1))
+        first = group.rank * self.num_heads
+        return merged[:, first:first + self.num_heads].to(q.dtype)
 
 
 class PagedKVCache:

@@ -20,6 +20,8 @@ class BuildContext:
     `tp_rank`/`tp_size` and `tp_group` (a `runtime.plugins.interfaces.Communicator`) shard the layers;
     `ep_size` > 1 (expert parallel: the tensor-parallel group's size) gives each rank whole MoE
     experts instead of a slice of every expert;
+    `dcp_group` (None: off) is the decode-context-parallel group: attention layers keep
+    their shard of every context and merge the group's partial outputs;
     `pp` says which layers this pipeline stage builds and how it reaches its neighbours;
     `encoder_attention_backend` runs a vision encoder's bidirectional prefill-only attention
     (chosen for the encoder's shapes, with `ModelInfo.pooling` set);
@@ -35,6 +37,7 @@ class BuildContext:
     tp_size: int = 1
     tp_group: Any = None
     ep_size: int = 1
+    dcp_group: Any = None
     pp: PipelineStage = field(default_factory=PipelineStage)
     custom_op_provider: Callable[[str], Callable | None] | None = None
     max_model_len: int | None = None

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from runtime.attention_backends.context_parallel import ContextParallel
 from runtime.batch import Batch, build_batch
 from runtime.core.messages import ScheduledRequest, StepInput, StepOutput, TokenLogprobs
 from runtime.distributed.pipeline import PipelineStage
@@ -42,8 +43,12 @@ class ModelRunner:
                  pooling: PoolingRunner | None = None,
                  generators: SeededGenerators | None = None,
                  logits_processors: Sequence[Callable] = (),
-                 greedy_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 greedy_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 dcp: ContextParallel | None = None) -> None:
+        """`dcp`: this rank's place in its decode-context-parallel group (None: off); its
+        cache then holds its shard of every context, `block_size` tokens per block."""
         self.model = model
+        self.dcp = dcp
         self.device = device
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -127,7 +132,7 @@ class ModelRunner:
                                     if r.state_slot is not None and r.start_pos == 0)
         self.state_cache.restore([(r.state_slot, r.restore_checkpoint) for r in reqs
                                   if r.restore_checkpoint is not None])
-        batch = build_batch(reqs, self.block_size, self.device)
+        batch = build_batch(reqs, self.block_size, self.device, self.dcp)
         for hook in self.hooks:
             hook.before_forward(reqs, batch)
         return batch

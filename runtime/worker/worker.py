@@ -9,6 +9,7 @@ import os
 import torch
 
 from runtime.attention_backends.base import is_fp8, kv_cache_torch_dtype
+from runtime.attention_backends.context_parallel import ContextParallel
 from runtime.config import EngineConfig
 from runtime.core.messages import StepInput, StepOutput
 from runtime.distributed.groups import init_groups
@@ -69,22 +70,24 @@ class Worker:
         cfg = self.config
         # A later pipeline stage's forward takes the previous stage's hidden states, which graph
         # runners do not capture, pooling models never decode, and graph runners capture no
-        # recurrent state slots: they run it eagerly.
+        # recurrent state slots, and decode context parallel reads the host's sequence
+        # lengths: they run it eagerly.
         return model_info(self.model_config, self.kv_cache_dtype, cfg.block_size,
                           enforce_eager=cfg.enforce_eager or self.layout.pp_size > 1
+                          or self.layout.dcp_size > 1
                           or cfg.runner == "pooling" or self.model_config.is_hybrid,
                           pooling=is_encoder_only(cfg, self.model_config))
 
     def _build_context(self, backend: type, quant_config) -> BuildContext:
         layout, rank = self.layout, self.rank
-        tp_group = pp_group = None
+        tp_group = pp_group = dcp_group = None
         if layout.world_size > 1:
-            tp_group, pp_group = init_groups(self.answers.communicator, layout, rank,
-                                             self.init_method)
+            tp_group, pp_group, dcp_group = init_groups(self.answers.communicator, layout, rank,
+                                                        self.init_method)
         return BuildContext(dtype=self.model_config.dtype, device=self.device,
                             attention_backend=backend, quant_config=quant_config,
                             tp_rank=layout.tp_rank(rank), tp_size=layout.tp_size,
-                            tp_group=tp_group, ep_size=layout.ep_size,
+                            tp_group=tp_group, ep_size=layout.ep_size, dcp_group=dcp_group,
                             pp=PipelineStage(layout.pp_rank(rank), layout.pp_size, pp_group),
                             custom_op_provider=self.answers.custom_op,
                             max_model_len=self.model_config.max_model_len)
@@ -93,6 +96,11 @@ class Worker:
         """Join the parallel groups, then build this rank's model and runner from `source`."""
         info = self.model_info()
         self.attention_backend = self.answers.attention_backend(info)
+        if self.layout.dcp_size > 1 and not self.attention_backend.can_return_lse:
+            raise ValueError(f"decode context parallel needs an attention backend that returns "
+                             f"the log-sum-exp it merges the ranks' partial outputs by; "
+                             f"{self.attention_backend.name} does not (torch_paged and "
+                             f"cpu_paged do)")
         from runtime.quantization.registry import build_quant_config
         quant_config = build_quant_config(self.config.quantization, self.model_config.hf_config,
                                           self.answers.quantization_kernel)
@@ -145,7 +153,8 @@ class Worker:
                                   hooks=[lora] if lora is not None else [], proposer=proposer,
                                   pooling=pooling, generators=generators,
                                   logits_processors=self.answers.logits_processors(),
-                                  greedy_argmax=ctx.custom_op("greedy_argmax"))
+                                  greedy_argmax=ctx.custom_op("greedy_argmax"),
+                                  dcp=self._context_parallel())
         self.model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # this rank's layers and KV heads only
         self.kv_bytes_per_block = self.runner.kv_cache.bytes_per_block(cfg.block_size,
@@ -160,6 +169,14 @@ class Worker:
             logger.warning("FP8 KV cache with scales 1.0 (the checkpoint has none): K and V "
                            "below %g lose precision; --calculate-kv-scales sets the scales "
                            "from the first batch", torch.finfo(self.kv_cache_dtype).smallest_normal)
+
+    def _context_parallel(self) -> ContextParallel | None:
+        """This rank's place in its decode-context-parallel group (None: dcp 1)."""
+        layout = self.layout
+        if layout.dcp_size == 1:
+            return None
+        return ContextParallel(layout.dcp_rank(self.rank), layout.dcp_size,
+                               self.config.cp_kv_cache_interleave_size)
 
     def state_bytes_per_slot(self) -> int:
         """Bytes of one recurrent state slot over this rank's layers (0: none)."""
@@ -181,8 +198,10 @@ class Worker:
                                             self.kv_cache_dtype))
         budget = self.platform.kv_cache_memory_bytes(cfg.kv_cache_memory,
                                                      self.model_bytes + activation)
-        # Never hold more than every sequence slot could use at full length.
-        cap = self.config.max_num_seqs * -(-mc.max_model_len // self.config.block_size)
+        # Never hold more than every sequence slot could use at full length (a block holds
+        # block_size tokens of each decode-context-parallel rank).
+        tokens_per_block = self.config.block_size * self.layout.dcp_size
+        cap = self.config.max_num_seqs * -(-mc.max_model_len // tokens_per_block)
         state_bytes = self.num_state_slots * self.state_bytes_per_slot()
         if state_bytes > budget:
             raise ValueError(f"the recurrent state of {self.num_state_slots} sequences "

@@ -74,6 +74,8 @@ VALUES = {
     "pipeline_parallel_size": ("-pp 2", 2),
     "enable_expert_parallel": ("-ep", True),
     "data_parallel_size": ("-dp 2", 2),
+    "decode_context_parallel_size": ("-dcp 2", 2),
+    "cp_kv_cache_interleave_size": ("--cp-kv-cache-interleave-size 4", 4),
     "distributed_executor_backend": ("--distributed-executor-backend uniproc", "uniproc"),
     "ray_address": ("--ray-address auto", "auto"),
     "kv_transfer_config": ('--kv-transfer-config {"kv_connector":"OffloadingConnector"}',
@@ -84,7 +86,8 @@ VALUES = {
 }
 # Options that need another one set with them.
 TOGETHER = {"max_long_partial_prefills": {"max_num_partial_prefills": 2},
-            "kv_offloading_disk_size": {"kv_offloading_disk_path": "/tmp/kv"}}
+            "kv_offloading_disk_size": {"kv_offloading_disk_path": "/tmp/kv"},
+            "decode_context_parallel_size": {"tensor_parallel_size": 2}}
 # The values above that one CPU engine runs with, all at once.
 RUNNABLE = ("tokenizer", "model_impl", "runner", "device", "dtype", "kv_cache_memory",
             "gpu_memory_utilization", "block_size", "max_num_seqs", "max_num_batched_tokens",

@@ -9,6 +9,10 @@
 //
 // Attention sinks (gpt-oss), when given, are one float32 logit per query head that joins the
 // softmax's denominator and adds no value.
+//
+// With `lse` [num_seqs, num_heads] float32, each head's log-sum-exp of its scaled scores is
+// stored there too (decode context parallel merges partial outputs by it); a sequence of
+// length 0 then gets a zero output and an LSE of -inf.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -168,7 +172,7 @@ template <typename T, typename C, int HEAD>
 void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
             double scale, int64_t sliding_window, double k_scale, double v_scale,
-            const float* sinks) {
+            const float* sinks, float* lse) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   const int64_t head_size = HEAD > 0 ? HEAD : query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -189,13 +193,21 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
   const int32_t* len_ptr = seq_lens.data_ptr<int32_t>();
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_size), acc(head_size), scores, sums(group);
+    std::vector<float> q(group * head_size), acc(head_size), scores, sums(group), maxes(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
       const int64_t len = len_ptr[s];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t n = len - first;
       const int32_t* table = bt_ptr + s * bt_stride;
+      if (n == 0) {  // an empty shard of a context (decode context parallel)
+        for (int64_t g = 0; g < group; ++g) {
+          T* dst = o_ptr + s * os_stride + (kvh * group + g) * oh_stride;
+          for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(0.f);
+          if (lse) lse[s * num_heads + kvh * group + g] = -std::numeric_limits<float>::infinity();
+        }
+        continue;
+      }
       const T* q_head = q_ptr + s * qs_stride + kvh * group * qh_stride;  // the group's first
       for (int64_t g = 0; g < group; ++g) {
         const T* src = q_head + g * qh_stride;
@@ -233,9 +245,14 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
           for (int64_t g = 0; g < group; ++g)
             scores[g * n + (t - first)] = dot(q.data() + g * head_size, k, head_size);
       }
+      const float no_sink = -std::numeric_limits<float>::infinity();
       for (int64_t g = 0; g < group; ++g)
-        sums[g] = sinks ? softmax_numerator(scores.data() + g * n, n, sinks[kvh * group + g])
-                        : softmax_numerator(scores.data() + g * n, n);
+        sums[g] = softmax_numerator(scores.data() + g * n, n,
+                                    sinks ? sinks[kvh * group + g] : no_sink,
+                                    lse ? &maxes[g] : nullptr);
+      if (lse)
+        for (int64_t g = 0; g < group; ++g)
+          lse[s * num_heads + kvh * group + g] = maxes[g] + std::log(sums[g]);
       // The weighted sums of V rows: with the head size known, up to kTile heads of the group
       // at a time in registers, so that each V row is read once per tile, not once per head.
       using V = CacheVec<C>;
@@ -285,14 +302,14 @@ template <typename T, typename C>
 void decode_any_head(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, double scale, int64_t sliding_window,
-                     double k_scale, double v_scale, const float* sinks) {
+                     double k_scale, double v_scale, const float* sinks, float* lse) {
   switch (query.size(2)) {
     case 64: return decode<T, C, 64>(out, query, k_cache, v_cache, block_tables, seq_lens,
-                                     scale, sliding_window, k_scale, v_scale, sinks);
+                                     scale, sliding_window, k_scale, v_scale, sinks, lse);
     case 128: return decode<T, C, 128>(out, query, k_cache, v_cache, block_tables, seq_lens,
-                                       scale, sliding_window, k_scale, v_scale, sinks);
+                                       scale, sliding_window, k_scale, v_scale, sinks, lse);
     default: return decode<T, C, 0>(out, query, k_cache, v_cache, block_tables, seq_lens,
-                                    scale, sliding_window, k_scale, v_scale, sinks);
+                                    scale, sliding_window, k_scale, v_scale, sinks, lse);
   }
 }
 
@@ -301,19 +318,19 @@ template <typename T>
 void decode_any_cache(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, double scale, int64_t sliding_window,
-                      double k_scale, double v_scale, const float* sinks) {
+                      double k_scale, double v_scale, const float* sinks, float* lse) {
   switch (k_cache.scalar_type()) {
     case at::kFloat8_e4m3fn:
       return decode_any_head<T, c10::Float8_e4m3fn>(out, query, k_cache, v_cache, block_tables,
                                                     seq_lens, scale, sliding_window, k_scale,
-                                                    v_scale, sinks);
+                                                    v_scale, sinks, lse);
     case at::kFloat8_e5m2:
       return decode_any_head<T, c10::Float8_e5m2>(out, query, k_cache, v_cache, block_tables,
                                                   seq_lens, scale, sliding_window, k_scale,
-                                                  v_scale, sinks);
+                                                  v_scale, sinks, lse);
     default:
       return decode_any_head<T, T>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
-                                   sliding_window, k_scale, v_scale, sinks);
+                                   sliding_window, k_scale, v_scale, sinks, lse);
   }
 }
 
@@ -321,7 +338,8 @@ void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::T
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, int64_t sliding_window,
                             double k_scale, double v_scale,
-                            const std::optional<at::Tensor>& sinks) {
+                            const std::optional<at::Tensor>& sinks,
+                            const std::optional<at::Tensor>& lse) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
               "query and out must be [num_seqs, num_heads, head_size]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
@@ -344,10 +362,15 @@ void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
                          sinks->dim() == 1 && sinks->size(0) == query.size(1)),
               "sinks must be contiguous float32, one per query head");
+  TORCH_CHECK(!lse || (lse->scalar_type() == at::kFloat && lse->is_contiguous() &&
+                       lse->dim() == 2 && lse->size(0) == query.size(0) &&
+                       lse->size(1) == query.size(1)),
+              "lse must be contiguous float32 [num_seqs, num_heads]");
   const float* sink_ptr = sinks ? sinks->data_ptr<float>() : nullptr;
+  float* lse_ptr = lse ? lse->data_ptr<float>() : nullptr;
   RUNTIME_CPU_DISPATCH(query.scalar_type(), "paged_attention_decode", [&] {
     decode_any_cache<scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
-                               sliding_window, k_scale, v_scale, sink_ptr);
+                               sliding_window, k_scale, v_scale, sink_ptr, lse_ptr);
   });
 }
 
@@ -406,7 +429,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
 TORCH_LIBRARY(runtime_cpu, m) {
   m.def("paged_attention_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, "
-        "float k_scale=1.0, float v_scale=1.0, Tensor? sinks=None) -> ()");
+        "float k_scale=1.0, float v_scale=1.0, Tensor? sinks=None, Tensor(c!)? lse=None) -> ()");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
 }

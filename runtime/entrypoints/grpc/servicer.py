@@ -244,7 +244,9 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     async def GetLoads(self, request: pb.GetLoadsRequest,
                        context: grpc.aio.ServicerContext) -> pb.GetLoadsResponse:
         engine, stats = self.engine, self.engine.stats
-        capacity = engine.num_blocks * engine.config.block_size
+        # a block holds block_size tokens on each decode-context-parallel rank
+        capacity = (engine.num_blocks * engine.config.block_size
+                    * engine.config.decode_context_parallel_size)
         load = pb.SchedulerLoad(
             dp_rank=0, num_running_reqs=stats.num_running, num_waiting_reqs=stats.num_waiting,
             num_total_reqs=stats.num_running + stats.num_waiting,
