@@ -227,6 +227,33 @@ def table_positions(cos_sin_cache: torch.Tensor, positions: torch.Tensor,
     return rows.gather(0, index).squeeze(0)
 
 
+class AxialRotary(nn.Module):
+    """A ViT's 2-D rotary: of each head's frequencies `inv_freq` ([head_size // 2]), the first
+    half turn with the patch's row and the second half with its column (rotate-half layout).
+    `op` is the platform's `rotary_embedding` (the portable one when None)."""
+
+    def __init__(self, head_size: int, inv_freq: torch.Tensor, op=None) -> None:
+        super().__init__()
+        self.head_size, self.inv_freq = head_size, inv_freq
+        quarter = head_size // 4
+        self.axes = torch.tensor([0] * quarter + [1] * quarter)
+        self.op = op or rotary_embedding
+
+    def table(self, rows_cols: torch.Tensor) -> torch.Tensor:
+        """cos | sin [N, head_size] of patches at rows_cols [2, N]."""
+        angles = torch.arange(int(rows_cols.max()) + 1, dtype=torch.float32)[:, None] \
+            * self.inv_freq[None, :]
+        cache = torch.cat((angles.cos(), angles.sin()), dim=-1).to(rows_cols.device)
+        return table_positions(cache, rows_cols, self.axes.to(rows_cols.device))
+
+    def forward(self, table: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Rotate q and k [N, heads * head_size] in float32, as transformers does."""
+        dtype = q.dtype
+        rows = torch.arange(table.size(0), device=table.device)
+        q, k = self.op(rows, q.float(), k.float(), table, self.head_size)
+        return q.to(dtype), k.to(dtype)
+
+
 def mrope_axes(rotary_dim: int, section: list[int], interleaved: bool = False) -> list[int]:
     """The axis (0: t, 1: h, 2: w) of each of the rotary_dim // 2 frequencies: consecutive
     runs of `section` sizes (Qwen2-VL's `mrope_section`), or with `interleaved` (Qwen3-VL's)

@@ -18,47 +18,28 @@ from runtime.layers.attention import Attention
 from runtime.layers.build_context import BuildContext
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
-from runtime.layers.rotary import rotary_embedding, table_positions
+from runtime.layers.rotary import AxialRotary
 from runtime.models.clip import vision_activation
 
 NORM_EPS = 1e-5  # Pixtral's, whatever the config says
 
 
-class PixtralRotary(nn.Module):
+def pixtral_rotary(config, ctx: BuildContext) -> AxialRotary:
     """Axial 2-D rotary over the whole head: of the head's frequencies 1/theta^(2i/d), the even
-    ones turn with the patch's row and the odd ones with its column (rotate-half layout)."""
-
-    def __init__(self, config, ctx: BuildContext) -> None:
-        super().__init__()
-        params = config.rope_parameters or {}
-        if params.get("rope_type", "axial") != "axial":
-            raise ValueError(f"Pixtral rope_type {params['rope_type']!r} is not supported; "
-                             "supported: axial")
-        self.head_size = config.hidden_size // config.num_attention_heads
-        theta = params.get("rope_theta", 10000.0)
-        freqs = 1.0 / theta ** (torch.arange(0, self.head_size, 2, dtype=torch.float32)
-                                / self.head_size)
-        self.inv_freq = torch.cat([freqs[0::2], freqs[1::2]])  # [head_size // 2]
-        quarter = self.head_size // 4
-        self.axes = torch.tensor([0] * quarter + [1] * quarter)
-        self.op = ctx.custom_op("rotary_embedding") or rotary_embedding
-
-    def table(self, rows_cols: torch.Tensor) -> torch.Tensor:
-        """cos | sin [N, head_size] of patches at rows_cols [2, N]."""
-        angles = torch.arange(int(rows_cols.max()) + 1, dtype=torch.float32)[:, None] \
-            * self.inv_freq[None, :]
-        cache = torch.cat((angles.cos(), angles.sin()), dim=-1).to(rows_cols.device)
-        return table_positions(cache, rows_cols, self.axes.to(rows_cols.device))
-
-    def forward(self, table: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        dtype = q.dtype
-        rows = torch.arange(table.size(0), device=table.device)
-        q, k = self.op(rows, q.float(), k.float(), table, self.head_size)
-        return q.to(dtype), k.to(dtype)
+    ones turn with the patch's row and the odd ones with its column."""
+    params = config.rope_parameters or {}
+    if params.get("rope_type", "axial") != "axial":
+        raise ValueError(f"Pixtral rope_type {params['rope_type']!r} is not supported; "
+                         "supported: axial")
+    head_size = config.hidden_size // config.num_attention_heads
+    theta = params.get("rope_theta", 10000.0)
+    freqs = 1.0 / theta ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
+    return AxialRotary(head_size, torch.cat([freqs[0::2], freqs[1::2]]),
+                       ctx.custom_op("rotary_embedding"))
 
 
 class PixtralAttention(nn.Module):
-    def __init__(self, config, rotary: PixtralRotary, ctx: BuildContext) -> None:
+    def __init__(self, config, rotary: AxialRotary, ctx: BuildContext) -> None:
         super().__init__()
         heads, dim = config.num_attention_heads, config.hidden_size
         head_size = dim // heads
@@ -93,7 +74,7 @@ class PixtralMLP(nn.Module):
 
 
 class PixtralLayer(nn.Module):
-    def __init__(self, config, rotary: PixtralRotary, ctx: BuildContext) -> None:
+    def __init__(self, config, rotary: AxialRotary, ctx: BuildContext) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.hidden_size, NORM_EPS, ctx)
         self.attention = PixtralAttention(config, rotary, ctx)
@@ -106,7 +87,7 @@ class PixtralLayer(nn.Module):
 
 
 class PixtralTransformer(nn.Module):
-    def __init__(self, config, rotary: PixtralRotary, ctx: BuildContext, num_layers: int) -> None:
+    def __init__(self, config, rotary: AxialRotary, ctx: BuildContext, num_layers: int) -> None:
         super().__init__()
         self.layers = nn.ModuleList(PixtralLayer(config, rotary, ctx) for _ in range(num_layers))
 
@@ -122,7 +103,7 @@ class PixtralVisionModel(nn.Module):
         self.patch_conv = ReplicatedLinear(config.num_channels * config.patch_size ** 2,
                                            config.hidden_size, False, ctx)
         self.ln_pre = RMSNorm(config.hidden_size, NORM_EPS, ctx)
-        self.rotary = PixtralRotary(config, ctx)
+        self.rotary = pixtral_rotary(config, ctx)
         self.transformer = PixtralTransformer(config, self.rotary, ctx, num_layers)
 
     def patches(self, pixels: torch.Tensor, size: list[int]) -> torch.Tensor:

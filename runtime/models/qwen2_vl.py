@@ -29,8 +29,8 @@ from runtime.layers.attention import Attention
 from runtime.layers.build_context import BuildContext
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
-from runtime.layers.rotary import (MRotaryOp, _base_inv_freq, mrope_axes, rope_parameters,
-                                   rotary_embedding, table_positions)
+from runtime.layers.rotary import (AxialRotary, MRotaryOp, _base_inv_freq, mrope_axes,
+                                   rope_parameters)
 from runtime.models.clip import vision_activation
 from runtime.models.llama import default_weight_loader
 from runtime.models.qwen import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2Model
@@ -54,35 +54,15 @@ def frames(grids: list[list[int]], device: torch.device):
     return prefill_only_metadata([h * w for t, h, w in grids for _ in range(t)], False, device)
 
 
-class VisionRotary(nn.Module):
-    """The ViT's 2-D rotary: the first half of each head's frequencies turn with the patch's
-    row, the second half with its column."""
-
-    def __init__(self, head_size: int, theta: float, ctx: BuildContext) -> None:
-        super().__init__()
-        self.head_size = head_size
-        self.inv_freq = _base_inv_freq(theta, head_size // 2)  # [head_size // 4]
-        quarter = head_size // 4
-        self.axes = torch.tensor([0] * quarter + [1] * quarter)
-        self.op = ctx.custom_op("rotary_embedding") or rotary_embedding
-
-    def table(self, rows_cols: torch.Tensor) -> torch.Tensor:
-        """cos | sin [N, head_size] of patches at rows_cols [2, N]."""
-        angles = torch.arange(int(rows_cols.max()) + 1, dtype=torch.float32)[:, None] \
-            * self.inv_freq.repeat(2)[None, :]
-        cache = torch.cat((angles.cos(), angles.sin()), dim=-1).to(rows_cols.device)
-        return table_positions(cache, rows_cols, self.axes.to(rows_cols.device))
-
-    def forward(self, table: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Rotate q and k [N, heads * head_size] in float32, as transformers does."""
-        dtype = q.dtype
-        rows = torch.arange(table.size(0), device=table.device)
-        q, k = self.op(rows, q.float(), k.float(), table, self.head_size)
-        return q.to(dtype), k.to(dtype)
+def vision_rotary(head_size: int, theta: float, ctx: BuildContext) -> AxialRotary:
+    """The Qwen-VL ViT's 2-D rotary: the same frequencies 1/theta^(4i/d) for the row half and
+    the column half of each head."""
+    return AxialRotary(head_size, _base_inv_freq(theta, head_size // 2).repeat(2),
+                       ctx.custom_op("rotary_embedding"))
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, dim: int, heads: int, rotary: VisionRotary, ctx: BuildContext) -> None:
+    def __init__(self, dim: int, heads: int, rotary: AxialRotary, ctx: BuildContext) -> None:
         super().__init__()
         head_size = dim // heads
         self.qkv = ReplicatedLinear(dim, 3 * dim, True, ctx)
@@ -131,7 +111,7 @@ def layer_norm(dim: int, rms: bool, ctx: BuildContext) -> nn.Module:
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, mlp: nn.Module, rotary: VisionRotary,
+    def __init__(self, dim: int, heads: int, mlp: nn.Module, rotary: AxialRotary,
                  ctx: BuildContext, rms: bool) -> None:
         super().__init__()
         self.norm1 = layer_norm(dim, rms, ctx)
@@ -177,7 +157,7 @@ class Qwen2VisionTransformer(nn.Module):
         patch = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
         self.patch_embed = ReplicatedLinear(patch, dim, False, ctx)
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        self.rotary = VisionRotary(dim // config.num_heads, theta, ctx)
+        self.rotary = vision_rotary(dim // config.num_heads, theta, ctx)
         self.blocks = nn.ModuleList(
             VisionBlock(dim, config.num_heads, VisionGatedMlp(config, dim, ctx) if self.v2_5
                         else VisionMlp(dim, int(dim * config.mlp_ratio), config.hidden_act, ctx),

@@ -23,7 +23,7 @@ from runtime.layers.build_context import BuildContext
 from runtime.layers.linear import ReplicatedLinear
 from runtime.models.qwen import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
 from runtime.models.qwen2_vl import (PatchMerger, Qwen2VLForConditionalGeneration,
-                                     VisionBlock, VisionMlp, VisionRotary, frames,
+                                     VisionBlock, VisionMlp, vision_rotary, frames,
                                      mrope_op, patch_rows_cols)
 
 
@@ -52,7 +52,7 @@ class Qwen3VisionTransformer(nn.Module):
         self.pos_embed = nn.Embedding(config.num_position_embeddings, dim)
         self.side = int(config.num_position_embeddings ** 0.5)
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        self.rotary = VisionRotary(dim // config.num_heads, theta, ctx)
+        self.rotary = vision_rotary(dim // config.num_heads, theta, ctx)
         self.blocks = nn.ModuleList(
             VisionBlock(dim, config.num_heads, VisionMlp(dim, config.intermediate_size,
                                                          config.hidden_act, ctx),

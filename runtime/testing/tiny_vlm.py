@@ -194,6 +194,9 @@ def build_tiny_mistral3(path: str, seed: int = 0) -> str:
     save_mistral3_tokenizer(path)
     PixtralImageProcessorPil(patch_size={"height": 8, "width": 8},
                              size={"longest_edge": 64}).save_pretrained(path)
+    return path
+
+
 def save_qwen3_5_tokenizer(path: str) -> None:
     """transformers makes every qwen3_5 folder's tokenizer its byte-level BPE
     `Qwen3_5Tokenizer` (the tokenizer file's vocabulary and merges, its own pre-tokenizer), so
