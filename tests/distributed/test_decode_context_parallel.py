@@ -1,5 +1,5 @@
 """Decode context parallel: the interleave rule, the backends' partial attention with LSE over a
-shard merging to full attention, and the engine at tp=2 dcp=2 (gloo, one process per rank)
+shard merging to full attention, and the engine at tp=2 dcp=2 and tp=4 dcp=4 (gloo, one process per rank)
 giving the same greedy tokens and logprobs as one rank, with chunked prefill and a forced
 preemption; what it cannot run is refused with the reason."""
 from __future__ import annotations
@@ -153,25 +153,27 @@ def one_rank(tiny_model_factory):
     return path, params, llm.generate(PROMPTS, params)
 
 
-@pytest.mark.parametrize("tp,dcp,interleave", [(2, 2, 1)])
+@pytest.mark.parametrize("tp,dcp,interleave", [(2, 2, 1), (4, 4, 2)])
 def test_matches_one_rank(tp, dcp, interleave, one_rank, caplog):
-    """6 blocks per rank hold 6 x 16 x dcp tokens: too few for every prompt at once, so
-    requests are preempted and recomputed; 16-token steps cut the prompts into chunks that
-    start inside blocks."""
+    """dcp 2: 6 blocks of 32 tokens, too few for every prompt at once, so requests are
+    preempted and recomputed; dcp 4: 2 blocks of 64, every context split four ways. 16-token
+    steps cut the prompts into chunks that start inside blocks."""
     path, params, single = one_rank
+    blocks = {2: 6, 4: 2}[dcp]
     with caplog.at_level(logging.INFO, logger="runtime.engine.core"):
         llm = LLM(path, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                  cp_kv_cache_interleave_size=interleave, kv_cache_memory=6 * BLOCK_BYTES,
+                  cp_kv_cache_interleave_size=interleave, kv_cache_memory=blocks * BLOCK_BYTES,
                   **ENGINE)
     try:
         outputs = llm.generate(PROMPTS, params)
         core = llm.engine.core
-        assert core.scheduler.num_preemptions > 0, "the cache was meant to be too small"
+        assert core.scheduler.num_preemptions > 0 or dcp == 4, "the cache was meant to be " \
+            "too small"
         assert core.kv.block_size == 16 * dcp
     finally:
         llm.engine.core.shutdown()
-    assert f"KV cache: 6 blocks of {16 * dcp} tokens ({96 * dcp} tokens (x {dcp} with " \
-           "decode context parallel)" in caplog.text
+    assert f"KV cache: {blocks} blocks of {16 * dcp} tokens ({blocks * 16 * dcp} tokens (x {dcp} " \
+           "with decode context parallel)" in caplog.text
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in single]
     for ours, theirs in zip(outputs, single):
         for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
