@@ -39,6 +39,7 @@ _BUILTIN: dict[str, str] = {
     "JambaForCausalLM": "runtime.models.jamba:JambaForCausalLM",
     "NemotronHForCausalLM": "runtime.models.nemotron_h:NemotronHForCausalLM",
     "Lfm2ForCausalLM": "runtime.models.lfm2:Lfm2ForCausalLM",
+    "Lfm2MoeForCausalLM": "runtime.models.lfm2_moe:Lfm2MoeForCausalLM",
     # vision-language models (runtime.multimodal processes their images)
     "LlavaForConditionalGeneration": "runtime.models.llava:LlavaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "runtime.models.qwen2_vl:Qwen2VLForConditionalGeneration",
