@@ -41,6 +41,7 @@ _BUILTIN: dict[str, str] = {
     "Lfm2ForCausalLM": "runtime.models.lfm2:Lfm2ForCausalLM",
     "Lfm2MoeForCausalLM": "runtime.models.lfm2_moe:Lfm2MoeForCausalLM",
     "Zamba2ForCausalLM": "runtime.models.zamba2:Zamba2ForCausalLM",
+    "KimiLinearForCausalLM": "runtime.models.kimi_linear:KimiLinearForCausalLM",
     # vision-language models (runtime.multimodal processes their images)
     "LlavaForConditionalGeneration": "runtime.models.llava:LlavaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "runtime.models.qwen2_vl:Qwen2VLForConditionalGeneration",

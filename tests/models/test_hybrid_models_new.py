@@ -1,4 +1,4 @@
-"""LFM2-MoE and Zamba 2 against transformers on the same random weights, through the tests of
+"""LFM2-MoE, Zamba 2 and Kimi Linear against transformers on the same random weights, through the tests of
 test_hybrid_models (greedy tokens and logprobs with prompts chunked at odd points, under
 preemption, with n > 1, the refusals) and of test_hybrid_prefix_cache (prefix hits resumed
 from state checkpoints, n > 1 siblings, eviction)."""
@@ -31,21 +31,34 @@ ZAMBA2 = dict(num_hidden_layers=4, layers_block_type=["hybrid", "mamba", "hybrid
               mamba_d_state=8, mamba_ngroups=2, chunk_size=16, tie_word_embeddings=True,
               time_step_min=1e-5)
 
-CASES = {"lfm2-moe": ("Lfm2MoeForCausalLM", LFM2_MOE), "zamba2": ("Zamba2ForCausalLM", ZAMBA2)}
+# Kimi Linear: KDA with a dense MLP, MLA without rope with top-2 of 4 experts in 2 groups (one
+# kept, correction bias set below) and a shared expert, KDA with the same MoE
+KIMI_LINEAR = dict(num_hidden_layers=3, num_key_value_heads=4, pad_token_id=0,
+                   layer_types=["linear_attention", "full_attention", "linear_attention"],
+                   mlp_layer_types=["dense", "sparse", "sparse"], linear_num_heads=2,
+                   linear_head_dim=16, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+                   qk_nope_head_dim=16, v_head_dim=16, num_experts=4, num_experts_per_token=2,
+                   moe_intermediate_size=32, num_shared_experts=1, num_expert_group=2,
+                   topk_group=1, routed_scaling_factor=1.5, tie_word_embeddings=False)
 
-# the state of 4 sequences and the KV of 7 blocks (Zamba 2: 3 attention uses of 32-wide heads)
-PREEMPTION_BUDGET = {"lfm2-moe": "30KiB", "zamba2": "386KiB"}
+CASES = {"lfm2-moe": ("Lfm2MoeForCausalLM", LFM2_MOE), "zamba2": ("Zamba2ForCausalLM", ZAMBA2),
+         "kimi-linear": ("KimiLinearForCausalLM", KIMI_LINEAR)}
+
+# the state of 4 sequences and the KV of 7 blocks (Zamba 2: 3 attention uses of 32-wide heads;
+# Kimi Linear: one MLA layer's latents of 40)
+PREEMPTION_BUDGET = {"lfm2-moe": "30KiB", "zamba2": "386KiB", "kimi-linear": "43520"}
 
 
 def build(factory, case: str) -> str:
-    """The case's model folder; LFM2-MoE's expert biases (zeros when built) drawn at random,
-    so that they decide the routing."""
+    """The case's model folder; the routers' biases (zeros when built) drawn at random, so
+    that they decide the routing."""
     arch, overrides = CASES[case]
     path = factory(arch, **overrides)
-    if case == "lfm2-moe":
-        weights = load_file(f"{path}/model.safetensors")
+    weights = load_file(f"{path}/model.safetensors")
+    biases = sorted(n for n in weights if n.endswith(("expert_bias", "e_score_correction_bias")))
+    if biases:
         gen = torch.Generator().manual_seed(0)
-        for name in sorted(n for n in weights if n.endswith("expert_bias")):
+        for name in biases:
             weights[name] = torch.randn(weights[name].shape, generator=gen)
         save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})
     return path
