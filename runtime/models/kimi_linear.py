@@ -119,7 +119,7 @@ class KimiLinearModel(LlamaModel):
 class KimiLinearForCausalLM(MoeForCausalLM):
     model_cls = KimiLinearModel
     is_hybrid = True
-    supports_prompt_embeds = False
+    supports_prompt_embeds = False  # not tested with the recurrent state: refused for now
     stacked_params = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
