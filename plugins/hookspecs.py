@@ -151,7 +151,8 @@ def runtime_custom_op(platform: Platform, name: str) -> Callable | None:
     - the recurrent layers' ops, "causal_conv1d", "causal_conv1d_update", "selective_scan",
       "selective_state_update", "mamba2_chunk_scan", "mamba2_state_update",
       "chunk_gated_delta_rule" and "fused_recurrent_gated_delta_rule" (portable versions and
-      their contracts in `runtime.plugins.recurrent_ops`)
+      their contracts in `runtime.plugins.recurrent_ops`); Kimi delta attention's "chunk_kda"
+      and "fused_recurrent_kda" (in `runtime.plugins.kda_ops`)
     - "greedy_argmax": (x [rows, n] float32) -> each row's first maximum's index (int64, NaN
       above all), as x.max(dim=-1).indices; the sampler's greedy rows and exponential race
 

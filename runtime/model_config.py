@@ -129,7 +129,8 @@ class ModelConfig:
         token."""
         itemsize = torch.empty(0, dtype=kv_dtype).element_size()
         if self.attention_kind == "mla":
-            return self.num_layers * block_size * self.head_size * itemsize
+            cached = sum(kind not in NO_KV_LAYER_TYPES for kind in self.layer_types)
+            return cached * block_size * self.head_size * itemsize
         text = self.hf_config.get_text_config()
         sharing = getattr(text, "kv_sharing_modes", None) or [None] * self.num_layers
         cached = [i for i in range(self.num_layers)

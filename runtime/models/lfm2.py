@@ -22,7 +22,7 @@ from runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from runtime.plugins import recurrent_ops
 
 # checkpoint name part -> ours
-_RENAMES = {".self_attn.out_proj.": ".self_attn.o_proj.", ".q_layernorm.": ".q_norm.",
+CHECKPOINT_RENAMES = {".self_attn.out_proj.": ".self_attn.o_proj.", ".q_layernorm.": ".q_norm.",
             ".k_layernorm.": ".k_norm.", ".feed_forward.w1.": ".feed_forward.gate_proj.",
             ".feed_forward.w3.": ".feed_forward.up_proj.",
             ".feed_forward.w2.": ".feed_forward.down_proj."}
@@ -99,10 +99,15 @@ class Lfm2DecoderLayer(nn.Module):
             self.conv = ShortConv(config, ctx, f"{prefix}.conv")
         else:
             self.self_attn = Lfm2Attention(config, layer_idx, ctx, f"{prefix}.self_attn")
-        self.feed_forward = LlamaMLP(config, ctx, f"{prefix}.feed_forward",
-                                     lfm2_intermediate_size(config))
+        self.feed_forward = self.build_feed_forward(config, layer_idx, ctx,
+                                                    f"{prefix}.feed_forward")
         self.operator_norm = RMSNorm(config.hidden_size, config.norm_eps, ctx)
         self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps, ctx)
+
+    def build_feed_forward(self, config, layer_idx: int, ctx: BuildContext,
+                           prefix: str) -> nn.Module:
+        """The MLP of layer `layer_idx` (LFM2-MoE puts its experts here)."""
+        return LlamaMLP(config, ctx, prefix, lfm2_intermediate_size(config))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,12 +121,14 @@ class Lfm2DecoderLayer(nn.Module):
 
 
 class Lfm2Model(nn.Module):
+    layer_cls = Lfm2DecoderLayer
+
     def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
         if ctx.pp.size > 1:
             raise ValueError("pipeline parallel is not supported for LFM2 yet")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
-        self.layers = nn.ModuleList(Lfm2DecoderLayer(config, i, ctx, f"model.layers.{i}")
+        self.layers = nn.ModuleList(self.layer_cls(config, i, ctx, f"model.layers.{i}")
                                     for i in range(config.num_hidden_layers))
         self.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps, ctx)
 
@@ -143,7 +150,7 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def renamed(name: str) -> str:
-            for ours, theirs in _RENAMES.items():
+            for ours, theirs in CHECKPOINT_RENAMES.items():
                 name = name.replace(ours, theirs)
             return name
         return super().load_weights((renamed(name), tensor) for name, tensor in weights)

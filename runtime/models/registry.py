@@ -39,6 +39,9 @@ _BUILTIN: dict[str, str] = {
     "JambaForCausalLM": "runtime.models.jamba:JambaForCausalLM",
     "NemotronHForCausalLM": "runtime.models.nemotron_h:NemotronHForCausalLM",
     "Lfm2ForCausalLM": "runtime.models.lfm2:Lfm2ForCausalLM",
+    "Lfm2MoeForCausalLM": "runtime.models.lfm2_moe:Lfm2MoeForCausalLM",
+    "Zamba2ForCausalLM": "runtime.models.zamba2:Zamba2ForCausalLM",
+    "KimiLinearForCausalLM": "runtime.models.kimi_linear:KimiLinearForCausalLM",
     # vision-language models (runtime.multimodal processes their images)
     "LlavaForConditionalGeneration": "runtime.models.llava:LlavaForConditionalGeneration",
     "LlavaNextForConditionalGeneration":

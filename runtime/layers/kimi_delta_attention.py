@@ -1,0 +1,129 @@
+"""Kimi delta attention (KDA), the linear-attention token mixer of Kimi Linear: q, k, v
+projections through one short causal conv (silu), a forget gate per key channel, then the
+KDA recurrence (`runtime.plugins.kda_ops`), whose [H, K, V] state per sequence lives in the
+recurrent state cache; a per-head RMSNorm gated by sigmoid, the output projection.
+
+Checkpoint names as the checkpoints' (transformers saves them so): `q_proj`, `k_proj`,
+`v_proj`, `q_conv1d`, `k_conv1d`, `v_conv1d` (one conv here, `load_conv`), the forget gate's
+`f_a_proj`, `f_b_proj`, `dt_bias`, `A_log`, `b_proj`, `g_a_proj`, `g_b_proj`, `o_norm`,
+`o_proj`."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.forward_context import get_forward_context
+from runtime.layers.build_context import BuildContext
+from runtime.layers.gated_delta_net import DepthwiseConvWeight
+from runtime.layers.linear import ReplicatedLinear
+from runtime.layers.recurrent_state import StatefulLayer, conv_states_at
+from runtime.plugins import kda_ops, recurrent_ops
+
+
+class SigmoidGatedRMSNorm(nn.Module):
+    """RMSNorm over each head in float32 (its weight too), then times sigmoid(gate)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = self.weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class KimiDeltaAttention(StatefulLayer):
+    def __init__(self, config, ctx: BuildContext, prefix: str) -> None:
+        super().__init__()
+        if ctx.tp_size > 1:
+            raise ValueError("tensor parallel is not supported for Kimi delta attention yet "
+                             "(its conv channels and heads are not sharded)")
+        if config.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"Kimi delta attention: activation {config.hidden_act!r} is not "
+                             "supported (silu only)")
+        hidden = config.hidden_size
+        self.heads, self.head_dim = config.linear_num_heads, config.linear_head_dim
+        self.dim = self.heads * self.head_dim
+        self.conv_width, self.dtype = config.linear_conv_kernel_dim, ctx.dtype
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(self, name, ReplicatedLinear(hidden, self.dim, False, ctx,
+                                                 f"{prefix}.{name}"))
+        self.conv1d = DepthwiseConvWeight(3 * self.dim, self.conv_width, ctx.dtype)
+        # the forget gate: g = -exp(A_log[h]) softplus(f_b(f_a(x)) + dt_bias) per key channel
+        self.f_a_proj = ReplicatedLinear(hidden, self.head_dim, False, ctx, f"{prefix}.f_a_proj")
+        self.f_b_proj = ReplicatedLinear(self.head_dim, self.dim, False, ctx,
+                                         f"{prefix}.f_b_proj")
+        # float32, as transformers keeps it
+        self.dt_bias = nn.Parameter(torch.zeros(self.dim, dtype=torch.float32),
+                                    requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(1, 1, self.heads, 1, dtype=ctx.dtype),
+                                  requires_grad=False)
+        self.b_proj = ReplicatedLinear(hidden, self.heads, False, ctx, f"{prefix}.b_proj")
+        self.g_a_proj = ReplicatedLinear(hidden, self.head_dim, False, ctx, f"{prefix}.g_a_proj")
+        self.g_b_proj = ReplicatedLinear(self.head_dim, self.dim, False, ctx,
+                                         f"{prefix}.g_b_proj")
+        self.o_norm = SigmoidGatedRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_proj = ReplicatedLinear(self.dim, hidden, False, ctx, f"{prefix}.o_proj")
+        self.conv_op = ctx.custom_op("causal_conv1d") or recurrent_ops.causal_conv1d
+        self.conv_update_op = (ctx.custom_op("causal_conv1d_update")
+                               or recurrent_ops.causal_conv1d_update)
+        self.chunk_op = ctx.custom_op("chunk_kda") or kda_ops.chunk_kda
+        self.recurrent_op = ctx.custom_op("fused_recurrent_kda") or kda_ops.fused_recurrent_kda
+
+    def load_conv(self, part: str, loaded: torch.Tensor) -> None:
+        """The checkpoint's conv of part "q", "k" or "v" ([dim, 1, width]) into its third of
+        `conv1d`."""
+        first = "qkv".index(part) * self.dim
+        self.conv1d.weight.data[first:first + self.dim].copy_(loaded.reshape(self.dim, -1))
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias).view(
+            -1, self.heads, self.head_dim)
+        return -self.A_log.float().view(self.heads, 1).exp() * F.softplus(g)
+
+    def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The conv state in the model dtype, the KDA state in float32."""
+        return [((3 * self.dim, self.conv_width - 1), self.dtype),
+                ((self.heads, self.head_dim, self.head_dim), torch.float32)]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        md = get_forward_context()
+        t = hidden.size(0)
+        qkv = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], -1)
+        g = self.forget_gate(hidden)
+        beta = self.b_proj(hidden).float().sigmoid()
+        conv_state, kda_state = self.states
+        nd, slots = md.num_decode_tokens, md.state_indices  # decodes first, one token each
+        out = torch.empty(t, self.heads, self.head_dim, dtype=hidden.dtype, device=hidden.device)
+        if nd:
+            x = self.conv_update_op(qkv[:nd], conv_state, self.conv1d.weight, None, "silu",
+                                    slots[:nd])
+            out[:nd] = self.recurrent_op(*self._heads(x), g[:nd], beta[:nd], kda_state,
+                                         slots[:nd])
+            self.checkpoint_decodes(md)
+        if nd < t:
+            rows, has = slots[nd:], md.has_initial_state[nd:]
+            starts = md.query_start_loc[nd:] - nd
+            at, entries = self.prefill_checkpoints(md)
+            initial = conv_state[rows]
+            x, conv_final = self.conv_op(qkv[nd:], self.conv1d.weight, None, starts, initial,
+                                         has, "silu")
+            conv_state[rows] = conv_final
+            kept = None if at is None else torch.empty(
+                (at.numel(), *kda_state.shape[1:]), dtype=torch.float32, device=hidden.device)
+            out[nd:], final = self.chunk_op(*self._heads(x), g[nd:], beta[nd:], starts,
+                                            kda_state[rows], has, checkpoint_rows=at,
+                                            checkpoint_states=kept)
+            kda_state[rows] = final
+            if at is not None:
+                self.store(0, entries, conv_states_at(qkv[nd:], initial, has, starts, at))
+                self.store(1, entries, kept)
+        gate = self.g_b_proj(self.g_a_proj(hidden)).view(t, self.heads, self.head_dim)
+        return self.o_proj(self.o_norm(out, gate).view(t, self.dim))
+
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(part.view(x.size(0), self.heads, self.head_dim)
+                     for part in x.split(self.dim, -1))
