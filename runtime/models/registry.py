@@ -45,6 +45,9 @@ _BUILTIN: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration":
         "runtime.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "runtime.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+    "Idefics3ForConditionalGeneration":
+        "runtime.models.idefics3:Idefics3ForConditionalGeneration",
+    "SmolVLMForConditionalGeneration": "runtime.models.idefics3:SmolVLMForConditionalGeneration",
     # pooling models (runner="pooling"): encoders and classifiers
     "BertModel": "runtime.models.bert:BertModel",
     "BertForSequenceClassification": "runtime.models.bert:BertForSequenceClassification",

@@ -28,6 +28,7 @@ class ImageLayout:
     and how many embeddings it gives. LLaVA's: a fixed count per image."""
 
     mrope = False  # the model's positions are M-RoPE's (runtime.multimodal.mrope)
+    processor_kwargs: dict[str, Any] = {}  # what the image processor is called with
 
     def __init__(self, placeholder_token_id: int, tokens_per_image: int = 0,
                  prompt_text: str | None = None) -> None:
@@ -41,6 +42,10 @@ class ImageLayout:
 
     def num_tokens(self, item: dict[str, Any]) -> int:
         return self.tokens_per_image
+
+    def prompt_ids(self, feature: MultiModalFeature) -> list[int]:
+        """The token ids the item's placeholder becomes."""
+        return [self.placeholder_token_id] * feature.length
 
     def mrope_grid(self, item: dict[str, Any]) -> list[int] | None:
         """The item's (t, h, w) in M-RoPE positions; None for a model without M-RoPE."""
@@ -90,10 +95,17 @@ def llava_layout(hf_config: Any, tokenizer: Any) -> ImageLayout:
     return ImageLayout(hf_config.image_token_id, num_patches + int(full))
 
 
+def idefics3_layout(hf_config: Any, tokenizer: Any) -> ImageLayout:
+    from runtime.multimodal.idefics3 import Idefics3Layout
+    return Idefics3Layout(hf_config, tokenizer)
+
+
 LAYOUTS = {"LlavaForConditionalGeneration": llava_layout,
            "Qwen2VLForConditionalGeneration": QwenVLLayout,
            "Qwen2_5_VLForConditionalGeneration": QwenVLLayout,
-           "Qwen3VLForConditionalGeneration": QwenVLLayout}
+           "Qwen3VLForConditionalGeneration": QwenVLLayout,
+           "Idefics3ForConditionalGeneration": idefics3_layout,
+           "SmolVLMForConditionalGeneration": idefics3_layout}
 
 
 def is_multimodal_architecture(architecture: str) -> bool:
@@ -152,7 +164,7 @@ class MultiModalProcessor:
             except MediaError as e:
                 raise MediaError(f"image {k}: {e}", e.status) from None
             features.append(msgspec.structs.replace(feature, offset=len(expanded)))
-            expanded += [placeholder_id] * feature.length
+            expanded += self.layout.prompt_ids(feature)
             last = pos + 1
         return expanded + token_ids[last:], features
 
@@ -167,7 +179,8 @@ class MultiModalProcessor:
             self._processed.move_to_end(identifier)
             self.num_processed_hits += 1
             return feature
-        item = self.layout.item(self.image_processor(images=[image], return_tensors="pt"))
+        item = self.layout.item(self.image_processor(images=[image], return_tensors="pt",
+                                                     **self.layout.processor_kwargs))
         feature = MultiModalFeature(
             "image", identifier, 0, self.layout.num_tokens(item),
             {name: TensorData.of(t) for name, t in item.items()}, self.layout.mrope_grid(item))
