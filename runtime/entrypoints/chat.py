@@ -112,14 +112,15 @@ class ChatMedia:
     the request field a 400 names."""
 
     def __init__(self, multimodal: Any, param: str = "messages") -> None:
-        self.parts = ChatImages(None if multimodal is None else multimodal.placeholder)
+        self.parts = ChatImages(None) if multimodal is None else \
+            ChatImages(multimodal.placeholder, multimodal.chat_parts)
         self.param = param
 
-    def text_of(self, content: str | list[dict[str, Any]] | None) -> str:
-        if not isinstance(content, list):
+    def text_of(self, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, str]]:
+        if not isinstance(content, list) and not self.parts.as_parts:
             return text_of(content)
         try:
-            return self.parts.text_of(content, text_of)
+            return self.parts.content_of(content or "", text_of)
         except ValueError as e:
             raise bad_request(str(e), param=self.param) from None
 

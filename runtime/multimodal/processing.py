@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from runtime.multimodal.chat_parts import template_reads_parts
 from runtime.multimodal.inputs import MultiModalFeature, TensorData
 from runtime.multimodal.media import MediaError, MediaPolicy, load_image
 
@@ -127,6 +128,8 @@ class MultiModalProcessor:
             self.layout.placeholder_token_id)
         self.limits = {"image": DEFAULT_ITEMS_PER_PROMPT, **(limits or {})}
         self.policy = policy
+        # chat image parts become {"type": "image"} parts for a template that reads them
+        self.chat_parts = template_reads_parts(getattr(tokenizer, "chat_template", None))
         self._processed: OrderedDict[str, MultiModalFeature] = OrderedDict()
         self.num_processed_hits = 0
 
