@@ -56,7 +56,9 @@ class Idefics3Layout(ImageLayout):
         return feature.data["input_ids"].tensor().tolist()
 
     def hf_inputs(self, features: list[MultiModalFeature]) -> dict[str, Any]:
-        pixels = torch.cat([f.tensors()["pixel_values"] for f in features])[None]
+        # one tile per row: transformers takes [rows, tiles, ...] and flattens the two, so
+        # prompts with different numbers of tiles concatenate
+        pixels = torch.cat([f.tensors()["pixel_values"] for f in features])[:, None]
         return {"pixel_values": pixels,
                 "pixel_attention_mask": torch.ones(pixels.shape[:2] + pixels.shape[-2:],
                                                    dtype=torch.long)}

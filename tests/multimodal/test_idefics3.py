@@ -88,7 +88,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(model):
 
 
 def test_an_image_item_is_all_its_tiles(model):
-    name, llm, _, _ = model
+    name, llm, processor, _ = model
     images = [random_image(1, SQUARE), random_image(2, WIDE)]
     _, ids, features = llm.engine.processor.prepare(request(CASES[2][0], images))
     tiles = [len(f.tensors()["pixel_values"]) for f in features]
@@ -98,6 +98,10 @@ def test_an_image_item_is_all_its_tiles(model):
     else:  # per tile <fake><row_r_col_c> and 4 <image>s, a newline a row, the global image's 7
         assert tiles == [5, 3] and lengths == [4 * 6 + 2 + 1 + 7, 2 * 6 + 1 + 1 + 7]
     assert features[1].offset == features[0].end + 1
+    # what the bench gives transformers for them: all the tiles, one a row
+    pixels = processor(text=CASES[2][0], images=images, return_tensors="pt")["pixel_values"]
+    ours = llm.engine.processor.multimodal.layout.hf_inputs(features)["pixel_values"]
+    assert torch.equal(ours.flatten(0, 1), pixels.flatten(0, 1))
     assert ids[features[0].end - 1] == ids[features[1].offset] == 4
 
 
