@@ -93,7 +93,8 @@ def image_of(part: dict[str, Any]) -> Any:
 
 def template_reads_parts(template: str | None) -> bool:
     """Whether a chat template loops over a message's content (a list of typed parts, as
-    Idefics3's and the Qwen-VLs' do) rather than printing it as a string."""
+    Idefics3's, the Qwen-VLs' and LLaVA's do, directly or through a filter such as
+    `selectattr`) rather than printing it as a string."""
     import jinja2
     from jinja2 import nodes
     if not isinstance(template, str):
@@ -104,6 +105,8 @@ def template_reads_parts(template: str | None) -> bool:
         return False
     for loop in tree.find_all(nodes.For):
         it = loop.iter
+        while isinstance(it, nodes.Filter) and it.node is not None:
+            it = it.node
         if isinstance(it, nodes.Getattr) and it.attr == "content" or \
                 isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and \
                 it.arg.value == "content":

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
+from runtime.multimodal.chat_parts import template_reads_parts
 from runtime.testing.tiny_vlm import build_tiny_idefics3, random_image
 
 LOGPROB_TOL = 1e-4  # float32 on both sides
@@ -137,16 +138,54 @@ def test_same_text_with_another_image_gets_no_prefix_hit_on_its_blocks(model):
 
 
 def test_chat_image_parts_become_the_templates_image_parts(model):
+    import base64
+    import io
+    from types import SimpleNamespace
+
+    from runtime.entrypoints.chat import ChatMedia, render_chat
+    from runtime.entrypoints.tool_parsers.anthropic import anthropic_messages
     _, llm, _, _ = model
     image = random_image(300, WIDE)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
     assert llm.engine.processor.multimodal.chat_parts
-    direct = llm.generate(request("user:<image> w5 w6<end_of_utterance>\nw50:", [image]),
-                          greedy(), use_tqdm=False)[0].outputs[0].token_ids
-    reply = llm.chat([{"role": "user", "content": [
+    prompt = "system: w7<end_of_utterance>\nuser:<image> w5 w6<end_of_utterance>\nw50:"
+    direct = llm.generate(request(prompt, [image]), greedy(), use_tqdm=False)[0]
+    # a string content is a text part too: the template loops over every message's content
+    reply = llm.chat([{"role": "system", "content": "w7"}, {"role": "user", "content": [
         {"type": "image_pil", "image_pil": image}, {"type": "text", "text": "w5 w6"}]}],
-        greedy(), use_tqdm=False)
-    assert reply[0].prompt == "user:<image> w5 w6<end_of_utterance>\nw50:"
-    assert reply[0].outputs[0].token_ids == direct
+        greedy(), use_tqdm=False)[0]
+    assert reply.prompt == prompt
+    assert reply.outputs[0].token_ids == direct.outputs[0].token_ids
+    media = ChatMedia(llm.engine.processor.multimodal)  # the server's routes
+    messages = [{"role": "system", "content": media.text_of("w7")},
+                {"role": "user", "content": media.text_of([
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "w5 w6"}])}]
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    assert render_chat(llm.tokenizer, messages, None) == ids
+    media = ChatMedia(llm.engine.processor.multimodal)  # Anthropic's Messages
+    data = base64.b64encode(buffer.getvalue()).decode()
+    messages = [{"role": "system", "content": media.text_of("w7")}, *anthropic_messages(
+        [SimpleNamespace(role="user", content=[
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": data}},
+            {"type": "text", "text": "w5 w6"}])], media.text_of)]
+    assert render_chat(llm.tokenizer, messages, None) == ids
+    assert media.parts.images == [url]
+
+
+@pytest.mark.parametrize("template, reads_parts", [
+    ("{% for m in messages %}{% for line in m['content'] %}{% if line['type'] == 'image' %}"
+     "<image>{% endif %}{% endfor %}{% endfor %}", True),  # Idefics3's, SmolVLM's
+    ("{% for m in messages %}{% for c in m.content | selectattr('type', 'equalto', 'image') %}"
+     "<image>\n{% endfor %}{% endfor %}", True),  # LLaVA's
+    ("{% for m in messages %}{{ m['content'] }} {% endfor %}", False),
+    ("{% for m in messages %}{% for x in m['tool_calls'] %}{% endfor %}{% endfor %}", False),
+])
+def test_templates_that_read_content_parts_are_found(template, reads_parts):
+    assert template_reads_parts(template) is reads_parts
 
 
 def test_preempted_requests_encode_again_and_match_transformers(idefics3_path):
