@@ -141,7 +141,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
-            images = self._chat_images()
+            images = self._chat_images(chat_template)
             conversation = [{**m, "content": images.content_of(m["content"], _text_parts)}
                             if isinstance(m.get("content"), (list, str)) else m
                             for m in conversation]
@@ -150,11 +150,11 @@ class LLM:
             prompts.append(images.prompt({"prompt": text, "prompt_token_ids": ids}))
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _chat_images(self) -> ChatImages:
+    def _chat_images(self, chat_template: str | None) -> ChatImages:
         multimodal = self.engine.processor.multimodal
         if multimodal is None:
             return ChatImages(None)
-        return ChatImages(multimodal.placeholder, multimodal.chat_parts)
+        return ChatImages(multimodal.placeholder, multimodal.chat_parts(chat_template))
 
     def apply_chat_template(self, messages: Messages, chat_template: str | None = None,
                             add_generation_prompt: bool = True) -> list[int]:

@@ -109,11 +109,12 @@ class ChatMedia:
     """A conversation's images, collected in order while its messages become template text
     (`runtime.multimodal.chat_parts`); a 400 naming the part for one that cannot be taken.
     `multimodal` is the engine's `MultiModalProcessor`; None for a text-only model. `param`:
-    the request field a 400 names."""
+    the request field a 400 names; `chat_template`: the server's --chat-template."""
 
-    def __init__(self, multimodal: Any, param: str = "messages") -> None:
+    def __init__(self, multimodal: Any, param: str = "messages",
+                 chat_template: str | None = None) -> None:
         self.parts = ChatImages(None) if multimodal is None else \
-            ChatImages(multimodal.placeholder, multimodal.chat_parts)
+            ChatImages(multimodal.placeholder, multimodal.chat_parts(chat_template))
         self.param = param
 
     def text_of(self, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, str]]:

@@ -128,10 +128,16 @@ class MultiModalProcessor:
             self.layout.placeholder_token_id)
         self.limits = {"image": DEFAULT_ITEMS_PER_PROMPT, **(limits or {})}
         self.policy = policy
-        # chat image parts become {"type": "image"} parts for a template that reads them
-        self.chat_parts = template_reads_parts(getattr(tokenizer, "chat_template", None))
+        self._template_reads_parts = template_reads_parts(
+            getattr(tokenizer, "chat_template", None))
         self._processed: OrderedDict[str, MultiModalFeature] = OrderedDict()
         self.num_processed_hits = 0
+
+    def chat_parts(self, chat_template: str | None = None) -> bool:
+        """Whether chat image parts reach the chat template (`chat_template`, else the
+        tokenizer's) as {"type": "image"} parts: when it reads a message's content parts."""
+        return self._template_reads_parts if chat_template is None else \
+            template_reads_parts(chat_template)
 
     def process(self, token_ids: list[int], mm_data: dict[str, Any]
                 ) -> tuple[list[int], list[MultiModalFeature]]:

@@ -149,7 +149,7 @@ def test_chat_image_parts_become_the_templates_image_parts(model):
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-    assert llm.engine.processor.multimodal.chat_parts
+    assert llm.engine.processor.multimodal.chat_parts()
     prompt = "system: w7<end_of_utterance>\nuser:<image> w5 w6<end_of_utterance>\nw50:"
     direct = llm.generate(request(prompt, [image]), greedy(), use_tqdm=False)[0]
     # a string content is a text part too: the template loops over every message's content
@@ -174,6 +174,13 @@ def test_chat_image_parts_become_the_templates_image_parts(model):
             {"type": "text", "text": "w5 w6"}])], media.text_of)]
     assert render_chat(llm.tokenizer, messages, None) == ids
     assert media.parts.images == [url]
+    # a template given in place of the tokenizer's is the one that decides
+    plain = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    reply = llm.chat([{"role": "user", "content": [
+        {"type": "image_pil", "image_pil": image}, {"type": "text", "text": "w5 w6"}]}],
+        greedy(), chat_template=plain, use_tqdm=False)[0]
+    assert reply.prompt == "<image>\nw5 w6 "
+    assert not ChatMedia(llm.engine.processor.multimodal, chat_template=plain).parts.as_parts
 
 
 @pytest.mark.parametrize("template, reads_parts", [
