@@ -17,8 +17,9 @@ WIDE = (64, 32)  # split: 1 x 2 tiles and the global image
 SQUARE = (48, 40)  # split: 2 x 2 tiles and the global image
 CASES = [("w60 w61 w62", []), ("w60 <image> w61", [WIDE]),
          ("<image> w63 <image> w64", [SQUARE, WIDE])]
-VARIANTS = {"idefics3": (False, True), "idefics3-whole": (False, False),
-            "smolvlm": (True, True), "smolvlm-whole": (True, False)}
+# (smolvlm, split, seed): SmolVLM on other random weights than Idefics3
+VARIANTS = {"idefics3": (False, True, 0), "idefics3-whole": (False, False, 0),
+            "smolvlm": (True, True, 1), "smolvlm-whole": (True, False, 1)}
 
 
 def reference(path: str) -> tuple:
