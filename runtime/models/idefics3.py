@@ -32,13 +32,15 @@ VISION_QKV = {".q_proj.": "q", ".k_proj.": "k", ".v_proj.": "v"}
 
 def patch_position_ids(rows: int, cols: int, side: int) -> torch.Tensor:
     """The position-table index of each patch of a `rows` x `cols` grid: the grid's fractional
-    coordinates bucketed into the `side` x `side` table (NaViT's variable-resolution rule)."""
+    coordinates bucketed into the `side` x `side` table (NaViT's variable-resolution rule),
+    in transformers' float32 arithmetic, so a coordinate on a bucket's edge falls the same."""
     boundaries = torch.arange(1 / side, 1.0, 1 / side)
-    h = torch.bucketize(torch.clamp(torch.arange(rows) / rows, max=1 - 1e-6), boundaries,
-                        right=True)
-    w = torch.bucketize(torch.clamp(torch.arange(cols) / cols, max=1 - 1e-6), boundaries,
-                        right=True)
-    return (h[:, None] * side + w[None, :]).flatten()
+
+    def buckets(n: int) -> torch.Tensor:
+        coords = torch.arange(n, dtype=torch.float32) * (1.0 / torch.tensor(n))
+        return torch.bucketize(torch.clamp(coords, max=1 - 1e-6), boundaries, right=True)
+
+    return (buckets(rows)[:, None] * side + buckets(cols)[None, :]).flatten()
 
 
 class Idefics3VisionEmbeddings(nn.Module):

@@ -32,20 +32,23 @@ class Idefics3Layout(ImageLayout):
 
     def __init__(self, hf_config: Any, tokenizer: Any) -> None:
         super().__init__(hf_config.image_token_id, prompt_text=IMAGE_TOKEN)
-        vision = hf_config.vision_config
-        self.tile_size = vision.image_size
-        self.image_seq_len = (vision.image_size // vision.patch_size) ** 2 \
-            // hf_config.scale_factor ** 2
+        self.patch_size = hf_config.vision_config.patch_size
+        self.scale_factor = hf_config.scale_factor
         self.tokenizer = tokenizer
 
     def item(self, out: Any) -> dict[str, Any]:
         pixels, mask = out["pixel_values"][0], out["pixel_attention_mask"][0]
-        if pixels.shape[-2:] != (self.tile_size, self.tile_size) or not bool(mask.all()):
-            raise ValueError(f"the image processor gave {tuple(pixels.shape[-2:])} tiles with "
-                             f"padding={not bool(mask.all())}; the vision model takes "
-                             f"{self.tile_size}x{self.tile_size} tiles without padding "
-                             "(max_image_size must be the vision config's image_size)")
-        text = image_prompt_text(out["rows"][0][0], out["cols"][0][0], self.image_seq_len)
+        height, width = pixels.shape[-2:]
+        side = height // self.patch_size
+        if height != width or side % self.scale_factor or not bool(mask.all()):
+            raise ValueError(f"the image processor gave {height}x{width} tiles"
+                             f"{'' if bool(mask.all()) else ' with padding'}: the vision model "
+                             f"takes square tiles without padding whose patch grid "
+                             f"({self.patch_size}-pixel patches) scale_factor "
+                             f"{self.scale_factor} divides")
+        # a tile's tokens: its patches, pixel-shuffled (transformers' image_seq_len)
+        image_seq_len = (side // self.scale_factor) ** 2
+        text = image_prompt_text(out["rows"][0][0], out["cols"][0][0], image_seq_len)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return {"pixel_values": pixels, "input_ids": torch.tensor(ids, dtype=torch.long)}
 

@@ -154,12 +154,14 @@ def save_idefics3_tokenizer(path: str) -> None:
 
 
 def build_tiny_idefics3(path: str, smolvlm: bool = False, split: bool = True,
-                        seed: int = 0) -> str:
+                        seed: int = 0, tile: int = 32) -> str:
     """An Idefics3ForConditionalGeneration (or SmolVLMForConditionalGeneration): vision
-    transformer on 32x32 tiles of 8x8 patches, pixel shuffle by 2 (4 image tokens a tile),
-    Llama text model. The image processor resizes an image's longest edge to 64 and, with
-    `split`, cuts it into 32x32 tiles plus the global image (a 64x32 image: 2 tiles, 48x40:
-    4); without, it takes the 32x32 global image only."""
+    transformer on 32x32 images of 8x8 patches (a 4x4 position table), pixel shuffle by 2
+    (4 image tokens a 32x32 tile), Llama text model. The image processor resizes an image's
+    longest edge to 2 * `tile` and, with `split`, cuts it into `tile` x `tile` tiles plus the
+    global image (a 64x32 image: 2 tiles, 48x40: 4); without, it takes the global image
+    only. Another `tile` than 32 gives the vision model other patch grids than its table's
+    (48: 6x6 patches, 9 tokens a tile)."""
     if smolvlm:
         from transformers import SmolVLMConfig as Config
         from transformers import SmolVLMForConditionalGeneration as Model
@@ -176,6 +178,6 @@ def build_tiny_idefics3(path: str, smolvlm: bool = False, split: bool = True,
                     image_token_id=IDEFICS3_IMAGE_TOKEN_ID, initializer_range=0.2)
     Model(config).eval().save_pretrained(path)
     save_idefics3_tokenizer(path)
-    ImageProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32},
+    ImageProcessor(size={"longest_edge": 2 * tile}, max_image_size={"longest_edge": tile},
                    do_image_splitting=split).save_pretrained(path)
     return path

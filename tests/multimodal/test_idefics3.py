@@ -22,13 +22,13 @@ VARIANTS = {"idefics3": (False, True, 0), "idefics3-whole": (False, False, 0),
             "smolvlm": (True, True, 1), "smolvlm-whole": (True, False, 1)}
 
 
-def reference(path: str) -> tuple:
+def reference(path: str, image_seq_len: int = 4) -> tuple:
     """transformers' processor and model of a model folder."""
     from transformers import (AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer,
                               Idefics3Processor)
     # SmolVLMProcessor needs num2words (for video); its image prompt is Idefics3's
     processor = Idefics3Processor(AutoImageProcessor.from_pretrained(path, backend="pil"),
-                                  AutoTokenizer.from_pretrained(path), image_seq_len=4)
+                                  AutoTokenizer.from_pretrained(path), image_seq_len=image_seq_len)
     return processor, AutoModelForImageTextToText.from_pretrained(
         path, dtype=torch.float32).eval()
 
@@ -182,6 +182,22 @@ def test_chat_image_parts_become_the_templates_image_parts(model):
         greedy(), chat_template=plain, use_tqdm=False)[0]
     assert reply.prompt == "<image>\nw5 w6 "
     assert not ChatMedia(llm.engine.processor.multimodal, chat_template=plain).parts.as_parts
+
+
+def test_tiles_of_another_size_than_the_position_table_match_transformers(tmp_path):
+    # 48-pixel tiles: 6x6 patches onto the 4x4 position table (bucketed coordinates), 9
+    # tokens a tile
+    path = build_tiny_idefics3(str(tmp_path), tile=48)
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=16,
+              max_num_encoder_input_tokens=64, encoder_cache_size=64)
+    ref = reference(path, image_seq_len=9)
+    prompt, images = "w60 <image> w61", [random_image(5, (96, 48))]
+    got = llm.generate(request(prompt, images), greedy(), use_tqdm=False)[0].outputs[0]
+    assert llm.engine.processor.prepare(request(prompt, images))[2][0].length == 2 * 11 + 2 + 12
+    tokens, logprobs = hf_generate(ref, prompt, images)
+    assert got.token_ids == tokens
+    ours = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)]
+    assert max(abs(a - b) for a, b in zip(ours, logprobs)) < LOGPROB_TOL
 
 
 @pytest.mark.parametrize("template, reads_parts", [
