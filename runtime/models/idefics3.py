@@ -46,7 +46,6 @@ def patch_position_ids(rows: int, cols: int, side: int) -> torch.Tensor:
 class Idefics3VisionEmbeddings(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.patch_size = config.patch_size
         self.side = config.image_size // config.patch_size
         self.patch_embedding = nn.Conv2d(config.num_channels, config.hidden_size,
                                          config.patch_size, config.patch_size)

@@ -37,12 +37,13 @@ class Idefics3Layout(ImageLayout):
         self.tokenizer = tokenizer
 
     def item(self, out: Any) -> dict[str, Any]:
-        pixels, mask = out["pixel_values"][0], out["pixel_attention_mask"][0]
+        pixels = out["pixel_values"][0]
+        padded = "pixel_attention_mask" in out and not bool(out["pixel_attention_mask"].all())
         height, width = pixels.shape[-2:]
         side = height // self.patch_size
-        if height != width or side % self.scale_factor or not bool(mask.all()):
+        if height != width or side % self.scale_factor or padded:
             raise ValueError(f"the image processor gave {height}x{width} tiles"
-                             f"{'' if bool(mask.all()) else ' with padding'}: the vision model "
+                             f"{' with padding' if padded else ''}: the vision model "
                              f"takes square tiles without padding whose patch grid "
                              f"({self.patch_size}-pixel patches) scale_factor "
                              f"{self.scale_factor} divides")

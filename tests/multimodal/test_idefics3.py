@@ -200,6 +200,14 @@ def test_tiles_of_another_size_than_the_position_table_match_transformers(tmp_pa
     assert max(abs(a - b) for a, b in zip(ours, logprobs)) < LOGPROB_TOL
 
 
+def test_tiles_the_pixel_shuffle_cannot_fold_are_refused(tmp_path):
+    # 40-pixel tiles: 5x5 patches, which 2x2 blocks do not cover (transformers fails too)
+    llm = LLM(build_tiny_idefics3(str(tmp_path), tile=40), dtype="float32")
+    with pytest.raises(ValueError, match="40x40 tiles: .* scale_factor 2 divides"):
+        llm.generate(request("w60 <image>", [random_image(6, WIDE)]), greedy(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("template, reads_parts", [
     ("{% for m in messages %}{% for line in m['content'] %}{% if line['type'] == 'image' %}"
      "<image>{% endif %}{% endfor %}{% endfor %}", True),  # Idefics3's, SmolVLM's
@@ -207,7 +215,7 @@ def test_tiles_of_another_size_than_the_position_table_match_transformers(tmp_pa
      "<image>\n{% endfor %}{% endfor %}", True),  # LLaVA's
     ("{% for m in messages %}{{ m['content'] }} {% endfor %}", False),
     ("{% for m in messages %}{% for x in m['tool_calls'] %}{% endfor %}{% endfor %}", False),
-])
+], ids=["idefics3", "llava", "string", "tool-calls"])
 def test_templates_that_read_content_parts_are_found(template, reads_parts):
     assert template_reads_parts(template) is reads_parts
 
