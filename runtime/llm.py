@@ -142,17 +142,20 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
-            images = self._chat_images()
-            conversation = [{**m, "content": images.text_of(m["content"], _text_parts)}
-                            if isinstance(m.get("content"), list) else m for m in conversation]
+            images = self._chat_images(chat_template)
+            conversation = [{**m, "content": images.content_of(m["content"], _text_parts)}
+                            if isinstance(m.get("content"), (list, str)) else m
+                            for m in conversation]
             text = self._chat_text(conversation, chat_template, add_generation_prompt)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             prompts.append(images.prompt({"prompt": text, "prompt_token_ids": ids}))
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _chat_images(self) -> ChatImages:
+    def _chat_images(self, chat_template: str | None) -> ChatImages:
         multimodal = self.engine.processor.multimodal
-        return ChatImages(None if multimodal is None else multimodal.placeholder)
+        if multimodal is None:
+            return ChatImages(None)
+        return ChatImages(multimodal.placeholder, multimodal.chat_parts(chat_template))
 
     def apply_chat_template(self, messages: Messages, chat_template: str | None = None,
                             add_generation_prompt: bool = True) -> list[int]:

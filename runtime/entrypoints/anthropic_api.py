@@ -51,9 +51,9 @@ async def rendered(state: ServerState, body: MessagesRequest | CountTokensReques
     """The engine prompt of a Messages request (system, messages and tools through the chat
     template, off the event loop; its images as multi_modal_data), and its tool choice."""
     messages = []
-    if body.system is not None:
-        messages.append({"role": "system", "content": text_of(body.system)})
-    media = ChatMedia(state.engine.processor.multimodal)
+    media = ChatMedia(state.engine.processor.multimodal, chat_template=state.chat_template)
+    if body.system is not None:  # text only; as a text part for a template that reads parts
+        messages.append({"role": "system", "content": media.text_of(text_of(body.system))})
     messages += anthropic_messages(body.messages, media.text_of)
     tools = anthropic_tool_choice(body, state.tool_call_parser, state.enable_auto_tool_choice)
     prompt = await state.off_loop(render_chat, state.engine.tokenizer, messages,

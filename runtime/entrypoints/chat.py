@@ -109,17 +109,19 @@ class ChatMedia:
     """A conversation's images, collected in order while its messages become template text
     (`runtime.multimodal.chat_parts`); a 400 naming the part for one that cannot be taken.
     `multimodal` is the engine's `MultiModalProcessor`; None for a text-only model. `param`:
-    the request field a 400 names."""
+    the request field a 400 names; `chat_template`: the server's --chat-template."""
 
-    def __init__(self, multimodal: Any, param: str = "messages") -> None:
-        self.parts = ChatImages(None if multimodal is None else multimodal.placeholder)
+    def __init__(self, multimodal: Any, param: str = "messages",
+                 chat_template: str | None = None) -> None:
+        self.parts = ChatImages(None) if multimodal is None else \
+            ChatImages(multimodal.placeholder, multimodal.chat_parts(chat_template))
         self.param = param
 
-    def text_of(self, content: str | list[dict[str, Any]] | None) -> str:
-        if not isinstance(content, list):
+    def text_of(self, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, str]]:
+        if not isinstance(content, list) and not self.parts.as_parts:
             return text_of(content)
         try:
-            return self.parts.text_of(content, text_of)
+            return self.parts.content_of(content or "", text_of)
         except ValueError as e:
             raise bad_request(str(e), param=self.param) from None
 

@@ -86,7 +86,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     tools = ToolChoice.of(body, state.tool_call_parser, state.enable_auto_tool_choice)
-    media = ChatMedia(state.engine.processor.multimodal)
+    media = ChatMedia(state.engine.processor.multimodal, chat_template=state.chat_template)
     messages = template_messages(body.messages, media.text_of)
     template_kwargs = {**(body.chat_template_kwargs or {}), **effort_kwargs(
         state.engine.tokenizer, state.chat_template, body.reasoning_effort, "reasoning_effort")}

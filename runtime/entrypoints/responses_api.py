@@ -27,7 +27,7 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Any:
     state = state_of(raw)
     model = check_model(state, body.model)
     tools = body.tool_choice_of(state.tool_call_parser, state.enable_auto_tool_choice)
-    media = ChatMedia(state.engine.processor.multimodal, "input")
+    media = ChatMedia(state.engine.processor.multimodal, "input", state.chat_template)
     try:
         messages = template_messages(body.chat_messages(), media.text_of, "input")
     except ValueError as e:

@@ -55,6 +55,9 @@ _BUILTIN: dict[str, str] = {
         "runtime.models.qwen3_5_vl:Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration":
         "runtime.models.qwen3_5_vl:Qwen3_5MoeForConditionalGeneration",
+    "Idefics3ForConditionalGeneration":
+        "runtime.models.idefics3:Idefics3ForConditionalGeneration",
+    "SmolVLMForConditionalGeneration": "runtime.models.idefics3:SmolVLMForConditionalGeneration",
     # pooling models (runner="pooling"): encoders and classifiers
     "BertModel": "runtime.models.bert:BertModel",
     "BertForSequenceClassification": "runtime.models.bert:BertForSequenceClassification",

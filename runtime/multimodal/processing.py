@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from runtime.multimodal.embeds import embeds_feature, embeds_width, image_items, is_embeds_item
+from runtime.multimodal.chat_parts import template_reads_parts
 from runtime.multimodal.inputs import MultiModalFeature, TensorData
 from runtime.multimodal.media import MediaError, MediaPolicy, load_image
 
@@ -106,6 +107,11 @@ def mistral3_layout(hf_config: Any, tokenizer: Any) -> ImageLayout:
     return Mistral3Layout(hf_config, tokenizer)
 
 
+def idefics3_layout(hf_config: Any, tokenizer: Any) -> ImageLayout:
+    from runtime.multimodal.idefics3 import Idefics3Layout
+    return Idefics3Layout(hf_config, tokenizer)
+
+
 LAYOUTS = {"LlavaForConditionalGeneration": llava_layout,
            "LlavaNextForConditionalGeneration": llava_next_layout,
            "Mistral3ForConditionalGeneration": mistral3_layout,
@@ -113,7 +119,9 @@ LAYOUTS = {"LlavaForConditionalGeneration": llava_layout,
            "Qwen2_5_VLForConditionalGeneration": QwenVLLayout,
            "Qwen3VLForConditionalGeneration": QwenVLLayout,
            "Qwen3_5ForConditionalGeneration": QwenVLLayout,
-           "Qwen3_5MoeForConditionalGeneration": QwenVLLayout}
+           "Qwen3_5MoeForConditionalGeneration": QwenVLLayout,
+           "Idefics3ForConditionalGeneration": idefics3_layout,
+           "SmolVLMForConditionalGeneration": idefics3_layout}
 
 
 def is_multimodal_architecture(architecture: str) -> bool:
@@ -139,8 +147,16 @@ class MultiModalProcessor:
         self.policy = policy
         self.enable_mm_embeds = enable_mm_embeds
         self.embeds_width = embeds_width(hf_config)
+        self._template_reads_parts = template_reads_parts(
+            getattr(tokenizer, "chat_template", None))
         self._processed: OrderedDict[str, MultiModalFeature] = OrderedDict()
         self.num_processed_hits = 0
+
+    def chat_parts(self, chat_template: str | None = None) -> bool:
+        """Whether chat image parts reach the chat template (`chat_template`, else the
+        tokenizer's) as {"type": "image"} parts: when it reads a message's content parts."""
+        return self._template_reads_parts if chat_template is None else \
+            template_reads_parts(chat_template)
 
     def process(self, token_ids: list[int], mm_data: dict[str, Any]
                 ) -> tuple[list[int], list[MultiModalFeature]]:

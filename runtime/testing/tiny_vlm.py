@@ -254,3 +254,61 @@ def build_tiny_qwen3_5_vl(path: str, moe: bool = False, seed: int = 0) -> str:
     Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2
                              ).save_pretrained(path)
     return path
+
+
+IDEFICS3_TOKENS = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
+                   "\n"] + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+IDEFICS3_IMAGE_TOKEN_ID = 3
+# Idefics3's template: a message's content is a list of parts, an image part prints <image>
+IDEFICS3_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}:{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>' }}{% else %} {{ part['text'] }}{% endif %}"
+    "{% endfor %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}w50:{% endif %}")
+
+
+def save_idefics3_tokenizer(path: str) -> None:
+    """Word-level, with Idefics3's image tokens (`<image>`, `<fake_token_around_image>`,
+    `<global-img>`, `<row_r_col_c>`) and "\\n" as added tokens, then made-up words "w44" …"""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({t: 3 + i for i, t in enumerate(IDEFICS3_TOKENS)})
+    vocab.update({f"w{i}": i for i in range(len(vocab), VOCAB_SIZE)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=t != "\n", normalized=False)
+                            for t in IDEFICS3_TOKENS])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>", pad_token="<unk>",
+                            extra_special_tokens={"image_token": "<image>"},
+                            chat_template=IDEFICS3_CHAT_TEMPLATE).save_pretrained(path)
+
+
+def build_tiny_idefics3(path: str, smolvlm: bool = False, split: bool = True,
+                        seed: int = 0, tile: int = 32) -> str:
+    """An Idefics3ForConditionalGeneration (or SmolVLMForConditionalGeneration): vision
+    transformer on 32x32 images of 8x8 patches (a 4x4 position table), pixel shuffle by 2
+    (4 image tokens a 32x32 tile), Llama text model. The image processor resizes an image's
+    longest edge to 2 * `tile` and, with `split`, cuts it into `tile` x `tile` tiles plus the
+    global image (a 64x32 image: 2 tiles, 48x40: 4); without, it takes the global image
+    only. Another `tile` than 32 gives the vision model other patch grids than its table's
+    (48: 6x6 patches, 9 tokens a tile)."""
+    if smolvlm:
+        from transformers import SmolVLMConfig as Config
+        from transformers import SmolVLMForConditionalGeneration as Model
+        from transformers import SmolVLMImageProcessorPil as ImageProcessor
+    else:
+        from transformers import Idefics3Config as Config
+        from transformers import Idefics3ForConditionalGeneration as Model
+        from transformers import Idefics3ImageProcessorPil as ImageProcessor
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=32, patch_size=8, initializer_range=0.2)
+    text = dict(TINY_LLAMA, num_attention_heads=2, num_key_value_heads=1)
+    config = Config(vision_config=vision, text_config=text, scale_factor=2,
+                    image_token_id=IDEFICS3_IMAGE_TOKEN_ID, initializer_range=0.2)
+    Model(config).eval().save_pretrained(path)
+    save_idefics3_tokenizer(path)
+    ImageProcessor(size={"longest_edge": 2 * tile}, max_image_size={"longest_edge": tile},
+                   do_image_splitting=split).save_pretrained(path)
+    return path

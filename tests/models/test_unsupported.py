@@ -16,8 +16,8 @@ from runtime.cli.main import main
 CONFIGS = {
     "falcon-mamba": lambda: transformers.FalconMambaConfig(
         hidden_size=64, num_hidden_layers=2, architectures=["FalconMambaForCausalLM"]),
-    "idefics3": lambda: transformers.Idefics3Config(
-        architectures=["Idefics3ForConditionalGeneration"]),
+    "idefics2": lambda: transformers.Idefics2Config(
+        architectures=["Idefics2ForConditionalGeneration"]),
     "llava-onevision": lambda: transformers.LlavaOnevisionConfig(
         architectures=["LlavaOnevisionForConditionalGeneration"]),
 }

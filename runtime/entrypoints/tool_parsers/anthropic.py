@@ -32,7 +32,7 @@ def anthropic_messages(messages: list[Any], text_of) -> list[dict]:
     out: list[dict] = []
     for m in messages:
         if isinstance(m.content, str):
-            out.append({"role": m.role, "content": m.content})
+            out.append({"role": m.role, "content": text_of(m.content)})
             continue
         texts = [b for b in m.content if b.get("type") in ("text", "image")]  # images: media
         uses = [b for b in m.content if b.get("type") == "tool_use"]
@@ -47,7 +47,7 @@ def anthropic_messages(messages: list[Any], text_of) -> list[dict]:
         for block in results:
             content = block.get("content", "")
             out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                        "content": content if isinstance(content, str) else text_of(content)})
+                        "content": text_of(content)})
         if texts or uses:
             message: dict[str, Any] = {"role": m.role, "content": text_of(texts)}
             if thinking:  # templates read reasoning_content
