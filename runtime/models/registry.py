@@ -45,6 +45,7 @@ _BUILTIN: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration":
         "runtime.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "runtime.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+    "Gemma3ForConditionalGeneration": "runtime.models.gemma3_mm:Gemma3ForConditionalGeneration",
     # pooling models (runner="pooling"): encoders and classifiers
     "BertModel": "runtime.models.bert:BertModel",
     "BertForSequenceClassification": "runtime.models.bert:BertForSequenceClassification",
