@@ -164,7 +164,10 @@ def build_tiny_gemma3_vl(path: str, seed: int = 0) -> str:
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                           boi_token_index=3, eoi_token_index=4, image_token_index=5,
                           initializer_range=0.2)
-    Gemma3ForConditionalGeneration(config).eval().save_pretrained(path)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers initialises the projection to zeros
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2)
+    model.save_pretrained(path)
     save_gemma3_tokenizer(path)
     Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(path)
     return path
