@@ -16,7 +16,7 @@ from platforms.common import offer_backend
 IMAGE = "<start_of_image>"
 PROMPTS = ["w6 w7 w8 w9 w10 w11", f"w6 w7 {IMAGE} w8 w9 w10 w11",
            f"w12 {IMAGE} w13 {IMAGE} w14 w15"]
-LOGPROB_TOL = 2e-4  # float32 on both sides
+LOGPROB_TOL = 1e-4  # float32 on both sides (the largest gap measured: 2e-6)
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +147,15 @@ def test_prefix_hit_that_ends_inside_an_image(llm, hf):
         runs.append(kv.num_cache_hits - hits)
         assert_matches(hf, prompt, [image], out)
     assert runs == [0, 4]
+
+
+def test_chat_image_part_equals_the_placeholder_prompt(llm):
+    image = random_image(500)
+    direct = llm.generate(request(f"{IMAGE}\nw5 w6 ", [image]), greedy(), use_tqdm=False)
+    reply = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                                   {"type": "text", "text": "w5 w6"}]}],
+                     greedy(), use_tqdm=False)
+    assert reply[0].outputs[0].token_ids == direct[0].outputs[0].token_ids
 
 
 def test_torch_paged_backend_matches_transformers(model_path, hf):
