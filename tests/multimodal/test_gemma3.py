@@ -179,6 +179,27 @@ def test_preempted_requests_encode_again_and_match_transformers(model_path, hf):
         assert_matches(hf, prompt, [image], out, 12)
 
 
+def test_pan_and_scan_is_refused(model_path, tmp_path):
+    import json
+    import shutil
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from runtime.multimodal.processing import MultiModalProcessor
+    shutil.copytree(model_path, tmp_path, dirs_exist_ok=True)
+    with open(tmp_path / "preprocessor_config.json") as f:
+        config = json.load(f)
+    config.update(do_pan_and_scan=True, pan_and_scan_min_crop_size=16,
+                  pan_and_scan_max_num_crops=4, pan_and_scan_min_ratio_to_activate=1.2)
+    with open(tmp_path / "preprocessor_config.json", "w") as f:
+        json.dump(config, f)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    processor = MultiModalProcessor(str(tmp_path), AutoConfig.from_pretrained(tmp_path),
+                                    tokenizer)
+    with pytest.raises(ValueError, match="pan and scan .* is not supported"):
+        processor.process(tokenizer.encode(f"w5 {IMAGE}"), {"image": random_image(0, (96, 24))})
+
+
 def test_a_step_budget_below_an_image_is_refused(model_path):
     with pytest.raises(ValueError, match="takes an image's 4 tokens whole: "
                                          "max_num_batched_tokens 3 is too small"):
