@@ -83,6 +83,10 @@ class AttentionMetadata:
     # decode context parallel: this rank's place in its group; `slot_mapping` is then -1 for
     # the tokens other ranks keep, and `block_tables` address this rank's shard (None: off)
     dcp: ContextParallel | None = None
+    # models whose image tokens attend to each other both ways (Gemma 3): per request, the
+    # [start, end) positions of the image runs its new tokens reach (each run scheduled
+    # whole); a query in a run also sees the run's later keys (None: causal only)
+    mm_prefix_ranges: list[list[tuple[int, int]]] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -134,6 +138,10 @@ class AttentionBackend(ABC):
     supports_chunked_attention: bool = False
     # Whether the backend has `forward_with_lse`, which decode context parallel needs.
     can_return_lse: bool = False
+    # Whether the backend applies `AttentionMetadata.mm_prefix_ranges` (Gemma 3's
+    # bidirectional attention within an image). `runtime.platforms.common.offer_backend`
+    # refuses a backend without it for a model whose `ModelInfo.mm_prefix_lm` is set.
+    supports_mm_prefix: bool = False
 
     @classmethod
     def supports_kv_cache_dtype(cls, dtype: torch.dtype,
@@ -228,7 +236,9 @@ class AttentionBackend(ABC):
         query [num_tokens, num_heads, head_size]; key/value [num_tokens, num_kv_heads, head_size].
         Each token attends causally to its own request's context (and only the last
         `sliding_window` positions, or only its own chunk of `attention_chunk_size` positions,
-        when set; with `sinks`, each head's sink logit joins the softmax); a `prefill_only` step
+        when set; with `sinks`, each head's sink logit joins the softmax; a query inside one
+        of its request's `mm_prefix_ranges` also sees that range's later keys, the sliding
+        window still applying); a `prefill_only` step
         leaves the cache untouched,
         and with `causal` False each token attends to every token of its request.
         Returns [num_tokens, num_heads, head_size].

@@ -57,7 +57,8 @@ class CpuPagedAttention(TorchPagedAttention):
     have no cap; so do prefill-only steps of sliding-window and chunked layers and of layers with
     sinks, chunks that are not a whole number of blocks, and head sizes other than 16, 32, 64
     and 128. Chunked layers decode in the kernel over each sequence's last chunk
-    (`chunk_tables`)."""
+    (`chunk_tables`). Prefill chunks whose image runs attend both ways (`mm_prefix_ranges`)
+    take the portable path too."""
 
     name = "cpu_paged"
     supports_attention_sinks = True
@@ -107,7 +108,7 @@ class CpuPagedAttention(TorchPagedAttention):
         per request (64 prompts of 128 tokens, SmolLM2's heads, 2 threads of an AVX-512 EPYC:
         bf16 2.7x, fp32 1.1x faster)."""
         starts, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-        if (self._encode_fallback() or is_fp8(k_cache.dtype)
+        if (self._encode_fallback() or is_fp8(k_cache.dtype) or metadata.mm_prefix_ranges
                 or any(starts[i + 1] - starts[i] != lens[i]
                        for i in range(nd, metadata.num_reqs))):
             return super()._prefills(out, query, key, value, k_cache, v_cache, metadata, nd,

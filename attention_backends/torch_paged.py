@@ -93,11 +93,16 @@ class TorchPagedAttention(AttentionBackend):
     supports_encoder_attention = True
     supports_attention_sinks = True
     supports_chunked_attention = True
+    supports_mm_prefix = True
 
-    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """Which keys (positions `k_pos`) the queries at `q_pos` see, broadcast: causal, within
-        the sliding window and within the query's chunk, where those are set."""
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                ranges: list[tuple[int, int]] = ()) -> torch.Tensor:
+        """Which keys (positions `k_pos`) the queries at `q_pos` see, broadcast: causal or in
+        the query's own range of `ranges` (an image's tokens, both ways), within the sliding
+        window and within the query's chunk, where those are set."""
         mask = k_pos <= q_pos
+        for lo, hi in ranges:
+            mask = mask | ((q_pos >= lo) & (q_pos < hi) & (k_pos >= lo) & (k_pos < hi))
         if self.sliding_window is not None:
             mask &= k_pos > q_pos - self.sliding_window
         if self.attention_chunk_size is not None:
@@ -174,6 +179,7 @@ class TorchPagedAttention(AttentionBackend):
         others to their context read back from the cache."""
         starts = metadata.query_start_loc_cpu
         all_new_ok = self.sliding_window is None and not is_fp8(k_cache.dtype)
+        ranges = metadata.mm_prefix_ranges or [()] * metadata.num_reqs
         for i in range(nd, metadata.num_reqs):
             q_lo, q_hi = starts[i], starts[i + 1]
             seq_len = metadata.seq_lens_cpu[i]
@@ -183,7 +189,7 @@ class TorchPagedAttention(AttentionBackend):
                 blocks = metadata.block_tables[i, :-(-seq_len // block_size)]
                 k = read_kv(k_cache[blocks].flatten(0, 1)[:seq_len], self.k_scale, query.dtype)
                 v = read_kv(v_cache[blocks].flatten(0, 1)[:seq_len], self.v_scale, query.dtype)
-            out[q_lo:q_hi] = self._prefill(query[q_lo:q_hi], k, v, seq_len)
+            out[q_lo:q_hi] = self._prefill(query[q_lo:q_hi], k, v, seq_len, ranges[i])
 
     def _caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer's cache as [num_blocks, block_size, num_kv_heads, head_size]
@@ -225,17 +231,18 @@ class TorchPagedAttention(AttentionBackend):
                    self.logits_soft_cap, self.sinks)
         return o.transpose(1, 2)[owner, offset]
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 seq_len: int) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int,
+                 ranges: list[tuple[int, int]] = ()) -> torch.Tensor:
         q_len = q.size(0)
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k.to(q.dtype), v.to(q.dtype)))
-        if q_len == seq_len and self.sliding_window is None and self.attention_chunk_size is None:
+        if q_len == seq_len and self.sliding_window is None and \
+                self.attention_chunk_size is None and not ranges:
             o = attend(q, k, v, self.scale, None, self.logits_soft_cap, self.sinks)
         else:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
             k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-            o = attend(q, k, v, self.scale, self.visible(q_pos, k_pos), self.logits_soft_cap,
-                       self.sinks)
+            o = attend(q, k, v, self.scale, self.visible(q_pos, k_pos, ranges),
+                       self.logits_soft_cap, self.sinks)
         return o.squeeze(0).transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

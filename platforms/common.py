@@ -23,7 +23,8 @@ def offer_backend(name: str, backend: type[AttentionBackend], priority: int, mod
     own `supports_kv_cache_dtype` or `supports` check refuses the model, its `kind` is not the
     model's `attention_kind`, or the model pools and the backend has no
     `supports_encoder_attention`, or the model has attention sinks and the backend no
-    `supports_attention_sinks`; the reason names every problem found.
+    `supports_attention_sinks`, or the model's image tokens attend both ways and the backend
+    has no `supports_mm_prefix`; the reason names every problem found.
     `device_type` is torch's device type (`platform.device_type`: "cpu", "cuda", "xla" …), not
     the platform's name; anything torch does not know is refused here, before any backend's
     `supports` sees it."""
@@ -44,6 +45,9 @@ def offer_backend(name: str, backend: type[AttentionBackend], priority: int, mod
     if model.attention_sinks and not backend.supports_attention_sinks:
         problems.append("no attention sinks (a learned logit per head in the softmax), which "
                         "this model needs")
+    if model.mm_prefix_lm and not backend.supports_mm_prefix:
+        problems.append("no bidirectional attention within an image's tokens "
+                        "(mm_prefix_ranges), which this model needs")
     if problems:
         return BackendCandidate(name, None, priority, "; ".join(problems), plugin)
     return BackendCandidate(name, backend, priority, "", plugin)

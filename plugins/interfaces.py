@@ -263,6 +263,9 @@ class ModelInfo:
     pooling: bool = False
     # Attention sinks (gpt-oss): only backends with `supports_attention_sinks` run the model.
     attention_sinks: bool = False
+    # An image's tokens attend to each other both ways (Gemma 3): only backends with
+    # `supports_mm_prefix` run the model.
+    mm_prefix_lm: bool = False
     # "mha" (K and V per KV head) or "mla" (multi-head latent attention: one cached latent of
     # `head_size` per token, `num_kv_heads` 1), which only backends of that `kind` run
     attention_kind: str = "mha"

@@ -70,6 +70,9 @@ class ModelConfig:
     # "mla": each layer caches one latent vector of `head_size` per token (num_kv_heads 1,
     # the same on every tensor-parallel rank), not K and V per KV head
     attention_kind: str = "mha"
+    # whether an image's tokens attend to each other both ways (Gemma 3), as its model class
+    # declares: the backend must apply `mm_prefix_ranges`, and a step takes an image whole
+    mm_prefix_lm: bool = False
 
     @classmethod
     def from_hf(cls, hf_config, choice: ModelChoice, dtype: torch.dtype | None,
@@ -116,6 +119,7 @@ class ModelConfig:
             choice=choice,
             attention_sinks=getattr(choice.model_class, "attention_sinks", False),
             attention_kind="mha" if latent is None else "mla",
+            mm_prefix_lm=getattr(choice.model_class, "mm_prefix_lm", False),
         )
 
     @property

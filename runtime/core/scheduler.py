@@ -16,7 +16,9 @@ ordinary tokens (budget, slots); `update` rolls back the rejected ones.
 
 A prompt's images are encoded in the step whose chunk first reaches their placeholders, within
 the encoder's own budget (`max_num_encoder_input_tokens`) and the encoder cache's room; a chunk
-that would reach an image that fits neither stops before it.
+that would reach an image that fits neither stops before it. With `whole_mm_items` (vLLM's
+disable_chunked_mm_input; a model whose image tokens attend to each other both ways) a chunk
+never ends inside an image's placeholders: it stops before them, or waits.
 
 Pooling requests are prompts only: each finishes in the step that computes its last prompt
 token, and its blocks are freed then. An encoder's (`encoder_only`) hold no KV at all and are
@@ -97,13 +99,15 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
                  encoder_only: bool = False,
-                 connector: KVConnectorScheduler | None = None) -> None:
+                 connector: KVConnectorScheduler | None = None,
+                 whole_mm_items: bool = False) -> None:
         self.config = config
         self.kv = kv
         self.connector: KVConnectorScheduler | None = None
         self.set_connector(connector)
         self.max_model_len = max_model_len
         self.encoder_only = encoder_only
+        self.whole_mm_items = whole_mm_items
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -237,11 +241,15 @@ class Scheduler:
     def _fit_encoder(self, request: Request, start: int, num_new: int,
                      budget: int) -> tuple[int, int]:
         """(`num_new` cut so that every image the chunk [start, start + num_new) reaches has
-        its embeddings, cached or encoded this step; the encoder budget left)."""
+        its embeddings, cached or encoded this step, and with `whole_mm_items` ends past
+        each image it reaches; the encoder budget left)."""
         cache = self.encoder_cache
         for i, feature in enumerate(request.mm_features):
-            if not feature.overlaps(start, start + num_new) or cache.in_use(request, i) or \
-                    cache.hit(request, i):
+            if not feature.overlaps(start, start + num_new):
+                continue
+            if self.whole_mm_items and start + num_new < feature.end:
+                return max(0, feature.offset - start), budget
+            if cache.in_use(request, i) or cache.hit(request, i):
                 continue
             if feature.length > budget or not cache.can_allocate(feature.length):
                 return max(0, feature.offset - start), budget

@@ -180,8 +180,11 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, block_tokens, enable_caching, num_state_slots,
                                  num_checkpoints, config.mamba_checkpoint_interval)
         self.kv_connector = build_scheduler_side(config, model_config, source, num_blocks)
+        if model_config.mm_prefix_lm:
+            self._check_whole_mm_items(model_config)
         self.scheduler = Scheduler(config, self.kv, model_config.max_model_len,
-                                   self.encoder_only, self.kv_connector)
+                                   self.encoder_only, self.kv_connector,
+                                   whole_mm_items=model_config.mm_prefix_lm)
         spec = config.speculative_config
         self.step_inputs = StepInputBuilder(self.kv, model_config.max_model_len,
                                             spec is not None and spec.needs_lookahead)
@@ -199,6 +202,17 @@ class EngineCore:
         self.failed: list[tuple[Request, str]] = []
         self.step_tokens = StepTokens()  # tokens scheduled per step, for /metrics
         self.asleep: set[str] = set()  # what sleep freed, of SLEEP_TAGS
+
+    def _check_whole_mm_items(self, mc: ModelConfig) -> None:
+        """A model whose image tokens attend both ways takes each image's placeholders in one
+        step: the step budget must hold them."""
+        tokens = mc.choice.model_class.max_tokens_per_item(mc.hf_config)
+        if tokens > self.config.max_num_batched_tokens:
+            raise ValueError(f"{mc.architecture} attends both ways within an image, so one "
+                             f"step takes an image's {tokens} tokens whole: "
+                             f"max_num_batched_tokens {self.config.max_num_batched_tokens} "
+                             f"is too small (raise --max-num-batched-tokens to {tokens} or "
+                             f"more)")
 
     def _fit_max_model_len(self, tokens: int, where: str, fix: str) -> None:
         """Every request must fit the cache alone, or preemption could never make room for it;

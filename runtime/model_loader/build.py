@@ -22,6 +22,7 @@ class ModelShape(Protocol):
     num_kv_heads: int
     sliding_window: int | None
     attention_sinks: bool
+    mm_prefix_lm: bool
     attention_kind: str
 
 
@@ -32,7 +33,8 @@ def model_info(mc: ModelShape, kv_cache_dtype: torch.dtype, block_size: int,
                      head_size=mc.head_size, num_heads=mc.num_heads,
                      num_kv_heads=mc.num_kv_heads, sliding_window=mc.sliding_window,
                      block_size=block_size, enforce_eager=enforce_eager, pooling=pooling,
-                     attention_sinks=mc.attention_sinks, attention_kind=mc.attention_kind)
+                     attention_sinks=mc.attention_sinks, attention_kind=mc.attention_kind,
+                     mm_prefix_lm=mc.mm_prefix_lm)
 
 
 def build_model(model_cls: type, hf_config: Any, ctx: BuildContext, source: ModelSource,

@@ -58,6 +58,7 @@ _BUILTIN: dict[str, str] = {
     "Idefics3ForConditionalGeneration":
         "runtime.models.idefics3:Idefics3ForConditionalGeneration",
     "SmolVLMForConditionalGeneration": "runtime.models.idefics3:SmolVLMForConditionalGeneration",
+    "Gemma3ForConditionalGeneration": "runtime.models.gemma3_mm:Gemma3ForConditionalGeneration",
     # pooling models (runner="pooling"): encoders and classifiers
     "BertModel": "runtime.models.bert:BertModel",
     "BertForSequenceClassification": "runtime.models.bert:BertForSequenceClassification",

@@ -31,6 +31,12 @@ class ImageLayout:
 
     mrope = False  # the model's positions are M-RoPE's (runtime.multimodal.mrope)
     processor_kwargs: dict[str, Any] = {}  # what the image processor is called with
+    # the tokens put before and after each image's placeholder run (Gemma 3: its begin- and
+    # end-of-image tokens), and the prompt token that marks where an image goes (None: the
+    # placeholder token itself)
+    run_prefix: list[int] = []
+    run_suffix: list[int] = []
+    prompt_token_id: int | None = None
 
     def __init__(self, placeholder_token_id: int, tokens_per_image: int = 0,
                  prompt_text: str | None = None) -> None:
@@ -90,6 +96,26 @@ class QwenVLLayout(ImageLayout):
                 "image_grid_thw": torch.stack([i["image_grid_thw"] for i in items])}
 
 
+class Gemma3Layout(ImageLayout):
+    """Gemma 3: a prompt's <start_of_image> becomes "\\n\\n", <start_of_image>,
+    `mm_tokens_per_image` <image_soft_token>s, <end_of_image>, "\\n\\n", as its processor
+    writes it; images are resized to the tower's size (pan and scan is refused)."""
+
+    def __init__(self, hf_config: Any, tokenizer: Any) -> None:
+        boi = tokenizer.convert_ids_to_tokens(hf_config.boi_token_index)
+        super().__init__(hf_config.image_token_index, hf_config.mm_tokens_per_image, boi)
+        newlines = tokenizer.encode("\n\n", add_special_tokens=False)
+        self.prompt_token_id = hf_config.boi_token_index
+        self.run_prefix = newlines + [hf_config.boi_token_index]
+        self.run_suffix = [hf_config.eoi_token_index] + newlines
+
+    def item(self, out: Any) -> dict[str, Any]:
+        if "num_crops" in out and int(out["num_crops"][0]):
+            raise ValueError("Gemma 3 pan and scan (do_pan_and_scan) is not supported: "
+                             "turn it off in the image processor's config")
+        return super().item(out)
+
+
 def llava_layout(hf_config: Any, tokenizer: Any) -> ImageLayout:
     vision = hf_config.vision_config
     num_patches = (vision.image_size // vision.patch_size) ** 2
@@ -121,7 +147,8 @@ LAYOUTS = {"LlavaForConditionalGeneration": llava_layout,
            "Qwen3_5ForConditionalGeneration": QwenVLLayout,
            "Qwen3_5MoeForConditionalGeneration": QwenVLLayout,
            "Idefics3ForConditionalGeneration": idefics3_layout,
-           "SmolVLMForConditionalGeneration": idefics3_layout}
+           "SmolVLMForConditionalGeneration": idefics3_layout,
+           "Gemma3ForConditionalGeneration": Gemma3Layout}
 
 
 def is_multimodal_architecture(architecture: str) -> bool:
@@ -177,7 +204,9 @@ class MultiModalProcessor:
             raise ValueError(f"the prompt has {len(images)} images, more than the "
                              f"{self.limits['image']} allowed (--limit-mm-per-prompt)")
         placeholder_id = self.layout.placeholder_token_id
-        positions = [i for i, t in enumerate(token_ids) if t == placeholder_id]
+        marker = placeholder_id if self.layout.prompt_token_id is None else \
+            self.layout.prompt_token_id
+        positions = [i for i, t in enumerate(token_ids) if t == marker]
         if len(positions) != len(images):
             raise ValueError(f"the prompt has {len(positions)} image placeholders "
                              f"({self.placeholder!r}) for {len(images)} images: put one "
@@ -186,7 +215,7 @@ class MultiModalProcessor:
         features = []
         last = 0
         for k, (pos, item) in enumerate(zip(positions, images)):
-            expanded += token_ids[last:pos]
+            expanded += token_ids[last:pos] + self.layout.run_prefix
             try:
                 feature = embeds_feature(item, self.layout, self.embeds_width,
                                          self.enable_mm_embeds) if is_embeds_item(item) \
@@ -194,7 +223,7 @@ class MultiModalProcessor:
             except MediaError as e:
                 raise MediaError(f"image {k}: {e}", e.status) from None
             features.append(msgspec.structs.replace(feature, offset=len(expanded)))
-            expanded += self.layout.placeholder_ids(feature)
+            expanded += self.layout.placeholder_ids(feature) + self.layout.run_suffix
             last = pos + 1
         return expanded + token_ids[last:], features
 

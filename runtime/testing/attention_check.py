@@ -7,8 +7,8 @@ and a first-step prefill together, reading the context back from the cache. Each
 compared per kind of row and per query head with the attention of the very same (rounded) inputs
 in float32. On a mismatch the check runs cheap diagnoses (was the cache written at the step's
 slots? does the output match attention over one position fewer or more, over another KV-head
-mapping, at the default scale, without the soft-cap or the attention sinks, with a window one
-wider or narrower?) and names the one that matches.
+mapping, at the default scale, without the soft-cap, the attention sinks or the image ranges,
+with a window one wider or narrower?) and names the one that matches.
 
 Half-precision tolerances are derived, not flat: the reference is also computed as a correct
 half-precision kernel rounds (probabilities and output rounded to the dtype, sums in float32), and
@@ -47,6 +47,10 @@ class AttentionCase:
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
     sinks: tuple[float, ...] | None = None  # one attention-sink logit per query head
+    # (request, start, end): positions [start, end) of the request attend to each other both
+    # ways (an image's tokens, `AttentionMetadata.mm_prefix_ranges`), in the step whose rows
+    # reach `end`, as the scheduler steps them
+    mm_prefix_ranges: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def softmax_scale(self) -> float:
@@ -54,10 +58,12 @@ class AttentionCase:
 
     def describe(self, dtype: torch.dtype) -> str:
         sinks = "" if self.sinks is None else f", sinks {list(self.sinks)}"
+        ranges = ("" if self.mm_prefix_ranges is None else
+                  f", bidirectional (request, start, end) {list(self.mm_prefix_ranges)}")
         return (f"{str(dtype).removeprefix('torch.')}, scale {self.softmax_scale:.4g}, "
                 f"sliding_window {self.sliding_window}, logits_soft_cap "
-                f"{self.logits_soft_cap}{sinks}, {NUM_HEADS} query heads over {NUM_KV_HEADS} "
-                f"KV heads")
+                f"{self.logits_soft_cap}{sinks}{ranges}, {NUM_HEADS} query heads over "
+                f"{NUM_KV_HEADS} KV heads")
 
     def sink_tensor(self, device: str | torch.device) -> torch.Tensor | None:
         return None if self.sinks is None else torch.tensor(self.sinks, device=device)
@@ -66,6 +72,9 @@ class AttentionCase:
 # Sink logits of the size of the scores (about 3 at scale 0.37): some heads' sinks take most of
 # the weight, others little, and no two heads share one, so a sink read from the wrong head shows
 SINKS = (-1.5, 0.0, 1.0, 2.0, 2.5, 3.0, 4.0, 5.0)
+# images in a first-step prefill, in a decode's context, and in a chunk, one of them begun in
+# the cached context (a prefix-cache hit that ends inside an image)
+MM_RANGES = ((3, 2, 5), (1, 36, 40), (4, 22, 28), (4, 33, 41))
 
 
 # what the conformance suite checks, each for every dtype the platform declares: never the
@@ -75,7 +84,10 @@ CASES = {"scale": AttentionCase(scale=0.37),
          "soft-cap": AttentionCase(scale=0.37, logits_soft_cap=1.5),
          "sinks": AttentionCase(scale=0.37, sinks=SINKS),
          "sinks-sliding-window": AttentionCase(scale=0.2, sliding_window=12,
-                                               sinks=tuple(x / 2 for x in SINKS))}
+                                               sinks=tuple(x / 2 for x in SINKS)),
+         "mm-prefix": AttentionCase(scale=0.37, mm_prefix_ranges=MM_RANGES),
+         "mm-prefix-sliding-window": AttentionCase(scale=0.2, sliding_window=6,
+                                                   mm_prefix_ranges=MM_RANGES)}
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,15 @@ class Rows:
     @property
     def kind(self) -> str:
         return DECODE if self.count == 1 else CHUNK if self.first else FIRST
+
+
+def step_ranges(case: AttentionCase, rows: list[Rows]) -> list[list[tuple[int, int]]] | None:
+    """Per row, the case's bidirectional ranges its step applies (None: none)."""
+    if case.mm_prefix_ranges is None:
+        return None
+    ranges = [[(lo, hi) for request, lo, hi in case.mm_prefix_ranges
+               if request == r.request and r.first < hi <= r.first + r.count] for r in rows]
+    return ranges if any(ranges) else None
 
 
 def step_rows() -> tuple[list[Rows], list[Rows]]:
@@ -114,7 +135,8 @@ def reference(qkv: list[torch.Tensor], rows: list[Rows], how: Attention) -> torc
     slots)."""
     case, outs = how.case, []
     heads = list(how.kv_heads)
-    for r in rows:
+    ranges = step_ranges(case, rows) or [[] for _ in rows]
+    for r, spans in zip(rows, ranges):
         seq = qkv[r.request][:r.first + r.count]
         q = seq[r.first:, :NUM_HEADS]
         k = torch.cat([seq[:, NUM_HEADS:NUM_HEADS + NUM_KV_HEADS],
@@ -127,6 +149,8 @@ def reference(qkv: list[torch.Tensor], rows: list[Rows], how: Attention) -> torc
         q_pos = torch.arange(r.first, r.first + r.count)[:, None]
         k_pos = torch.arange(k.size(0))[None, :]
         mask = k_pos <= q_pos + how.span
+        for lo, hi in spans:
+            mask |= (q_pos >= lo) & (q_pos < hi) & (k_pos >= lo) & (k_pos < hi)
         if case.sliding_window is not None:
             mask &= k_pos > q_pos - case.sliding_window
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -159,7 +183,8 @@ def slots_of(rows: list[Rows], tables: list[list[int]]) -> list[int]:
             for r in rows for p in range(r.first, r.first + r.count)]
 
 
-def metadata(rows: list[Rows], tables: list[list[int]], device) -> AttentionMetadata:
+def metadata(rows: list[Rows], tables: list[list[int]], device,
+             case: AttentionCase = AttentionCase()) -> AttentionMetadata:
     starts = [0]
     for r in rows:
         starts.append(starts[-1] + r.count)
@@ -173,7 +198,8 @@ def metadata(rows: list[Rows], tables: list[list[int]], device) -> AttentionMeta
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
         block_tables=table.to(device), query_start_loc_cpu=starts, seq_lens_cpu=lens,
         max_query_len=max(r.count for r in rows), max_seq_len=max(lens),
-        num_decode_tokens=sum(r.count for r in rows if r.count == 1))
+        num_decode_tokens=sum(r.count for r in rows if r.count == 1),
+        mm_prefix_ranges=step_ranges(case, rows))
 
 
 def run_steps(backend: type, qkv: list[torch.Tensor], tables: list[list[int]],
@@ -193,7 +219,7 @@ def run_steps(backend: type, qkv: list[torch.Tensor], tables: list[list[int]],
         q, k, v = batch.to(device=device, dtype=dtype).split(
             [NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS], dim=1)
         out = impl.forward(q.contiguous(), k.contiguous(), v.contiguous(), cache,
-                           metadata(rows, tables, device))
+                           metadata(rows, tables, device, case))
         try:
             seen = token_major(backend, cache).float().cpu().flatten(1, 2)
         except ValueError:
@@ -373,6 +399,10 @@ def variants(case: AttentionCase) -> list[tuple[Attention, str]]:
                       "have no attention sinks applied: each head's sink logit must join its "
                       "softmax's denominator (weights summing to less than one), adding no "
                       "value"))
+    if case.mm_prefix_ranges is not None:
+        found.append((Attention(dataclasses.replace(case, mm_prefix_ranges=None)),
+                      "ignore `mm_prefix_ranges`: a query inside an image's range must also "
+                      "see the range's later keys"))
     if case.sliding_window is not None:
         w = case.sliding_window
         found += [(Attention(dataclasses.replace(case, sliding_window=None)),

@@ -312,3 +312,51 @@ def build_tiny_idefics3(path: str, smolvlm: bool = False, split: bool = True,
     ImageProcessor(size={"longest_edge": 2 * tile}, max_image_size={"longest_edge": tile},
                    do_image_splitting=split).save_pretrained(path)
     return path
+
+
+GEMMA3_TOKENS = {"<start_of_image>": 3, "<end_of_image>": 4, "<image_soft_token>": 5}
+GEMMA3_IMAGE = "<start_of_image>"  # an image in a Gemma 3 prompt
+
+
+def save_gemma3_tokenizer(path: str) -> None:
+    """Word-level, with Gemma 3's image tokens as special tokens (the processor's expanded
+    text runs them together), then made-up words "w6" …"""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **GEMMA3_TOKENS}
+    vocab.update({f"w{i}": i for i in range(len(vocab), VOCAB_SIZE)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in GEMMA3_TOKENS])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>", pad_token="<unk>",
+                            extra_special_tokens={"boi_token": "<start_of_image>",
+                                                  "eoi_token": "<end_of_image>",
+                                                  "image_token": "<image_soft_token>"},
+                            chat_template=CHAT_TEMPLATE).save_pretrained(path)
+
+
+def build_tiny_gemma3_vl(path: str, seed: int = 0) -> str:
+    """A Gemma3ForConditionalGeneration: SigLIP tower (32x32 images, 8x8 patches: a 4x4
+    grid), average-pooled to 4 image tokens; Gemma 3 text with a 4-token sliding window in
+    layer 0 and global attention in layer 1; the Gemma 3 image processor (PIL backend)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=32, patch_size=8, vision_use_head=False,
+                  initializer_range=0.2)
+    text = dict(TINY_LLAMA, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                query_pre_attn_scalar=32, sliding_window=4,
+                layer_types=["sliding_attention", "full_attention"])
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          boi_token_index=3, eoi_token_index=4, image_token_index=5,
+                          initializer_range=0.2)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers initialises the projection to zeros
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2)
+    model.save_pretrained(path)
+    save_gemma3_tokenizer(path)
+    Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(path)
+    return path

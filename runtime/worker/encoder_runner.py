@@ -51,6 +51,15 @@ class EncoderRunner:
         ).to(embeds.dtype)
         return embeds
 
+    def mm_prefix_ranges(self, reqs: list[ScheduledRequest]
+                         ) -> list[list[tuple[int, int]]] | None:
+        """Per request, the [start, end) positions of the images its chunk reaches (the
+        attention backend lets their tokens attend both ways); None when no chunk reaches
+        one."""
+        ranges = [[(f.offset, f.end) for f in r.mm_features
+                   if f.overlaps(r.start_pos, r.start_pos + len(r.token_ids))] for r in reqs]
+        return ranges if any(ranges) else None
+
     def positions(self, reqs: list[ScheduledRequest], batch: Batch) -> torch.Tensor | None:
         """The step's positions for an M-RoPE model when a request has items: [3, T] when a
         chunk reaches an item's placeholders, else [T] (text: the three rows are equal);

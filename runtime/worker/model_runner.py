@@ -187,6 +187,8 @@ class ModelRunner:
             positions = self.encoder.positions(reqs, batch)  # M-RoPE
             if positions is not None:
                 batch.positions = positions
+            if getattr(self.model, "mm_prefix_lm", False):
+                batch.metadata.mm_prefix_ranges = self.encoder.mm_prefix_ranges(reqs)
         if self.pp.is_first:
             embeds = merge_prompt_embeds(self.model, reqs, batch, embeds)
         with forward_context(batch.metadata), kv_connector_context(self.layer_connector):

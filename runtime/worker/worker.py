@@ -112,7 +112,7 @@ class Worker:
             self.ctx.encoder_attention_backend = self.answers.attention_backend(
                 dataclasses.replace(info, head_size=width // heads,
                                     num_heads=heads, num_kv_heads=heads, sliding_window=None,
-                                    pooling=True), about="vision encoder")
+                                    pooling=True, mm_prefix_lm=False), about="vision encoder")
         self._build_runner(self.source)
         logger.info("loaded %s (%s, %.1f MiB) with attention backend %s, %s execution",
                     self.model_config.architecture,

@@ -160,12 +160,13 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
              num_key_value_heads=2, vocab_size=256)
 # architecture -> (config, the reason the refusal must give)
 REFUSALS = {
-    # (the Mamba hybrids, LFM2, gpt-oss, DeepSeek-V2/V3, Gemma 4 and Llama 4 run natively)
+    # (the Mamba hybrids, LFM2, gpt-oss, DeepSeek-V2/V3, Gemma 3 vision, Gemma 4 and Llama 4 run
+    # natively)
     # DeepSeek-V2/V3 run natively; MiniCPM3 keeps the fallback's MLA refusal
     "MiniCPM3ForCausalLM": (lambda: transformers.MiniCPM3Config(**SMALL),
                             "multi-head latent attention"),
-    "Gemma3ForConditionalGeneration": (lambda: transformers.Gemma3Config(),
-                                       "a vision-language model: not supported yet"),
+    "PaliGemmaForConditionalGeneration": (lambda: transformers.PaliGemmaConfig(),
+                                          "a vision-language model: not supported yet"),
     "DiffLlamaForCausalLM": (lambda: transformers.DiffLlamaConfig(**SMALL),
                              "calls the attention function 2 times"),
     "FalconMambaForCausalLM": (lambda: transformers.FalconMambaConfig(hidden_size=64,

@@ -50,8 +50,9 @@ class AcmePlatform(Platform):
     def attention_backend_candidates(self, model: ModelInfo) -> list[BackendCandidate]:
         """A hand-built list checks what `offer_backend` would: the KV-cache dtype, the layer
         shape on acme's torch device type, prefill-only attention for a pooling model, attention
-        sinks for a model that has them, and the kind of attention (acme has no MLA backend, so
-        it refuses MLA models)."""
+        sinks for a model that has them, bidirectional image attention for a model whose image
+        tokens attend both ways, and the kind of attention (acme has no MLA backend, so it
+        refuses MLA models)."""
         backend = self.attention_backend
         ok, why = backend.supports_kv_cache_dtype(model.dtype, model.kv_cache_dtype)
         if ok:
@@ -61,6 +62,8 @@ class AcmePlatform(Platform):
             ok, why = False, "no prefill-only attention, which pooling models need"
         if ok and model.attention_sinks and not backend.supports_attention_sinks:
             ok, why = False, "no attention sinks, which this model needs"
+        if ok and model.mm_prefix_lm and not backend.supports_mm_prefix:
+            ok, why = False, "no bidirectional attention within an image, which this model needs"
         if ok and backend.kind != model.attention_kind:
             ok, why = False, f"runs {backend.kind} attention; this model's layers are " \
                              f"{model.attention_kind}"

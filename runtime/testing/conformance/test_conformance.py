@@ -62,14 +62,19 @@ def test_attention_matches_the_reference(platform, model_info, dtype, case):
     if dtype not in platform.supported_dtypes():
         pytest.skip(f"{platform.name} does not declare {dtype}")
     sinks = CASES[case].sinks is not None
+    mm_prefix = CASES[case].mm_prefix_ranges is not None
     info = dataclasses.replace(model_info, dtype=dtype, kv_cache_dtype=dtype,
-                               sliding_window=CASES[case].sliding_window, attention_sinks=sinks)
+                               sliding_window=CASES[case].sliding_window, attention_sinks=sinks,
+                               mm_prefix_lm=mm_prefix)
     try:
         backend, who = hook_answer("runtime_attention_backend", platform=platform, model=info,
                                    requested=None)
     except HookAnswerError as e:
         if sinks and isinstance(e.__cause__, AttentionBackendError):
             pytest.skip(f"models with attention sinks are refused on {platform.name}: {e}")
+        if mm_prefix and isinstance(e.__cause__, AttentionBackendError):
+            pytest.skip(f"models whose image tokens attend both ways are refused on "
+                        f"{platform.name}: {e}")
         raise
     assert backend is not None, f"no plugin supplies attention for {platform.name} in {dtype}"
     if CASES[case].logits_soft_cap is not None and not backend.supports_logits_soft_cap:
@@ -78,6 +83,10 @@ def test_attention_matches_the_reference(platform, model_info, dtype, case):
         f"{backend.name} ({who}) is chosen for a model with attention sinks but declares no "
         f"supports_attention_sinks: the candidate list must refuse it when "
         f"model.attention_sinks is set (runtime.platforms.common.offer_backend does)")
+    assert not mm_prefix or backend.supports_mm_prefix, (
+        f"{backend.name} ({who}) is chosen for a model whose image tokens attend both ways but "
+        f"declares no supports_mm_prefix: the candidate list must refuse it when "
+        f"model.mm_prefix_lm is set (runtime.platforms.common.offer_backend does)")
     check_attention(backend, dtype, platform.device(0), CASES[case],
                     label=f"{backend.name} (answered by {who})")
 
