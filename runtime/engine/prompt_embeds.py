@@ -7,40 +7,13 @@ the prefix cache keys its blocks by a digest of the rows (`digest`), never by th
 """
 from __future__ import annotations
 
-import base64
-import binascii
-import io
-
 import torch
 
 from runtime.multimodal.inputs import TensorData
+from runtime.multimodal.wire import EMBEDDING_DTYPES
 
 PLACEHOLDER_TOKEN_ID = 0  # the prompt positions' token id: never embedded, never sampled from
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FLAG = "enable_prompt_embeds=True (--enable-prompt-embeds)"
-
-
-def decode_prompt_embeds(encoded: str | bytes, name: str = "prompt_embeds") -> torch.Tensor:
-    """vLLM's wire format: base64 of a `torch.save`d tensor, read with `weights_only` (no
-    code runs) on the CPU, sparse layouts checked for out-of-range indices, made dense.
-    `name`: the field an error names."""
-    try:
-        raw = base64.b64decode(encoded, validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError(f"{name} must be base64 of a torch.save()d tensor: "
-                         "the base64 does not decode") from None
-    try:
-        with torch.sparse.check_sparse_tensor_invariants():
-            tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
-            if isinstance(tensor, torch.Tensor):
-                tensor = tensor.to_dense()
-    except Exception as e:  # torch.load raises many kinds for a malformed file
-        raise ValueError(f"{name} must be base64 of a torch.save()d tensor: "
-                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                         ) from None
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{name} must hold a tensor, got {type(tensor).__name__}")
-    return tensor
 
 
 def check_prompt_embeds(tensor: object, hidden_size: int, max_model_len: int) -> TensorData:
@@ -49,7 +22,7 @@ def check_prompt_embeds(tensor: object, hidden_size: int, max_model_len: int) ->
     taken too), at least one token and fewer than max_model_len, every value finite."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"prompt_embeds must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in DTYPES:
+    if tensor.dtype not in EMBEDDING_DTYPES:
         raise ValueError(f"prompt_embeds must be float32, bfloat16 or float16, got "
                          f"{str(tensor.dtype).removeprefix('torch.')}")
     if tensor.dim() == 3 and tensor.size(0) == 1:

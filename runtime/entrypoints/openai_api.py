@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from runtime.beam_search import BeamSearch, BeamSearchGroup
 from runtime.engine.async_llm import RequestStream
-from runtime.engine.prompt_embeds import decode_prompt_embeds
+from runtime.multimodal.wire import decode_tensor
 from runtime.entrypoints.chat import ChatMedia, effort_kwargs, render_chat
 from runtime.entrypoints.errors import APIError, bad_request
 from runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
@@ -184,7 +184,7 @@ def _embeds_prompts(state: ServerState, body: CompletionRequest) -> list[dict]:
     encoded = [body.prompt_embeds] if isinstance(body.prompt_embeds, str) \
         else body.prompt_embeds
     try:
-        return [{"prompt_embeds": decode_prompt_embeds(e)} for e in encoded]
+        return [{"prompt_embeds": decode_tensor(e, "prompt_embeds")} for e in encoded]
     except ValueError as e:
         raise bad_request(str(e), param="prompt_embeds") from None
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from runtime.engine.prompt_embeds import DTYPES, decode_prompt_embeds
 from runtime.multimodal.inputs import MultiModalFeature, TensorData
 from runtime.multimodal.media import MediaError
+from runtime.multimodal.wire import EMBEDDING_DTYPES, decode_tensor
 
 FLAG = "enable_mm_embeds=True (--enable-mm-embeds)"
 EMBEDS_KEY = "image_embeds"
@@ -82,7 +82,7 @@ def embeds_feature(item: Any, layout: Any, width: int, enabled: bool) -> MultiMo
 def _tensor(value: Any, name: str) -> torch.Tensor:
     if isinstance(value, (str, bytes)):
         try:
-            return decode_prompt_embeds(value, name)
+            return decode_tensor(value, name)
         except ValueError as e:
             raise MediaError(str(e)) from None
     if not isinstance(value, torch.Tensor):
@@ -92,7 +92,7 @@ def _tensor(value: Any, name: str) -> torch.Tensor:
 
 
 def _check_embeds(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    if tensor.dtype not in DTYPES:
+    if tensor.dtype not in EMBEDDING_DTYPES:
         raise MediaError(f"{EMBEDS_KEY} must be float32, bfloat16 or float16, got "
                          f"{str(tensor.dtype).removeprefix('torch.')}")
     if tensor.dim() != 2:

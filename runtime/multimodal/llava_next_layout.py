@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.multimodal.processing import ImageLayout
+from runtime.multimodal.layout import ImageLayout
 
 
 def anyres_grid(image_size: list[int], pinpoints: list[list[int]], tile: int) -> tuple[int, int]:

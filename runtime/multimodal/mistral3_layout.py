@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from runtime.multimodal.inputs import MultiModalFeature
-from runtime.multimodal.processing import ImageLayout
+from runtime.multimodal.layout import ImageLayout
 
 BREAK_TOKEN, END_TOKEN = "[IMG_BREAK]", "[IMG_END]"
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from runtime.multimodal.inputs import MultiModalFeature
-from runtime.multimodal.processing import ImageLayout
+from runtime.multimodal.layout import ImageLayout
 
 FAKE_TOKEN = "<fake_token_around_image>"
 GLOBAL_TOKEN = "<global-img>"
