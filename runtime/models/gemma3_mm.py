@@ -11,8 +11,6 @@ Checkpoints load with either naming: transformers 5's (`model.vision_tower.*`,
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,11 +18,9 @@ from torch import nn
 from runtime.layers.build_context import BuildContext
 from runtime.models.clip import vision_activation
 from runtime.models.gemma import Gemma3ForCausalLM, gemma_rms_norm
-from runtime.models.llama import default_weight_loader
 from runtime.models.siglip import SiglipVisionTower
 from runtime.models.vlm import VisionLanguageModel
 
-VISION_QKV = {".q_proj.": "q", ".k_proj.": "k", ".v_proj.": "v"}
 
 
 class Gemma3MultiModalProjector(nn.Module):
@@ -85,32 +81,10 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
         pixels = torch.stack([item["pixel_values"] for item in items])
         return list(self.multi_modal_projector(self.vision_tower(pixels)))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        text: list[tuple[str, torch.Tensor]] = []
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name.startswith("language_model."):
-                name = name.removeprefix("language_model.")
-                text.append((name if name.startswith(("model.", "lm_head.")) else
-                             f"model.{name}", tensor))
-                continue
-            if name.startswith("lm_head."):
-                text.append((name, tensor))
-                continue
-            name = name.replace("vision_tower.vision_model.", "vision_tower.")
-            name = name.replace("mm_soft_emb_norm.weight", "mm_soft_emb_norm_weight")
-            if name.startswith("vision_tower.head.") or "position_ids" in name:
-                continue  # the pooling head: Gemma 3 reads the last hidden states
-            shard = next((s for part, s in VISION_QKV.items() if part in name), None)
-            if shard is not None and name.startswith("vision_tower."):
-                name = name.replace(f".{shard}_proj.", ".qkv_proj.")
-                params[name].weight_loader(params[name], tensor, shard)
-            elif name in params:
-                default_weight_loader(params[name], tensor)
-            else:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in "
-                                 f"{type(self).__name__}")
-            loaded.add(name)
-        return loaded | {f"language_model.{n}" for n in self.language_model.load_weights(text)}
+    def vision_weight(self, name: str, tensor: torch.Tensor
+                      ) -> tuple[str, torch.Tensor] | None:
+        name = name.replace("vision_tower.vision_model.", "vision_tower.")
+        name = name.replace("mm_soft_emb_norm.weight", "mm_soft_emb_norm_weight")
+        if name.startswith("vision_tower.head.") or "position_ids" in name:
+            return None  # the pooling head: Gemma 3 reads the last hidden states
+        return name, tensor

@@ -14,7 +14,6 @@ Checkpoint names: `model.vision_model.*`, `model.connector.*`, `model.text_model
 from __future__ import annotations
 
 import copy
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -24,10 +23,9 @@ from runtime.forward_context import forward_context
 from runtime.layers.build_context import BuildContext
 from runtime.layers.linear import ReplicatedLinear
 from runtime.models.clip import CLIPEncoder
-from runtime.models.llama import LlamaForCausalLM, default_weight_loader
+from runtime.models.llama import LlamaForCausalLM
 from runtime.models.vlm import VisionLanguageModel
 
-VISION_QKV = {".q_proj.": "q", ".k_proj.": "k", ".v_proj.": "v"}
 
 
 def patch_position_ids(rows: int, cols: int, side: int) -> torch.Tensor:
@@ -137,26 +135,12 @@ class Idefics3ForConditionalGeneration(VisionLanguageModel):
             out.append(embeds)
         return out
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        text: list[tuple[str, torch.Tensor]] = []
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name.startswith(("text_model.", "lm_head.")):
-                text.append((name.replace("text_model.", "model.", 1), tensor))
-                continue
-            shard = next((s for part, s in VISION_QKV.items() if part in name), None)
-            if shard is not None and name.startswith("vision_model."):
-                name = name.replace(f".{shard}_proj.", ".qkv_proj.")
-                params[name].weight_loader(params[name], tensor, shard)
-            elif name in params:
-                default_weight_loader(params[name], tensor)
-            else:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in "
-                                 f"{type(self).__name__}")
-            loaded.add(name)
-        return loaded | {f"language_model.{n}" for n in self.language_model.load_weights(text)}
+    vision_prefix = "vision_model."
+
+    def text_weight_name(self, name: str) -> str | None:
+        if name.startswith(("text_model.", "lm_head.")):
+            return name.replace("text_model.", "model.", 1)
+        return None
 
 
 class SmolVLMForConditionalGeneration(Idefics3ForConditionalGeneration):

@@ -9,19 +9,16 @@ rank.
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 from torch import nn
 
 from runtime.layers.build_context import BuildContext
 from runtime.layers.linear import ReplicatedLinear
 from runtime.models.clip import CLIPVisionTower, vision_activation
-from runtime.models.llama import LlamaForCausalLM, MistralForCausalLM, default_weight_loader
+from runtime.models.llama import LlamaForCausalLM, MistralForCausalLM
 from runtime.models.vlm import VisionLanguageModel
 
 LANGUAGE_MODELS = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM}
-VISION_QKV = {".q_proj.": "q", ".k_proj.": "k", ".v_proj.": "v"}
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -74,35 +71,12 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
             features = features[:, 1:]
         return list(self.multi_modal_projector(features))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        text: list[tuple[str, torch.Tensor]] = []
-        loaded: set[str] = set()
-        num_layers = len(self.vision_tower.encoder.layers)
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name.startswith("language_model."):
-                name = name.removeprefix("language_model.")
-                text.append((name if name.startswith(("model.", "lm_head.")) else
-                             f"model.{name}", tensor))
-                continue
-            if name.startswith("lm_head."):
-                text.append((name, tensor))
-                continue
-            name = name.replace("vision_tower.vision_model.", "vision_tower.")
-            if name.startswith("vision_tower.encoder.layers.") and \
-                    int(name.split(".")[3]) >= num_layers:
-                continue  # layers past the deepest feature layer are not built
-            if name.startswith("vision_tower.post_layernorm.") or "position_ids" in name:
-                continue
-            shard = next((s for part, s in VISION_QKV.items() if part in name), None)
-            if shard is not None and name.startswith("vision_tower."):
-                name = name.replace(f".{shard}_proj.", ".qkv_proj.")
-                params[name].weight_loader(params[name], tensor, shard)
-            elif name in params:
-                default_weight_loader(params[name], tensor)
-            else:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in "
-                                 f"{type(self).__name__}")
-            loaded.add(name)
-        return loaded | {f"language_model.{n}" for n in self.language_model.load_weights(text)}
+    def vision_weight(self, name: str, tensor: torch.Tensor
+                      ) -> tuple[str, torch.Tensor] | None:
+        name = name.replace("vision_tower.vision_model.", "vision_tower.")
+        if name.startswith("vision_tower.encoder.layers.") and \
+                int(name.split(".")[3]) >= len(self.vision_tower.encoder.layers):
+            return None  # layers past the deepest feature layer are not built
+        if name.startswith("vision_tower.post_layernorm.") or "position_ids" in name:
+            return None
+        return name, tensor

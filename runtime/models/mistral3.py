@@ -12,7 +12,6 @@ naming (`model.vision_tower.*`, `model.multi_modal_projector.*`, `model.language
 from __future__ import annotations
 
 import copy
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -21,7 +20,7 @@ from runtime.layers.build_context import BuildContext
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import ReplicatedLinear
 from runtime.models.clip import vision_activation
-from runtime.models.llama import LlamaForCausalLM, MistralForCausalLM, default_weight_loader
+from runtime.models.llama import LlamaForCausalLM, MistralForCausalLM
 from runtime.models.pixtral import PixtralVisionModel
 from runtime.models.vlm import VisionLanguageModel
 
@@ -109,35 +108,13 @@ class Mistral3ForConditionalGeneration(VisionLanguageModel):
             out.append(run)
         return out
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        text: list[tuple[str, torch.Tensor]] = []
-        loaded: set[str] = set()
-        num_layers = len(self.vision_tower.transformer.layers)
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name.startswith("language_model."):
-                name = name.removeprefix("language_model.")
-                text.append((name if name.startswith(("model.", "lm_head.")) else
-                             f"model.{name}", tensor))
-                continue
-            if name.startswith("lm_head."):
-                text.append((name, tensor))
-                continue
-            if name.startswith("vision_tower.transformer.layers.") and \
-                    int(name.split(".")[3]) >= num_layers:
-                continue  # layers past the feature layer are not built
-            if name == "vision_tower.patch_conv.weight":  # stride = kernel: a matmul
-                tensor = tensor.reshape(tensor.size(0), -1)
-            part = next((p for p in STACKED if p in name), None)
-            if part is not None and name.startswith("vision_tower."):
-                merged, shard = STACKED[part]
-                name = name.replace(part, f".{merged}.")
-                params[name].weight_loader(params[name], tensor, shard)
-            elif name in params:
-                default_weight_loader(params[name], tensor)
-            else:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in "
-                                 f"{type(self).__name__}")
-            loaded.add(name)
-        return loaded | {f"language_model.{n}" for n in self.language_model.load_weights(text)}
+    stacked_params = STACKED
+
+    def vision_weight(self, name: str, tensor: torch.Tensor
+                      ) -> tuple[str, torch.Tensor] | None:
+        if name.startswith("vision_tower.transformer.layers.") and \
+                int(name.split(".")[3]) >= len(self.vision_tower.transformer.layers):
+            return None  # layers past the feature layer are not built
+        if name == "vision_tower.patch_conv.weight":  # stride = kernel: a matmul
+            tensor = tensor.reshape(tensor.size(0), -1)
+        return name, tensor
