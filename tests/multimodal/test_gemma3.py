@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams
+from runtime import LLM
 from runtime.attention_backends.torch_paged import TorchPagedAttention
 from runtime.plugins.interfaces import ModelInfo
 from runtime.testing.tiny_vlm import build_tiny_gemma3_vl, random_image
-from platforms.common import offer_backend
+from runtime.platforms.common import offer_backend
+from tests.multimodal.helpers import greedy, hf_greedy, request
 
 IMAGE = "<start_of_image>"
 PROMPTS = ["w6 w7 w8 w9 w10 w11", f"w6 w7 {IMAGE} w8 w9 w10 w11",
@@ -46,16 +47,7 @@ def llm(model_path):
 def hf_generate(hf, prompt: str, images: list, n: int = 6) -> tuple[list[int], list[float]]:
     processor, model = hf
     inputs = processor(text=prompt, images=images or None, return_tensors="pt")
-    out = model.generate(**inputs, max_new_tokens=n, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
-    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
-                for step, t in zip(out.logits, tokens)]
-    return tokens, logprobs
-
-
-def greedy(n: int = 6) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
+    return hf_greedy(model, inputs, n)
 
 
 def assert_matches(hf, prompt: str, images: list, out, n: int = 6) -> None:
@@ -64,10 +56,6 @@ def assert_matches(hf, prompt: str, images: list, out, n: int = 6) -> None:
     assert got.token_ids == tokens, prompt
     ours = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)]
     assert max(abs(a - b) for a, b in zip(ours, logprobs)) < LOGPROB_TOL, prompt
-
-
-def request(prompt: str, images: list) -> dict:
-    return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
 
 
 def test_greedy_tokens_and_logprobs_match_transformers_with_whole_image_chunks(llm, hf):

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams
+from runtime import LLM
 from runtime.multimodal.chat_parts import template_reads_parts
 from runtime.testing.tiny_vlm import build_tiny_idefics3, random_image
+from tests.multimodal.helpers import greedy, hf_greedy, request
 
 LOGPROB_TOL = 1e-4  # float32 on both sides
 WIDE = (64, 32)  # split: 1 x 2 tiles and the global image
@@ -58,19 +59,7 @@ def model(request, tmp_path_factory, idefics3_path):
 def hf_generate(model, prompt: str, images: list, n: int = 6) -> tuple[list[int], list[float]]:
     processor, hf = model[-2:]
     inputs = processor(text=prompt, images=images or None, return_tensors="pt")
-    out = hf.generate(**inputs, max_new_tokens=n, do_sample=False, output_logits=True,
-                      return_dict_in_generate=True)
-    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    return tokens, [torch.log_softmax(step[0].float(), -1)[t].item()
-                    for step, t in zip(out.logits, tokens)]
-
-
-def greedy(n: int = 6) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
-
-
-def request(prompt: str, images: list) -> dict | str:
-    return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
+    return hf_greedy(hf, inputs, n)
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(model):

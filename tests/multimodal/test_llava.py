@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams
+from runtime import LLM
 from runtime.testing.tiny_vlm import build_tiny_llava, random_image
+from tests.multimodal.helpers import greedy, hf_greedy
 
 PROMPTS = ["w5 w6 <image> w7 w8 w9", "<image> w10 w11", "w12 <image> w13 <image> w14"]
 LOGPROB_TOL = 1e-4  # float32 on both sides
@@ -42,16 +43,7 @@ def llm(model_path):
 def hf_generate(hf, prompt: str, images: list, n: int = 6) -> tuple[list[int], list[float]]:
     processor, model = hf
     inputs = processor(text=prompt, images=images, return_tensors="pt")
-    out = model.generate(**inputs, max_new_tokens=n, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
-    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
-                for step, t in zip(out.logits, tokens)]
-    return tokens, logprobs
-
-
-def greedy(n: int = 6) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
+    return hf_greedy(model, inputs, n)
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(llm, hf):

@@ -11,8 +11,9 @@ import shutil
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams
+from runtime import LLM
 from runtime.testing.tiny_vlm import build_tiny_llava_next, random_image
+from tests.multimodal.helpers import greedy, hf_greedy, request
 
 LOGPROB_TOL = 1e-3  # float32 on both sides
 STEP_TOKENS = 16  # fewer than any image's placeholders: every image is split over steps
@@ -51,23 +52,10 @@ def llm(model_path):
                enable_prefix_caching=True)
 
 
-def request(prompt: str, images: list) -> dict | str:
-    return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
-
-
 def hf_generate(hf, prompt: str, images: list, n: int = 6) -> tuple[list[int], list[float]]:
     processor, model = hf
     inputs = processor(text=prompt, images=images or None, return_tensors="pt")
-    out = model.generate(**inputs, max_new_tokens=n, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
-    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
-                for step, t in zip(out.logits, tokens)]
-    return tokens, logprobs
-
-
-def greedy(n: int = 6) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
+    return hf_greedy(model, inputs, n)
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(llm, hf):

@@ -14,8 +14,9 @@ import shutil
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams
+from runtime import LLM
 from runtime.testing.tiny_vlm import MISTRAL3_TOKENS, build_tiny_mistral3, random_image
+from tests.multimodal.helpers import greedy, hf_greedy, request
 
 LOGPROB_TOL = 1e-3  # float32 on both sides
 STEP_TOKENS = 8  # fewer than any image's placeholders: every image is split over steps
@@ -46,10 +47,6 @@ def llm(model_path):
                enable_prefix_caching=True)
 
 
-def request(prompt: str, images: list) -> dict | str:
-    return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
-
-
 def expand(ids: list[int], image_sizes: torch.Tensor) -> list[int]:
     """PixtralProcessor's prompt: each [IMG] becomes rows of [IMG] closed by [IMG_BREAK], the
     last by [IMG_END]."""
@@ -76,17 +73,8 @@ def hf_inputs(hf, prompt: str, images: list) -> dict:
 
 def hf_generate(hf, prompt: str, images: list, n: int = 6) -> tuple[list[int], list[float]]:
     inputs = hf_inputs(hf, prompt, images)
-    out = hf[2].generate(**inputs, attention_mask=torch.ones_like(inputs["input_ids"]),
-                         max_new_tokens=n, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
-    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
-                for step, t in zip(out.logits, tokens)]
-    return tokens, logprobs
-
-
-def greedy(n: int = 6) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
+    return hf_greedy(hf[2], {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])},
+                     n)
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(llm, hf):

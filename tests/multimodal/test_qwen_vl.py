@@ -12,10 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams
+from runtime import LLM
 from runtime.multimodal.mrope import mrope_positions
 from runtime.testing.tiny_vlm import QWEN_VL_IMAGE as IMAGE
 from runtime.testing.tiny_vlm import QWEN_VL_TOKENS, build_tiny_qwen_vl, random_image
+from tests.multimodal.helpers import greedy, hf_greedy, request
 
 PAD = QWEN_VL_TOKENS["<|image_pad|>"]
 LOGPROB_TOL = 2e-3
@@ -66,20 +67,8 @@ def hf_inputs(hf, prompt: str, images: list) -> dict[str, torch.Tensor]:
 
 def hf_generate(hf, prompt: str, images: list, n: int = 6) -> tuple[list[int], list[float]]:
     inputs = hf_inputs(hf, prompt, images)
-    out = hf[2].generate(**inputs, attention_mask=torch.ones_like(inputs["input_ids"]),
-                         max_new_tokens=n, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
-    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    return tokens, [torch.log_softmax(step[0].float(), -1)[t].item()
-                    for step, t in zip(out.logits, tokens)]
-
-
-def greedy(n: int = 6) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, logprobs=0)  # both stop at EOS
-
-
-def request(prompt: str, images: list) -> dict | str:
-    return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
+    return hf_greedy(hf[2], {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])},
+                     n)
 
 
 def images_of(specs) -> list:
@@ -88,7 +77,7 @@ def images_of(specs) -> list:
 
 def test_greedy_tokens_and_logprobs_match_transformers(llm, hf):
     cases = [(prompt, images_of(specs)) for prompt, specs in PROMPTS]
-    outs = llm.generate([request(p, i) for p, i in cases], greedy())
+    outs = llm.generate([request(p, i) for p, i in cases], greedy(ignore_eos=False))
     for (prompt, images), out in zip(cases, outs):
         tokens, logprobs = hf_generate(hf, prompt, images)
         got = out.outputs[0]
@@ -123,9 +112,9 @@ def test_repeated_image_hits_the_encoder_and_prefix_caches(llm, hf):
     image = random_image(100, (112, 84))
     prompt = f"w30 w31 w32 w33 w34 w35 w36 {IMAGE} w37 w38"  # 8 text tokens, then the image
     hits, encoded, blocks = cache.num_hits, encoder.num_encoded_items, kv.num_cache_hits
-    first = llm.generate(request(prompt, [image]), greedy(), use_tqdm=False)[0]
-    other = llm.generate(request("w40 " + prompt, [image]), greedy(), use_tqdm=False)[0]
-    again = llm.generate(request(prompt, [image]), greedy(), use_tqdm=False)[0]
+    first = llm.generate(request(prompt, [image]), greedy(ignore_eos=False), use_tqdm=False)[0]
+    other = llm.generate(request("w40 " + prompt, [image]), greedy(ignore_eos=False), use_tqdm=False)[0]
+    again = llm.generate(request(prompt, [image]), greedy(ignore_eos=False), use_tqdm=False)[0]
     assert encoder.num_encoded_items - encoded == 1
     assert cache.num_hits - hits >= 1
     assert kv.num_cache_hits - blocks >= 16  # the text block and the image's first block
@@ -136,11 +125,11 @@ def test_repeated_image_hits_the_encoder_and_prefix_caches(llm, hf):
 
 def test_chat_image_part_equals_the_prompt_with_the_vision_tokens(llm):
     image = random_image(300, (56, 56))
-    direct = llm.generate(request(f"{IMAGE}\nw5 w6 ", [image]), greedy(),
+    direct = llm.generate(request(f"{IMAGE}\nw5 w6 ", [image]), greedy(ignore_eos=False),
                           use_tqdm=False)[0].outputs[0].token_ids
     reply = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
                                                    {"type": "text", "text": "w5 w6"}]}],
-                     greedy(), use_tqdm=False)
+                     greedy(ignore_eos=False), use_tqdm=False)
     assert reply[0].outputs[0].token_ids == direct
 
 
@@ -153,7 +142,7 @@ def test_preempted_requests_resume_at_their_positions(version, model_path, hf):
                 encoder_cache_size=16, enable_prefix_caching=False)
     prompts = [f"w5 w6 {IMAGE} w7 w8 w9", f"w9 w8 {IMAGE} w7 w6 w5"]
     images = [random_image(400, (112, 84)), random_image(401, (84, 112))]
-    outs = small.generate([request(p, [i]) for p, i in zip(prompts, images)], greedy(16),
+    outs = small.generate([request(p, [i]) for p, i in zip(prompts, images)], greedy(16, ignore_eos=False),
                           use_tqdm=False)
     assert small.engine.core.scheduler.num_preemptions > 0
     for prompt, image, out in zip(prompts, images, outs):

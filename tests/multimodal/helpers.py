@@ -1,0 +1,25 @@
+"""What the vision-language tests share: the requests and sampling they send, and transformers'
+greedy `generate` as the reference (the tokens and each one's logprob)."""
+from __future__ import annotations
+
+import torch
+
+from runtime import SamplingParams
+
+
+def request(prompt: str, images: list) -> dict | str:
+    return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
+
+
+def greedy(n: int = 6, ignore_eos: bool = True) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=ignore_eos, logprobs=0)
+
+
+def hf_greedy(model, inputs: dict, n: int) -> tuple[list[int], list[float]]:
+    """`n` greedy tokens of a transformers model on `inputs` (its processor's output) and
+    their logprobs."""
+    out = model.generate(**inputs, max_new_tokens=n, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    return tokens, [torch.log_softmax(step[0].float(), -1)[t].item()
+                    for step, t in zip(out.logits, tokens)]
