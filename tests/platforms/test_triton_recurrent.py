@@ -94,3 +94,12 @@ def test_a_state_the_kernel_does_not_take_is_refused():
 def test_the_kernels_keep_the_portable_signatures(name):
     assert (inspect.signature(getattr(recurrent_triton, name))
             == inspect.signature(portable.OPS[name]))
+
+
+def test_the_cuda_platform_answers_the_decode_ops_with_the_kernels():
+    from runtime.platforms.cuda.platform import CudaPlatform, GpuDevice
+    platform = CudaPlatform([GpuDevice(0, "H100", (9, 0), 80 << 30)])
+    for name in ("causal_conv1d_update", "fused_recurrent_gated_delta_rule",
+                 "mamba2_state_update"):
+        assert platform.custom_op(name) is getattr(recurrent_triton, name)
+    assert platform.custom_op("mamba2_chunk_scan") is None  # the prefill halves run portably
