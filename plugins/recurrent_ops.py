@@ -103,16 +103,19 @@ def causal_conv1d_update(x: torch.Tensor, state: torch.Tensor, weight: torch.Ten
 
 # -- Mamba 1 selective scan --------------------------------------------------------------------
 
-def _mamba_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool
-              ) -> torch.Tensor:
+def mamba_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool
+             ) -> torch.Tensor:
+    """Mamba 1's step sizes as the scan uses them, float32: dt + dt_bias, through softplus
+    when `dt_softplus`."""
     dt = dt.float()
     if dt_bias is not None:
         dt = dt + dt_bias.float()
     return F.softplus(dt) if dt_softplus else dt
 
 
-def _mamba_out(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None,
-               z: torch.Tensor | None) -> torch.Tensor:
+def mamba_out(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None,
+              z: torch.Tensor | None) -> torch.Tensor:
+    """The scan's output from C . h: plus D x, gated by silu(z), in x's dtype."""
     if D is not None:
         y = y + x.float() * D.float()
     if z is not None:
@@ -137,7 +140,7 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     `checkpoint_rows` (rows of the batch), the state after each row is written into
     `checkpoint_states` [len(checkpoint_rows), d_inner, N], as `mamba2_chunk_scan` does.
     """
-    dt = _mamba_dt(dt, dt_bias, dt_softplus)
+    dt = mamba_dt(dt, dt_bias, dt_softplus)
     A = A.float()
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     spans = _spans(query_start_loc)
@@ -153,7 +156,7 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
             if t in after:
                 checkpoint_states[after[t]] = h
         final[s] = h.to(final.dtype)
-    return _mamba_out(y, x, D, z), final
+    return mamba_out(y, x, D, z), final
 
 
 def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
@@ -165,11 +168,11 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
     state [slots, d_inner, N] updated in place. Returns y [S, d_inner] in x's dtype."""
     rows = state_indices if state_indices is not None else torch.arange(x.size(0),
                                                                         device=x.device)
-    dt = _mamba_dt(dt, dt_bias, dt_softplus)
+    dt = mamba_dt(dt, dt_bias, dt_softplus)
     h = state[rows].float()
     h = torch.exp(dt[..., None] * A.float()) * h + (dt * x.float())[..., None] * B.float()[:, None]
     state[rows] = h.to(state.dtype)
-    return _mamba_out((h @ C.float().unsqueeze(-1)).squeeze(-1), x, D, z)
+    return mamba_out((h @ C.float().unsqueeze(-1)).squeeze(-1), x, D, z)
 
 
 # -- Mamba 2 SSD -------------------------------------------------------------------------------
@@ -177,7 +180,7 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
 def mamba2_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool,
               dt_limit: tuple[float, float]) -> torch.Tensor:
     """Mamba 2's step sizes as the scan uses them, float32: clamp(softplus(dt + dt_bias))."""
-    return _mamba_dt(dt, dt_bias, dt_softplus).clamp(dt_limit[0], dt_limit[1])
+    return mamba_dt(dt, dt_bias, dt_softplus).clamp(dt_limit[0], dt_limit[1])
 
 
 def _per_head(t: torch.Tensor, heads: int) -> torch.Tensor:

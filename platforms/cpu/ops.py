@@ -221,6 +221,52 @@ def mamba2_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
         _rows(state_indices, x.size(0)))
 
 
+def _scan_fits(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> bool:
+    return A.size(-1) % 16 == 0 and B.dtype == x.dtype and C.dtype == x.dtype
+
+
+def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                   C: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None,
+                   dt_bias: torch.Tensor | None, dt_softplus: bool,
+                   query_start_loc: torch.Tensor, initial_state: torch.Tensor | None = None,
+                   has_initial_state: torch.Tensor | None = None,
+                   checkpoint_rows: torch.Tensor | None = None,
+                   checkpoint_states: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _scan_fits(x, A, B, C):
+        return portable_recurrent.selective_scan(
+            x, dt, A, B, C, D, z, dt_bias, dt_softplus, query_start_loc, initial_state,
+            has_initial_state, checkpoint_rows, checkpoint_states)
+    seqs = query_start_loc.numel() - 1
+    state, has = _prefill_states(initial_state, has_initial_state, (seqs, *A.shape),
+                                 torch.float32)
+    state[~has] = 0
+    y = torch.ops.runtime_cpu.selective_scan(
+        x.contiguous(), portable_recurrent.mamba_dt(dt, dt_bias, dt_softplus).contiguous(),
+        A.float().contiguous(), B.contiguous(), C.contiguous(),
+        query_start_loc.long().contiguous(), state, torch.arange(seqs),
+        None if checkpoint_rows is None else checkpoint_rows.long().contiguous(),
+        checkpoint_states)
+    final = state.to(initial_state.dtype if initial_state is not None else torch.float32)
+    return portable_recurrent.mamba_out(y, x, D, z), final
+
+
+def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+                           A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                           D: torch.Tensor | None, z: torch.Tensor | None,
+                           dt_bias: torch.Tensor | None, dt_softplus: bool,
+                           state_indices: torch.Tensor | None = None) -> torch.Tensor:
+    if not (_scan_fits(x, A, B, C) and state.dtype == torch.float32 and state.is_contiguous()):
+        return portable_recurrent.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias,
+                                                         dt_softplus, state_indices)
+    seqs = x.size(0)
+    y = torch.ops.runtime_cpu.selective_scan(
+        x.contiguous(), portable_recurrent.mamba_dt(dt, dt_bias, dt_softplus).contiguous(),
+        A.float().contiguous(), B.contiguous(), C.contiguous(), torch.arange(seqs + 1), state,
+        _rows(state_indices, seqs))
+    return portable_recurrent.mamba_out(y, x, D, z)
+
+
 # In bf16 (fp16) torch's own product is oneDNN already, re-ordering the weight every call; the
 # packed copy saves that at every row count and thread count. Measured on a 2-core AVX512-BF16
 # EPYC, SmolLM2-135M's shapes: 1 thread, rows 1-256 gain 1.1-2.4x, 512-2048 rows 1.0-1.1x.
@@ -271,4 +317,5 @@ OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_
        "causal_conv1d_update": causal_conv1d_update,
        "chunk_gated_delta_rule": chunk_gated_delta_rule,
        "fused_recurrent_gated_delta_rule": fused_recurrent_gated_delta_rule,
-       "mamba2_state_update": mamba2_state_update, "greedy_argmax": greedy_argmax}
+       "mamba2_state_update": mamba2_state_update, "selective_scan": selective_scan,
+       "selective_state_update": selective_state_update, "greedy_argmax": greedy_argmax}

@@ -105,6 +105,42 @@ def test_mamba2_state_update(dtype):
     _close(state, want_state, torch.float32)
 
 
+def _mamba1(dtype, tokens, dim=40, n=16):
+    x, dt, z = (torch.randn(tokens, dim).to(dtype) for _ in range(3))
+    A = -torch.rand(dim, n) - 0.5
+    B, C = (torch.randn(tokens, n).to(dtype) for _ in range(2))
+    return x, dt, A, B, C, torch.randn(dim), z, torch.randn(dim)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_selective_scan(dtype):
+    """40 channels: two work items per sequence, the second a partial block."""
+    x, dt, A, B, C, D, z, dt_bias = _mamba1(dtype, sum(LENS))
+    initial = torch.randn(4, 40, 16)
+    rows = torch.tensor([0, 5, 12, 60, 82])  # the ends of some rows, two in one sequence
+    want_kept, kept = torch.zeros(5, 40, 16), torch.zeros(5, 40, 16)
+    want, want_final = portable.selective_scan(x, dt, A, B, C, D, z, dt_bias, True, LOC,
+                                               initial, HAS, rows, want_kept)
+    got, final = ops.selective_scan(x, dt, A, B, C, D, z, dt_bias, True, LOC, initial, HAS,
+                                    rows, kept)
+    _close(got, want, dtype)
+    _close(final, want_final, torch.float32)
+    _close(kept, want_kept, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_selective_state_update(dtype):
+    x, dt, A, B, C, D, z, dt_bias = _mamba1(dtype, 3)
+    state = torch.randn(6, 40, 16)
+    rows = torch.tensor([5, 3, 0])
+    want_state = state.clone()
+    want = portable.selective_state_update(want_state, x, dt, A, B, C, D, z, dt_bias, True,
+                                           rows)
+    got = ops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, True, rows)
+    _close(got, want, dtype)
+    _close(state, want_state, torch.float32)
+
+
 def test_shapes_the_kernels_do_not_take_use_the_portable_ops():
     q, k, v, g, beta = _gdn(torch.float32, 2, dv=12)  # 12 is not a multiple of 16
     state = torch.randn(2, 4, 32, 12)
@@ -118,7 +154,8 @@ def test_shapes_the_kernels_do_not_take_use_the_portable_ops():
 def test_the_platform_answers_the_recurrent_ops_with_their_signatures():
     platform = CpuPlatform()
     for name in ("causal_conv1d", "causal_conv1d_update", "chunk_gated_delta_rule",
-                 "fused_recurrent_gated_delta_rule", "mamba2_state_update"):
+                 "fused_recurrent_gated_delta_rule", "mamba2_state_update", "selective_scan",
+                 "selective_state_update"):
         assert platform.custom_op(name) is getattr(ops, name)
         assert inspect.signature(getattr(ops, name)) == inspect.signature(portable.OPS[name])
-    assert platform.custom_op("selective_scan") is None  # no kernel yet: the portable op runs
+    assert platform.custom_op("mamba2_chunk_scan") is None  # no kernel yet: the portable op runs

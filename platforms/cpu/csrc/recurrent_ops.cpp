@@ -1,5 +1,5 @@
-// Recurrent layer kernels for the CPU: the gated delta rule, the causal depthwise conv1d and
-// Mamba 2's one-token state update. Each takes a varlen batch through query_start_loc (decode:
+// Recurrent layer kernels for the CPU: the gated delta rule, the causal depthwise conv1d,
+// Mamba 1's selective scan and Mamba 2's one-token state update. Each takes a varlen batch through query_start_loc (decode:
 // one token per sequence) and updates its states in place, row state_indices[s] for sequence s,
 // so one kernel serves prefill (the caller passes a buffer of initial states) and decode (the
 // state cache itself). Arithmetic is float32; outputs round to the activations' dtype.
@@ -233,6 +233,90 @@ at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight,
 
 // Mamba 2, one token per sequence, per head with state h [P, N] (N contiguous, float32):
 // h = exp(dt A) h + dt x B^T; y = h C + D x. dt arrives final (bias, softplus and clamp done).
+// Mamba 1's selective scan, per channel i with state h [N] (float32, N % 16 == 0):
+// h = exp(dt A_i) h + dt x B;  y = C . h (D and the gate are the caller's). Each work item owns
+// a block of channels of one sequence and runs its tokens with those rows of the state in L1.
+// After each of the sorted `checkpoints` rows, the item's rows of the state are also copied
+// into that row's entry of `kept` [C, D, N].
+template <typename T>
+void selective_scan_kernel(const T* x, const float* dt, const float* A, const T* B, const T* C,
+                           const int64_t* loc, const int64_t* rows, float* state, float* out,
+                           int64_t seqs, int64_t dim, int64_t n, const int64_t* checkpoints,
+                           int64_t num_checkpoints, float* kept) {
+  constexpr int64_t kChannels = 16;  // per work item
+  const int64_t blocks = (dim + kChannels - 1) / kChannels;
+  at::parallel_for(0, seqs * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / blocks, c0 = item % blocks * kChannels;
+      const int64_t c1 = std::min(dim, c0 + kChannels);
+      float* H = state + rows[s] * dim * n;
+      int64_t c = std::lower_bound(checkpoints, checkpoints + num_checkpoints, loc[s]) -
+                  checkpoints;
+      for (int64_t t = loc[s]; t < loc[s + 1]; ++t) {
+        const T* Bt = B + t * n;
+        const T* Ct = C + t * n;
+        for (int64_t i = c0; i < c1; ++i) {
+          const float d = dt[t * dim + i], dx = d * static_cast<float>(x[t * dim + i]);
+          vecf acc = {};
+          for (int64_t j = 0; j < n; j += kLanes) {
+            const vecf row = expv(loadv(A + i * n + j) * d) * loadv(H + i * n + j) +
+                             loadv(Bt + j) * dx;
+            storev(H + i * n + j, row);
+            acc += row * loadv(Ct + j);
+          }
+          out[t * dim + i] = hsum(acc);
+        }
+        if (c < num_checkpoints && checkpoints[c] == t) {
+          std::copy(H + c0 * n, H + c1 * n, kept + (c * dim + c0) * n);
+          ++c;
+        }
+      }
+    }
+  });
+}
+
+at::Tensor selective_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
+                          const at::Tensor& B, const at::Tensor& C,
+                          const at::Tensor& query_start_loc, at::Tensor state,
+                          const at::Tensor& state_indices,
+                          const c10::optional<at::Tensor>& checkpoint_rows,
+                          const c10::optional<at::Tensor>& checkpoint_states) {
+  const int64_t seqs = checked_sequences(query_start_loc, state_indices);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [T, D]");
+  const int64_t tokens = x.size(0), dim = x.size(1);
+  TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.is_contiguous() && dt.sizes() == x.sizes(),
+              "dt must be contiguous float32 [T, D]");
+  TORCH_CHECK(A.scalar_type() == at::kFloat && A.is_contiguous() && A.dim() == 2 &&
+                  A.size(0) == dim && A.size(1) % 16 == 0,
+              "A must be contiguous float32 [D, N], N % 16 == 0");
+  const int64_t n = A.size(1);
+  TORCH_CHECK(B.dim() == 2 && B.sizes() == C.sizes() && B.size(0) == tokens && B.size(1) == n &&
+                  B.is_contiguous() && C.is_contiguous() && B.scalar_type() == x.scalar_type() &&
+                  C.scalar_type() == x.scalar_type(),
+              "B and C must be contiguous [T, N] in x's dtype");
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 3 &&
+                  state.size(1) == dim && state.size(2) == n,
+              "state must be contiguous float32 [slots, D, N]");
+  const int64_t num_checkpoints = checkpoint_rows.has_value() ? checkpoint_rows->numel() : 0;
+  TORCH_CHECK(num_checkpoints == 0 ||
+                  (checkpoint_rows->scalar_type() == at::kLong &&
+                   checkpoint_rows->is_contiguous() && checkpoint_states.has_value() &&
+                   checkpoint_states->scalar_type() == at::kFloat &&
+                   checkpoint_states->is_contiguous() &&
+                   checkpoint_states->numel() == num_checkpoints * dim * n),
+              "checkpoint_rows must be sorted int64 [C] with float32 checkpoint_states [C, D, N]");
+  at::Tensor out = at::empty({tokens, dim}, x.options().dtype(at::kFloat));
+  RUNTIME_CPU_DISPATCH(x.scalar_type(), "selective_scan", [&] {
+    selective_scan_kernel<scalar_t>(
+        x.data_ptr<scalar_t>(), dt.data_ptr<float>(), A.data_ptr<float>(),
+        B.data_ptr<scalar_t>(), C.data_ptr<scalar_t>(), query_start_loc.data_ptr<int64_t>(),
+        state_indices.data_ptr<int64_t>(), state.data_ptr<float>(), out.data_ptr<float>(), seqs,
+        dim, n, num_checkpoints ? checkpoint_rows->data_ptr<int64_t>() : nullptr,
+        num_checkpoints, num_checkpoints ? checkpoint_states->data_ptr<float>() : nullptr);
+  });
+  return out;
+}
+
 template <typename T>
 void mamba2_state_update_kernel(const T* x, const float* dt, const float* A, const T* B,
                                 const T* C, const float* D, const int64_t* rows, float* state,
@@ -307,10 +391,14 @@ TORCH_LIBRARY_FRAGMENT(runtime_cpu, m) {
         "Tensor(a!) state, Tensor state_indices, Tensor has_initial_state, bool silu) -> Tensor");
   m.def("mamba2_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, "
         "Tensor C, Tensor? D, Tensor state_indices) -> Tensor");
+  m.def("selective_scan(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, "
+        "Tensor query_start_loc, Tensor(a!) state, Tensor state_indices, "
+        "Tensor? checkpoint_rows=None, Tensor(b!)? checkpoint_states=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(runtime_cpu, CPU, m) {
   m.impl("gated_delta_rule", &gated_delta_rule);
   m.impl("causal_conv1d", &causal_conv1d);
   m.impl("mamba2_state_update", &mamba2_state_update);
+  m.impl("selective_scan", &selective_scan);
 }
