@@ -52,12 +52,12 @@ def _gdn(ctx):
     return GatedDeltaNet(config, ctx, "gdn")
 
 
-def _mamba2(groups: int):
+def _mamba2(groups: int, **falcon_h1):
     def build(ctx):
         return Mamba2Mixer(ctx, "m2", hidden_size=HIDDEN, num_heads=4, head_dim=16,
                            n_groups=groups, state_size=8, conv_kernel=4, intermediate_size=64,
                            use_conv_bias=True, use_bias=False, eps=1e-5, chunk_size=4,
-                           time_step_limit=(0.0, float("inf")))
+                           time_step_limit=(0.0, float("inf")), **falcon_h1)
     return build
 
 
@@ -73,7 +73,11 @@ def _short_conv(ctx):
 
 
 LAYERS = {"gated-delta-net": _gdn, "mamba2-split-groups": _mamba2(2),
-          "mamba2-one-group": _mamba2(1), "mamba": _mamba, "short-conv": _short_conv}
+          "mamba2-one-group": _mamba2(1),
+          # Falcon-H1's: the norm before the gate, muP multipliers on the input and each part
+          "mamba2-falcon-h1": _mamba2(1, norm_before_gate=True, input_multiplier=0.7,
+                                      projection_multipliers=[0.5, 1.5, 2.0, 0.7, 1.2]),
+          "mamba": _mamba, "short-conv": _short_conv}
 
 
 def _load(layer, whole) -> None:
@@ -145,7 +149,7 @@ def test_two_ranks_equal_the_whole_layer(name):
     # the split parts of every state are shared out; only Mamba 2's one group is held whole
     for i, state in enumerate(whole.states):
         shares = sum(rank.states[i][0].numel() for rank in ranks)
-        if name != "mamba2-one-group" or i == 1:
+        if not name.endswith(("one-group", "falcon-h1")) or i == 1:
             assert shares == state[0].numel()
         else:
             assert state[0].numel() < shares < TP * state[0].numel()
