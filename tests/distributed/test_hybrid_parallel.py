@@ -31,6 +31,8 @@ PARALLEL = {
     "bamba-tp2-one-group": ("bamba", dict(mamba_n_groups=1), 2, 1),
     # the short conv on stage 0, attention on stage 1
     "lfm2-pp2": ("lfm2", {}, 1, 2),
+    # Mamba 2 and the experts on stage 0, attention and the MLP on stage 1
+    "nemotron-h-pp2": ("nemotron-h", {}, 1, 2),
 }
 
 def _run(llm: LLM) -> list:
