@@ -75,7 +75,6 @@ class ShardedColumnLinear(LinearBase):
         if ctx.tp_size > 1 and getattr(self.method, "custom_loader", False):
             raise ValueError(f"{prefix}: tensor parallel is not supported for this "
                              "quantization method's recurrent-layer projections")
-        self.tp_size = ctx.tp_size
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | None = None) -> None:
