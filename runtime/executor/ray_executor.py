@@ -104,7 +104,7 @@ class RayExecutor(Executor):
         return min(self.collective_rpc("determine_num_blocks"))
 
     def state_bytes_per_slot(self) -> int:
-        return max(self._call("state_bytes_per_slot"))
+        return max(self.collective_rpc("state_bytes_per_slot"))
 
     def init_kv_cache(self, num_blocks: int, num_checkpoints: int = 0) -> None:
         self.collective_rpc("init_kv_cache", num_blocks, num_checkpoints)

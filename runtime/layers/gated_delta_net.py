@@ -9,7 +9,9 @@ from torch import nn
 
 from runtime.forward_context import get_forward_context
 from runtime.layers.build_context import BuildContext
-from runtime.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from runtime.layers.linear import RowParallelLinear
+from runtime.layers.recurrent_sharding import (ShardedColumnLinear, load_rows, shard_rows,
+                                               sharded_param, split)
 from runtime.layers.recurrent_state import StatefulLayer, conv_states_at
 from runtime.plugins import recurrent_ops
 
@@ -17,20 +19,19 @@ from runtime.plugins import recurrent_ops
 class DepthwiseConvWeight(nn.Module):
     """A depthwise conv1d's weight as the ops take it, [channels, width], loaded from the
     checkpoint's nn.Conv1d layout [channels, 1, width]; and its bias [channels] when it has
-    one (else None)."""
+    one (else None). Under tensor parallel `rows` are the checkpoint's channels this rank
+    holds (see `recurrent_sharding`)."""
 
-    def __init__(self, channels: int, width: int, dtype: torch.dtype, bias: bool = False
-                 ) -> None:
+    def __init__(self, channels: int, width: int, dtype: torch.dtype, bias: bool = False,
+                 rows: torch.Tensor | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, width, dtype=dtype),
                                    requires_grad=False)
-        self.weight.weight_loader = self._load
+        load_rows(self.weight, rows)
         self.bias = (nn.Parameter(torch.zeros(channels, dtype=dtype), requires_grad=False)
                      if bias else None)
-
-    @staticmethod
-    def _load(param: nn.Parameter, loaded: torch.Tensor) -> None:
-        param.data.copy_(loaded.reshape(param.shape))
+        if bias:
+            load_rows(self.bias, rows)
 
 
 class GatedRMSNorm(nn.Module):
@@ -57,31 +58,34 @@ class GatedDeltaNet(StatefulLayer):
 
     def __init__(self, config, ctx: BuildContext, prefix: str) -> None:
         super().__init__()
-        if ctx.tp_size > 1:
-            raise ValueError("tensor parallel is not supported for gated delta-net layers yet "
-                             "(their conv channels and heads are not sharded)")
-        self.num_k_heads = config.linear_num_key_heads
-        self.num_v_heads = config.linear_num_value_heads
+        tp = ctx.tp_size
+        what = "gated delta-net"
+        # whole key heads per rank, each with its consecutive value heads
+        self.num_k_heads = split(config.linear_num_key_heads, tp, f"{what} key heads")
+        self.num_v_heads = split(config.linear_num_value_heads, tp, f"{what} value heads")
         self.head_k_dim = config.linear_key_head_dim
         self.head_v_dim = config.linear_value_head_dim
-        self.key_dim = self.num_k_heads * self.head_k_dim
-        self.value_dim = self.num_v_heads * self.head_v_dim
+        key_dim = config.linear_num_key_heads * self.head_k_dim
+        value_dim = config.linear_num_value_heads * self.head_v_dim
+        self.key_dim, self.value_dim = key_dim // tp, value_dim // tp
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_width = config.linear_conv_kernel_dim
         self.dtype = ctx.dtype
         if config.hidden_act not in ("silu", "swish"):
             raise ValueError(f"gated delta-net activation {config.hidden_act!r}: only silu "
                              "is supported")
-        self.in_proj = MergedColumnParallelLinear(
-            config.hidden_size, [self.conv_dim, self.value_dim, self.num_v_heads,
-                                 self.num_v_heads], False, ctx, f"{prefix}.in_proj")
-        self.conv1d = DepthwiseConvWeight(self.conv_dim, self.conv_width, ctx.dtype)
-        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=ctx.dtype),
-                                    requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads, dtype=ctx.dtype),
-                                  requires_grad=False)
+        qkv = [(key_dim, True), (key_dim, True), (value_dim, True)]
+        num_v = config.linear_num_value_heads
+        self.in_proj = ShardedColumnLinear(
+            config.hidden_size, [qkv, [(value_dim, True)], [(num_v, True)], [(num_v, True)]],
+            False, ctx, f"{prefix}.in_proj")
+        self.conv1d = DepthwiseConvWeight(
+            self.conv_dim, self.conv_width, ctx.dtype,
+            rows=shard_rows(qkv, ctx.tp_rank, tp, what) if tp > 1 else None)
+        self.dt_bias = sharded_param(num_v, 1.0, ctx)
+        self.A_log = sharded_param(num_v, 0.0, ctx)
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, ctx.dtype)
-        self.out_proj = RowParallelLinear(self.value_dim, config.hidden_size, False, ctx,
+        self.out_proj = RowParallelLinear(value_dim, config.hidden_size, False, ctx,
                                           f"{prefix}.out_proj")
         self.conv_op = ctx.custom_op("causal_conv1d") or recurrent_ops.causal_conv1d
         self.conv_update_op = (ctx.custom_op("causal_conv1d_update")

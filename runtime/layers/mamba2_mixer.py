@@ -12,7 +12,9 @@ from torch import nn
 from runtime.forward_context import get_forward_context
 from runtime.layers.build_context import BuildContext
 from runtime.layers.gated_delta_net import DepthwiseConvWeight
-from runtime.layers.linear import ReplicatedLinear
+from runtime.layers.linear import RowParallelLinear
+from runtime.layers.recurrent_sharding import (ShardedColumnLinear, load_rows, shard_rows,
+                                               sharded_param, split)
 from runtime.layers.recurrent_state import StatefulLayer, conv_states_at
 from runtime.plugins import recurrent_ops
 
@@ -20,18 +22,28 @@ from runtime.plugins import recurrent_ops
 class GroupedGatedRMSNorm(nn.Module):
     """x * silu(gate), then RMSNorm over each of `groups` equal slices, as transformers'
     `MambaRMSNormGated` (norm after the gate); with `norm_before_gate` the norm first, then
-    the gate, as Falcon-H1's `FalconH1RMSNormGated` (its weight applied in float32)."""
+    the gate, as Falcon-H1's `FalconH1RMSNormGated` (its weight applied in float32).
+
+    Under tensor parallel each rank holds `size` channels of whole groups; with `tp_group`
+    (one group split over the ranks, as vLLM's `Mixer2RMSNormGated`) the group's sum of
+    squares is all-reduced and divided by its full width, `size` times the group's size."""
 
     def __init__(self, size: int, groups: int, eps: float, dtype: torch.dtype,
-                 norm_before_gate: bool = False) -> None:
+                 norm_before_gate: bool = False, tp_group=None, tp_size: int = 1) -> None:
         super().__init__()
         self.groups, self.eps, self.norm_before_gate = groups, eps, norm_before_gate
+        self.tp_group, self.group_width = tp_group, size // groups * tp_size
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         h = x.float() if self.norm_before_gate else x.float() * F.silu(gate.float())
         h = h.view(x.size(0), self.groups, -1)
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).view(x.shape)
+        if self.tp_group is None:
+            variance = h.pow(2).mean(-1, keepdim=True)
+        else:
+            variance = self.tp_group.all_reduce(h.pow(2).sum(-1, keepdim=True)) \
+                / self.group_width
+        h = (h * torch.rsqrt(variance + self.eps)).view(x.shape)
         if self.norm_before_gate:
             return (self.weight.float() * h * F.silu(gate.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
@@ -55,36 +67,51 @@ class Mamba2Mixer(StatefulLayer):
                  projection_multipliers: list[float] | None = None,
                  out_proj_bias: bool | None = None) -> None:
         super().__init__()
-        if ctx.tp_size > 1:
-            raise ValueError("tensor parallel is not supported for Mamba 2 layers yet (their "
-                             "conv channels and heads are not sharded)")
         if num_heads * head_dim != intermediate_size:
             raise ValueError(f"Mamba 2: num_heads {num_heads} x head_dim {head_dim} must equal "
                              f"the intermediate size {intermediate_size}")
-        self.num_heads, self.head_dim = num_heads, head_dim
-        self.n_groups, self.state_size = n_groups, state_size
-        self.intermediate_size = intermediate_size
-        self.conv_dim = intermediate_size + 2 * n_groups * state_size
+        tp, rank = ctx.tp_size, ctx.tp_rank
+        # Whole heads per rank; B and C groups split with them, or (one group) replicated.
+        self.num_heads = split(num_heads, tp, "Mamba 2 heads")
+        if n_groups % tp and n_groups != 1:
+            raise ValueError(f"tensor parallel: Mamba 2's {n_groups} groups of B and C neither "
+                             f"split over tensor-parallel size {tp} nor are one group that "
+                             "every rank can hold whole")
+        groups_split = n_groups % tp == 0
+        self.head_dim, self.state_size = head_dim, state_size
+        self.n_groups = n_groups // tp if groups_split else n_groups
+        self.intermediate_size = intermediate_size // tp
+        gn = n_groups * state_size
+        xbc = [(intermediate_size, True), (gn, groups_split), (gn, groups_split)]
+        self.conv_dim = self.intermediate_size + 2 * self.n_groups * state_size
         self.conv_width = conv_kernel
         self.chunk_size = chunk_size
         self.dt_limit = tuple(float(v) for v in time_step_limit)
         self.dtype = ctx.dtype
-        self.in_proj = ReplicatedLinear(hidden_size, intermediate_size + self.conv_dim
-                                        + num_heads, use_bias, ctx, f"{prefix}.in_proj")
-        self.conv1d = DepthwiseConvWeight(self.conv_dim, conv_kernel, ctx.dtype, use_conv_bias)
-        self.dt_bias = nn.Parameter(torch.ones(num_heads, dtype=ctx.dtype), requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(num_heads, dtype=ctx.dtype), requires_grad=False)
-        self.D = nn.Parameter(torch.ones(num_heads, dtype=ctx.dtype), requires_grad=False)
-        self.norm = (GroupedGatedRMSNorm(intermediate_size, n_groups, eps, ctx.dtype,
-                                         norm_before_gate) if norm else None)
-        self.out_proj = ReplicatedLinear(
+        self.in_proj = ShardedColumnLinear(
+            hidden_size, [[(intermediate_size, True), *xbc, (num_heads, True)]], use_bias, ctx,
+            f"{prefix}.in_proj")
+        self.conv1d = DepthwiseConvWeight(self.conv_dim, conv_kernel, ctx.dtype, use_conv_bias,
+                                          shard_rows(xbc, rank, tp) if tp > 1 else None)
+        self.dt_bias = sharded_param(num_heads, 1.0, ctx)
+        self.A_log = sharded_param(num_heads, 0.0, ctx)
+        self.D = sharded_param(num_heads, 1.0, ctx)
+        self.norm = None
+        if norm:
+            spans_ranks = tp > 1 and not groups_split
+            self.norm = GroupedGatedRMSNorm(
+                self.intermediate_size, self.n_groups, eps, ctx.dtype, norm_before_gate,
+                ctx.tp_group if spans_ranks else None, tp if spans_ranks else 1)
+            load_rows(self.norm.weight, shard_rows([(intermediate_size, True)], rank, tp)
+                      if tp > 1 else None)
+        self.out_proj = RowParallelLinear(
             intermediate_size, hidden_size, use_bias if out_proj_bias is None else out_proj_bias,
             ctx, f"{prefix}.out_proj")
         self.input_multiplier = input_multiplier
         multipliers = None
         if projection_multipliers is not None:
-            gn = n_groups * state_size
-            parts = [intermediate_size, intermediate_size, gn, gn, num_heads]
+            gn = self.n_groups * state_size
+            parts = [self.intermediate_size, self.intermediate_size, gn, gn, self.num_heads]
             multipliers = torch.cat([torch.full((n,), float(m), dtype=ctx.dtype)
                                      for n, m in zip(parts, projection_multipliers)])
         self.register_buffer("projection_multipliers", multipliers, persistent=False)

@@ -6,13 +6,13 @@ share it (Jamba RMS-normalises dt, B and C before they are used)."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from runtime.forward_context import get_forward_context
 from runtime.layers.build_context import BuildContext
 from runtime.layers.gated_delta_net import DepthwiseConvWeight
 from runtime.layers.layernorm import RMSNorm
-from runtime.layers.linear import ReplicatedLinear
+from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+from runtime.layers.recurrent_sharding import ShardedColumnLinear, shard_rows, sharded_param, split
 from runtime.layers.recurrent_state import StatefulLayer, conv_states_at
 from runtime.plugins import recurrent_ops
 
@@ -27,28 +27,28 @@ class MambaMixer(StatefulLayer):
                  use_conv_bias: bool, use_bias: bool, activation: str,
                  bcdt_norm_eps: float | None = None) -> None:
         super().__init__()
-        if ctx.tp_size > 1:
-            raise ValueError("tensor parallel is not supported for Mamba layers yet (their "
-                             "conv channels and state are not sharded)")
         if activation not in ("silu", "swish"):
             raise ValueError(f"Mamba: activation {activation!r} is not supported (silu only)")
-        self.intermediate_size, self.state_size = intermediate_size, state_size
+        # Channels split over the ranks; x_proj all-reduces: dt, B and C are needed whole.
+        tp = ctx.tp_size
+        self.intermediate_size = split(intermediate_size, tp, "Mamba channels")
+        self.state_size = state_size
         self.conv_width, self.dt_rank = conv_kernel, dt_rank
         self.dtype = ctx.dtype
-        self.in_proj = ReplicatedLinear(hidden_size, 2 * intermediate_size, use_bias, ctx,
-                                        f"{prefix}.in_proj")
-        self.conv1d = DepthwiseConvWeight(intermediate_size, conv_kernel, ctx.dtype,
-                                          use_conv_bias)
-        self.x_proj = ReplicatedLinear(intermediate_size, dt_rank + 2 * state_size, False, ctx,
-                                       f"{prefix}.x_proj")
-        self.dt_proj = ReplicatedLinear(dt_rank, intermediate_size, True, ctx,
-                                        f"{prefix}.dt_proj")
-        self.A_log = nn.Parameter(torch.zeros(intermediate_size, state_size, dtype=ctx.dtype),
-                                  requires_grad=False)
-        self.D = nn.Parameter(torch.ones(intermediate_size, dtype=ctx.dtype),
-                              requires_grad=False)
-        self.out_proj = ReplicatedLinear(intermediate_size, hidden_size, use_bias, ctx,
-                                         f"{prefix}.out_proj")
+        channels = [(intermediate_size, True)]
+        self.in_proj = ShardedColumnLinear(hidden_size, [channels * 2], use_bias, ctx,
+                                           f"{prefix}.in_proj")
+        self.conv1d = DepthwiseConvWeight(
+            self.intermediate_size, conv_kernel, ctx.dtype, use_conv_bias,
+            shard_rows(channels, ctx.tp_rank, tp) if tp > 1 else None)
+        self.x_proj = RowParallelLinear(intermediate_size, dt_rank + 2 * state_size, False, ctx,
+                                        f"{prefix}.x_proj")
+        self.dt_proj = ColumnParallelLinear(dt_rank, intermediate_size, True, ctx,
+                                            f"{prefix}.dt_proj")
+        self.A_log = sharded_param(intermediate_size, 0.0, ctx, state_size)
+        self.D = sharded_param(intermediate_size, 1.0, ctx)
+        self.out_proj = RowParallelLinear(intermediate_size, hidden_size, use_bias, ctx,
+                                          f"{prefix}.out_proj")
         self.bcdt_norms = bcdt_norm_eps is not None
         if self.bcdt_norms:
             self.dt_layernorm = RMSNorm(dt_rank, bcdt_norm_eps, ctx)

@@ -101,6 +101,8 @@ class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
         shared MLP's fused projection as its gate and up halves, and everything else."""
         modules = dict(self.named_modules())
         for name, tensor in weights:
+            if not self.pp.owns(name, self.config.num_hidden_layers):
+                continue  # another pipeline stage's layer
             if ".block_sparse_moe.router.layer." in name:
                 yield name.replace(".router.layer.", ".router."), tensor
             elif ".block_sparse_moe.input_linear." in name or \

@@ -12,11 +12,13 @@ import torch
 from torch import nn
 
 from runtime.forward_context import get_forward_context
+from runtime.distributed.pipeline import Intermediate
 from runtime.layers.build_context import BuildContext
 from runtime.layers.embedding import VocabParallelEmbedding
 from runtime.layers.gated_delta_net import DepthwiseConvWeight
 from runtime.layers.layernorm import RMSNorm
-from runtime.layers.linear import ReplicatedLinear
+from runtime.layers.linear import RowParallelLinear
+from runtime.layers.recurrent_sharding import ShardedColumnLinear, shard_rows, split
 from runtime.layers.recurrent_state import StatefulLayer, conv_states_at
 from runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from runtime.plugins import recurrent_ops
@@ -31,16 +33,17 @@ CHECKPOINT_RENAMES = {".self_attn.out_proj.": ".self_attn.o_proj.", ".q_layernor
 class ShortConv(StatefulLayer):
     def __init__(self, config, ctx: BuildContext, prefix: str) -> None:
         super().__init__()
-        if ctx.tp_size > 1:
-            raise ValueError("tensor parallel is not supported for LFM2's short convolutions "
-                             "yet")
-        hidden = self.hidden = config.hidden_size
+        # channels split over the ranks: B, C and x each, the conv and out_proj's input with them
+        hidden, tp = config.hidden_size, ctx.tp_size
+        self.hidden = split(hidden, tp, "LFM2 short-conv channels")
         self.width, self.dtype = config.conv_L_cache, ctx.dtype
-        self.in_proj = ReplicatedLinear(hidden, 3 * hidden, config.conv_bias, ctx,
-                                        f"{prefix}.in_proj")
-        self.conv = DepthwiseConvWeight(hidden, self.width, ctx.dtype, config.conv_bias)
-        self.out_proj = ReplicatedLinear(hidden, hidden, config.conv_bias, ctx,
-                                         f"{prefix}.out_proj")
+        channels = [(hidden, True)]
+        self.in_proj = ShardedColumnLinear(hidden, [channels * 3], config.conv_bias, ctx,
+                                           f"{prefix}.in_proj")
+        self.conv = DepthwiseConvWeight(self.hidden, self.width, ctx.dtype, config.conv_bias,
+                                        shard_rows(channels, ctx.tp_rank, tp) if tp > 1 else None)
+        self.out_proj = RowParallelLinear(hidden, hidden, config.conv_bias, ctx,
+                                          f"{prefix}.out_proj")
         self.conv_op = ctx.custom_op("causal_conv1d") or recurrent_ops.causal_conv1d
         self.conv_update_op = (ctx.custom_op("causal_conv1d_update")
                                or recurrent_ops.causal_conv1d_update)
@@ -125,17 +128,27 @@ class Lfm2Model(nn.Module):
 
     def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
-        if ctx.pp.size > 1:
-            raise ValueError("pipeline parallel is not supported for LFM2 yet")
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
-        self.layers = nn.ModuleList(self.layer_cls(config, i, ctx, f"model.layers.{i}")
-                                    for i in range(config.num_hidden_layers))
-        self.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps, ctx)
+        # a pipeline stage builds its own layers only, as LlamaModel's
+        self.hidden_size = config.hidden_size
+        self.start, self.end = ctx.pp.layers(config.num_hidden_layers)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+                             if ctx.pp.is_first else None)
+        self.layers = nn.ModuleList(
+            self.layer_cls(config, i, ctx, f"model.layers.{i}") if self.start <= i < self.end
+            else nn.Identity() for i in range(config.num_hidden_layers))
+        self.embedding_norm = (RMSNorm(config.hidden_size, config.norm_eps, ctx)
+                               if ctx.pp.is_last else None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
+        for layer in self.layers[self.start:self.end]:
             hidden, residual = layer(positions, hidden, residual)
+        if self.embedding_norm is None:
+            return hidden, residual
         hidden, _ = self.embedding_norm(hidden, residual)
         return hidden
 
@@ -145,8 +158,9 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
     is_hybrid = True
     supports_prompt_embeds = False  # its model embeds the token ids itself
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        return self.model(input_ids, positions, intermediate)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def renamed(name: str) -> str:

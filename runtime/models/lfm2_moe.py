@@ -60,6 +60,12 @@ class Lfm2MoeDecoderLayer(Lfm2DecoderLayer):
 class Lfm2MoeModel(Lfm2Model):
     layer_cls = Lfm2MoeDecoderLayer
 
+    def __init__(self, config, ctx: BuildContext) -> None:
+        if ctx.pp.size > 1 or ctx.tp_size > 1:
+            raise ValueError("tensor and pipeline parallel are not supported for LFM2-MoE yet "
+                             "(its forward and expert loading are one rank's)")
+        super().__init__(config, ctx)
+
 
 class Lfm2MoeForCausalLM(MoeForCausalLM):
     model_cls = Lfm2MoeModel

@@ -18,6 +18,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from runtime.distributed.pipeline import Intermediate
 from runtime.layers.build_context import BuildContext
 from runtime.layers.embedding import VocabParallelEmbedding
 from runtime.layers.layernorm import RMSNorm
@@ -146,24 +147,33 @@ class NemotronHBlock(nn.Module):
 class NemotronHModel(nn.Module):
     def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
-        if ctx.pp.size > 1:
-            raise ValueError("pipeline parallel is not supported for Nemotron-H yet")
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
-        self.layers = nn.ModuleList(NemotronHBlock(config, i, ctx, f"model.layers.{i}")
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon, ctx)
+        # a pipeline stage builds its own layers only, as LlamaModel's
+        self.start, self.end = ctx.pp.layers(config.num_hidden_layers)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+                             if ctx.pp.is_first else None)
+        self.layers = nn.ModuleList(
+            NemotronHBlock(config, i, ctx, f"model.layers.{i}") if self.start <= i < self.end
+            else nn.Identity() for i in range(config.num_hidden_layers))
+        self.norm = (RMSNorm(config.hidden_size, config.layer_norm_epsilon, ctx)
+                     if ctx.pp.is_last else None)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate: None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """`inputs_embeds` (a prompt given as embeddings) replace the embedding of input_ids."""
-        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
-        for layer in self.layers:
+                intermediate: Intermediate | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | Intermediate:
+        """`inputs_embeds` (a prompt given as embeddings) replace the embedding of input_ids;
+        a stage after the first starts from the previous one's `intermediate`."""
+        if intermediate is None:
+            hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
+        else:
+            hidden, residual = intermediate
+        for layer in self.layers[self.start:self.end]:
             hidden, residual = layer(positions, hidden, residual)
+        if self.norm is None:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -194,6 +204,8 @@ class NemotronHForCausalLM(LlamaForCausalLM):
         def others() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
                 name = ours(name)
+                if not self.pp.owns(name, self.config.num_hidden_layers):
+                    continue  # another pipeline stage's
                 expert = _EXPERT.match(name)
                 if expert is None:
                     yield name, tensor

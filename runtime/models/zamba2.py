@@ -151,8 +151,10 @@ class Zamba2HybridLayer(nn.Module):
 class Zamba2Model(nn.Module):
     def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
-        if ctx.pp.size > 1:
-            raise ValueError("pipeline parallel is not supported for Zamba 2 yet")
+        if ctx.pp.size > 1 or ctx.tp_size > 1:
+            raise ValueError("tensor and pipeline parallel are not supported for Zamba 2 yet "
+                             "(its shared blocks' attention output and adapters are not split "
+                             "across ranks)")
         if config.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"Zamba 2: MLP activation {config.hidden_act!r} is not supported; "
                              f"supported: {', '.join(_ACTIVATIONS)}")

@@ -1,0 +1,58 @@
+"""Tensor and pipeline parallel for hybrid models on the CPU (gloo, one worker process per
+rank): the recurrent layers' heads and channels split over two ranks, or their layers over two
+stages, give one rank's greedy tokens and logprobs, with prompts chunked mid-block and prefix
+hits resuming from each rank's share of the checkpointed state."""
+from __future__ import annotations
+
+import pytest
+
+from runtime import LLM, SamplingParams
+from tests.models.test_hybrid_models import CASES
+from tests.models.test_hybrid_models_more import CASES as MORE_CASES
+from tests.parity import LOGPROB_ATOL
+
+MAX_NEW = 6
+# a 70-token prefix shared by prompts of different tails: the second resumes after 64 tokens,
+# the third mid-block at 32
+PREFIX = [1] + list(range(400, 469))
+PROMPTS = [PREFIX + [7, 8, 9], PREFIX + list(range(900, 920)), PREFIX[:40] + [5, 6]]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+ENGINE = dict(dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=24,
+              block_size=16, max_num_seqs=8, num_threads=1)
+
+# (model, overrides of its hybrid test case, tp, pp): each tp = 2 engine costs seconds, so the
+# other mixers (LFM2's short conv, Mamba 1) are split against the whole layer in
+# tests/layers/test_recurrent_sharding.py
+PARALLEL = {
+    # gated delta-nets: one key head and two value heads per rank
+    "qwen3.5-tp2": ("qwen3.5", {}, 2, 1),
+    # Mamba 2 with one group of B and C: replicated on both ranks, the gated norm's variance
+    # all-reduced over the ranks
+    "bamba-tp2-one-group": ("bamba", dict(mamba_n_groups=1), 2, 1),
+    # the short conv on stage 0, attention on stage 1
+    "lfm2-pp2": ("lfm2", {}, 1, 2),
+    # Mamba 2 and the experts on stage 0, attention and the MLP on stage 1
+    "nemotron-h-pp2": ("nemotron-h", {}, 1, 2),
+}
+
+def _run(llm: LLM) -> list:
+    return [llm.generate([p], GREEDY)[0] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("case", list(PARALLEL))
+def test_parallel_hybrid_matches_one_rank(case, tiny_model_factory):
+    model, overrides, tp, pp = PARALLEL[case]
+    arch, base = {**CASES, **MORE_CASES}[model]
+    path = tiny_model_factory(arch, **{**base, **overrides})
+    single = _run(LLM(path, **ENGINE))
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+    try:
+        outputs = _run(llm)
+    finally:
+        llm.engine.core.shutdown()
+    assert [o.num_cached_tokens for o in outputs] == [0, 64, 32]
+    for ours, one in zip(outputs, single):
+        assert ours.outputs[0].token_ids == one.outputs[0].token_ids
+        gaps = [abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob)
+                for a, b in zip(ours.outputs[0].logprobs, one.outputs[0].logprobs)]
+        assert max(gaps) < LOGPROB_ATOL
