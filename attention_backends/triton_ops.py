@@ -373,7 +373,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     block_m, kv_tile = attention_tile(not decode, group_p2, head_p2, query.dtype, shared_limit)
     assert query.stride(-1) == out.stride(-1) == k_cache.stride(-1) == 1
     dcp = dcp or ContextParallel()
-    run = dcp.interleave * dcp.world_size  # the longest shard: at most this many per run
+    # the longest shard: at most `interleave` of each run of `interleave x world_size` positions
+    run = dcp.interleave * dcp.world_size
     max_kv_len = triton.cdiv(metadata.max_seq_len, run) * dcp.interleave
     splits, split_len = (decode_splits(metadata.num_reqs, num_kv_heads, max_kv_len,
                                        processors, kv_tile) if decode else (1, 0))
