@@ -36,6 +36,14 @@ Attention sinks (gpt-oss: one learned logit per query head, no value) start each
 softmax: the running maximum is the sink and the running sum 1, as if the sink were a first key
 whose value is zero. A split decode starts only its first piece so, and the merge then counts
 the sink once, through that piece's log-sum-exp.
+
+Under decode context parallel (DCP_WORLD > 1) the cache holds this rank's shard of each
+context: the loop walks local indices up to the shard's length, through the block table as
+ever, and masks each key at its real position (the interleave rule of `context_parallel`), so
+causality, sliding windows and chunks hold exactly; the bounds of the walk are the real
+positions' counts in the shard. With RETURN_LSE each row's log-sum-exp is written too (the
+merge writes it for a split decode). At DCP_WORLD 1 the position is the local index: the
+kernel compiles as before.
 """
 from __future__ import annotations
 
@@ -47,6 +55,7 @@ import triton.language as tl
 from triton.runtime import driver
 
 from runtime.attention_backends.base import AttentionMetadata, is_fp8
+from runtime.attention_backends.context_parallel import ContextParallel
 
 # Rows of one attention tile (query tokens x heads of a GQA group) by K/V positions per step:
 # 16 is the smallest tile tensor cores take, used for decode-only batches; prefill tiles are
@@ -176,13 +185,14 @@ def _paged_attention_kernel(
         out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         query_start_loc_ptr, scale, k_scale_ptr, v_scale_ptr, sinks_ptr, num_splits, split_len,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_cb, stride_cs, stride_ch,
-        stride_bt, NUM_HEADS: tl.constexpr,
+        stride_bt, dcp_rank, dcp_interleave, NUM_HEADS: tl.constexpr,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr, CHUNK: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_SUBNORMAL: tl.constexpr,
-        SPLIT: tl.constexpr, SINKS: tl.constexpr):
+        SPLIT: tl.constexpr, SINKS: tl.constexpr, DCP_WORLD: tl.constexpr,
+        RETURN_LSE: tl.constexpr):
     req = tl.program_id(0)
     tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -221,23 +231,32 @@ def _paged_attention_kernel(
         m_i = sink
         l_i = tl.where(sink == float("-inf"), 0.0, 1.0)
 
+    # the positions the tile's rows see lie in [kv_start, kv_end)
     kv_end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)  # causal: last row's pos + 1
     kv_start = 0
     if SLIDING_WINDOW > 0:
-        first = tl.maximum(context_len + tile * BLOCK_M - SLIDING_WINDOW + 1, 0)
-        kv_start = (first // BLOCK_N) * BLOCK_N
+        kv_start = tl.maximum(context_len + tile * BLOCK_M - SLIDING_WINDOW + 1, 0)
     if CHUNK > 0:  # the chunk of the tile's first row starts it
         first_pos = context_len + tile * BLOCK_M
-        kv_start = ((first_pos - first_pos % CHUNK) // BLOCK_N) * BLOCK_N
+        kv_start = first_pos - first_pos % CHUNK
+    if DCP_WORLD > 1:  # from here on the loop walks this rank's local indices
+        kv_end = _dcp_local_len(kv_end, dcp_rank, dcp_interleave, DCP_WORLD)
+        if SLIDING_WINDOW > 0 or CHUNK > 0:
+            kv_start = _dcp_local_len(kv_start, dcp_rank, dcp_interleave, DCP_WORLD)
+    kv_start = (kv_start // BLOCK_N) * BLOCK_N
     if SPLIT:
         kv_start = tl.maximum(kv_start, split * split_len)
         kv_end = tl.minimum(kv_end, (split + 1) * split_len)
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
     for start in range(kv_start, kv_end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        pos_ok = pos < kv_end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        kv_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        local = start + tl.arange(0, BLOCK_N)  # index in the shard: the position unless DCP
+        pos_ok = local < kv_end
+        block = tl.load(table + local // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (local % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        pos = local
+        if DCP_WORLD > 1:  # the interleave rule (context_parallel.ContextParallel.positions)
+            pos = (local // dcp_interleave * (dcp_interleave * DCP_WORLD)
+                   + dcp_rank * dcp_interleave + local % dcp_interleave)
         k = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None],
                     mask=pos_ok[None, :] & d_ok[:, None], other=0)
         if FP8_MANT > 0:
@@ -267,17 +286,27 @@ def _paged_attention_kernel(
     o_off = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
     tl.store(out_ptr + o_off + split * stride_os + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
-    if SPLIT:  # this piece's log-sum-exp, for the merge (-inf: it saw nothing)
+    if SPLIT or RETURN_LSE:  # this piece's (or row's) log-sum-exp (-inf: it saw nothing)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
         row = ((q_start + token).to(tl.int64) * NUM_HEADS + head) * num_splits + split
         tl.store(lse_ptr + row, lse, mask=row_ok)
 
 
 @triton.jit
-def _merge_splits_kernel(out_ptr, partial_ptr, lse_ptr, stride_ot, stride_oh, num_splits,
-                         NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr,
-                         SPLITS_P2: tl.constexpr):
-    """One (token, head): the pieces' outputs weighted by exp(lse - max lse)."""
+def _dcp_local_len(n, rank, interleave, WORLD: tl.constexpr):
+    """How many of positions [0, n) this DCP rank holds (`ContextParallel.local_len`)."""
+    run = interleave * WORLD
+    return n // run * interleave + tl.minimum(tl.maximum(n % run - rank * interleave, 0),
+                                              interleave)
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, partial_ptr, lse_ptr, lse_out_ptr, stride_ot, stride_oh,
+                         num_splits, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+                         HEAD_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
+                         RETURN_LSE: tl.constexpr):
+    """One (token, head): the pieces' outputs weighted by exp(lse - max lse), and with
+    RETURN_LSE the row's log-sum-exp over all pieces."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     row = token.to(tl.int64) * NUM_HEADS + head
@@ -294,6 +323,9 @@ def _merge_splits_kernel(out_ptr, partial_ptr, lse_ptr, stride_ot, stride_oh, nu
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + d,
              out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    if RETURN_LSE:
+        tl.store(lse_out_ptr + row, tl.where(total == 0.0, float("-inf"),
+                                             top + tl.log(tl.where(total == 0.0, 1.0, total))))
 
 
 def _pow2(n: int, floor: int = 1) -> int:
@@ -325,10 +357,13 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
                     v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
                     sliding_window: int | None, k_scale: torch.Tensor,
                     v_scale: torch.Tensor, sinks: torch.Tensor | None = None,
-                    attention_chunk_size: int | None = None) -> None:
+                    attention_chunk_size: int | None = None, dcp: ContextParallel | None = None,
+                    lse: torch.Tensor | None = None) -> None:
     """Attend query [T, H, D] over the paged cache into `out` [T, H, D] (see the module doc);
     `sinks` [H] float32, when given, are the heads' attention-sink logits; with
-    `attention_chunk_size` C, a token at position p sees keys [p - p % C, p] only."""
+    `attention_chunk_size` C, a token at position p sees keys [p - p % C, p] only. With `dcp`,
+    the cache and block tables hold this rank's shard of each context; with `lse` [T, H]
+    float32, each row's log-sum-exp is written there (-inf: the row saw no key)."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = k_cache.size(2)
     group = num_heads // num_kv_heads
@@ -337,31 +372,38 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     decode = metadata.max_query_len == 1
     block_m, kv_tile = attention_tile(not decode, group_p2, head_p2, query.dtype, shared_limit)
     assert query.stride(-1) == out.stride(-1) == k_cache.stride(-1) == 1
-    splits, split_len = (decode_splits(metadata.num_reqs, num_kv_heads, metadata.max_seq_len,
+    dcp = dcp or ContextParallel()
+    # the longest shard: at most `interleave` of each run of `interleave x world_size` positions
+    run = dcp.interleave * dcp.world_size
+    max_kv_len = triton.cdiv(metadata.max_seq_len, run) * dcp.interleave
+    splits, split_len = (decode_splits(metadata.num_reqs, num_kv_heads, max_kv_len,
                                        processors, kv_tile) if decode else (1, 0))
-    target, lse = out, out  # lse: unused unless split
+    target, piece_lse = out, out if lse is None else lse  # unused unless split or lse
     if splits > 1:
         target = torch.empty(num_tokens, num_heads, splits, head_size, dtype=torch.float32,
                              device=query.device)
-        lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=query.device)
+        piece_lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32,
+                                device=query.device)
     axis1 = splits if splits > 1 else triton.cdiv(metadata.max_query_len, block_m)
     fp8 = fp8_format(k_cache.dtype)
     if fp8["FP8_MANT"]:
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _paged_attention_kernel[(metadata.num_reqs, axis1, num_kv_heads)](
-        target, lse, query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+        target, piece_lse, query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
         metadata.query_start_loc, scale, k_scale, v_scale,
         k_scale if sinks is None else sinks, splits, split_len,
         query.stride(0), query.stride(1), target.stride(0), target.stride(1),
         target.stride(2) if splits > 1 else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, GROUP_P2=group_p2, BLOCK_SIZE=k_cache.size(1),
+        dcp.rank, dcp.interleave, NUM_HEADS=num_heads, GROUP=group, GROUP_P2=group_p2, BLOCK_SIZE=k_cache.size(1),
         HEAD_SIZE=head_size, HEAD_P2=head_p2, BLOCK_M=block_m, BLOCK_N=kv_tile,
         SLIDING_WINDOW=sliding_window or 0, CHUNK=attention_chunk_size or 0,
         FP8_MANT=fp8["FP8_MANT"], FP8_BIAS=fp8["FP8_BIAS"], FP8_SUBNORMAL=fp8["FP8_SUBNORMAL"],
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # "tf32" fails on AMD
-        SPLIT=splits > 1, SINKS=sinks is not None)
+        SPLIT=splits > 1, SINKS=sinks is not None, DCP_WORLD=dcp.world_size,
+        RETURN_LSE=lse is not None)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            out, target, lse, out.stride(0), out.stride(1), splits, NUM_HEADS=num_heads,
-            HEAD_SIZE=head_size, HEAD_P2=_pow2(head_size), SPLITS_P2=_pow2(splits))
+            out, target, piece_lse, piece_lse if lse is None else lse, out.stride(0),
+            out.stride(1), splits, NUM_HEADS=num_heads, HEAD_SIZE=head_size,
+            HEAD_P2=_pow2(head_size), SPLITS_P2=_pow2(splits), RETURN_LSE=lse is not None)

@@ -7,6 +7,12 @@ live in `runtime.attention_backends.triton_ops`, imported on the first forward p
 this backend never needs Triton to be importable. The cache may be FP8 (e4m3 or e5m2) on any GPU:
 the kernels encode and decode its bytes themselves. Attention sinks (gpt-oss) start each
 row's online softmax.
+
+Decode context parallel (`forward_with_lse`): the kernels attend each request over this rank's
+shard, masked at the keys' real positions, and return each row's log-sum-exp; this reads the
+host no more than `forward` does. Sinks are refused there (each rank's softmax would count
+them; the engine refuses them with DCP too). Checked on the CPU through Triton's interpreter
+only, not yet on a GPU.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ class TritonPagedAttention(AttentionBackend):
     name = "triton_paged"
     graph_capturable = True
     fp8_kv_cache = True
+    can_return_lse = True
     supports_attention_sinks = True
     supports_chunked_attention = True
 
@@ -35,10 +42,29 @@ class TritonPagedAttention(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(query)
+        self._attend(out, None, query, key, value, kv_cache, metadata)
+        return out
+
+    def forward_with_lse(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         kv_cache: torch.Tensor,
+                         metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sinks is not None:
+            raise ValueError("triton_paged does not merge attention sinks over decode context "
+                             "parallel ranks: each rank's partial softmax would count them")
+        out = torch.empty_like(query)
+        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+        self._attend(out, lse, query, key, value, kv_cache, metadata)
+        return out, lse
+
+    def _attend(self, out: torch.Tensor, lse: torch.Tensor | None, query: torch.Tensor,
+                key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> None:
+        """Write the step's K/V (slots < 0 are skipped: padding, or other DCP ranks' tokens),
+        then attend into `out` (and the log-sum-exp into `lse`, when given)."""
         from runtime.attention_backends.triton_ops import paged_attention, write_kv
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
-        out = torch.empty_like(query)
         paged_attention(out, query, k_cache, v_cache, metadata, self.scale, self.sliding_window,
-                        self.k_scale, self.v_scale, self.sinks, self.attention_chunk_size)
-        return out
+                        self.k_scale, self.v_scale, self.sinks, self.attention_chunk_size,
+                        metadata.dcp, lse)

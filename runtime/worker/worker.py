@@ -99,8 +99,8 @@ class Worker:
         if self.layout.dcp_size > 1 and not self.attention_backend.can_return_lse:
             raise ValueError(f"decode context parallel needs an attention backend that returns "
                              f"the log-sum-exp it merges the ranks' partial outputs by; "
-                             f"{self.attention_backend.name} does not (torch_paged and "
-                             f"cpu_paged do)")
+                             f"{self.attention_backend.name} does not (torch_paged, "
+                             f"cpu_paged and triton_paged do)")
         from runtime.quantization.registry import build_quant_config
         quant_config = build_quant_config(self.config.quantization, self.model_config.hf_config,
                                           self.answers.quantization_kernel)
