@@ -9,6 +9,7 @@ from typing import Any
 from runtime.plugins.kv_connector import KV_ROLES
 
 OFFLOADING_CONNECTOR = "OffloadingConnector"
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 @dataclass
@@ -16,6 +17,9 @@ class KVTransferConfig:
     kv_connector: str
     kv_role: str = "kv_both"
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    # vLLM's: a block whose load failed is computed again ("recompute"), or its request ends
+    # with an error ("fail")
+    kv_load_failure_policy: str = "recompute"
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_connector, str) or not self.kv_connector:
@@ -24,6 +28,10 @@ class KVTransferConfig:
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_transfer_config.kv_role must be one of {', '.join(KV_ROLES)}, "
                              f"got {self.kv_role!r}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError("kv_transfer_config.kv_load_failure_policy must be one of "
+                             f"{', '.join(KV_LOAD_FAILURE_POLICIES)}, got "
+                             f"{self.kv_load_failure_policy!r}")
         if not isinstance(self.kv_connector_extra_config, dict):
             raise ValueError("kv_transfer_config.kv_connector_extra_config must be an object, "
                              f"got {self.kv_connector_extra_config!r}")
@@ -41,7 +49,7 @@ class KVTransferConfig:
         if not isinstance(value, dict):
             raise ValueError('kv_transfer_config must be an object such as {"kv_connector": '
                              f'"OffloadingConnector", "kv_role": "kv_both"}}, got {value!r}')
-        known = {"kv_connector", "kv_role", "kv_connector_extra_config"}
+        known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown kv_transfer_config keys {unknown}; known: {sorted(known)}")

@@ -200,6 +200,10 @@ class EngineCore:
         # grammar that failed to compile), with why: the server fails them (a request whose
         # grammar its own controls left no token ends with finish_reason "abort" instead)
         self.failed: list[tuple[Request, str]] = []
+        transfer = config.kv_transfer_config
+        # a request whose KV load failed fails too, instead of computing those blocks
+        self.fail_failed_loads = transfer is not None and \
+            transfer.kv_load_failure_policy == "fail"
         self.step_tokens = StepTokens()  # tokens scheduled per step, for /metrics
         self.asleep: set[str] = set()  # what sleep freed, of SLEEP_TAGS
 
@@ -386,6 +390,10 @@ class EngineCore:
                 b for r, first, n in sched.loading for b in r.block_ids[first:first + n]]
         result = self.executor.execute(step_input)
         failed = dict(result.failed)  # e.g. a LoRA adapter that could not be read
+        if self.fail_failed_loads and result.kv_connector_output is not None:
+            for request_id in result.kv_connector_output.failed_loads:
+                failed[request_id] = ("its KV could not be loaded from the KV connector "
+                                      "(kv_load_failure_policy \"fail\")")
         # a sampled token the grammar refuses ends its request: finish_reason "abort", and why
         dead_ends = self.structured.accept(sched.scheduled, result.sampled)
         refused = {**failed, **dead_ends}
@@ -417,6 +425,11 @@ class EngineCore:
                 first_scheduled_time=r.first_scheduled_time,
                 pooling_output=None if pooled is None else PooledTensor.of(pooled),
                 kv_transfer_params=r.finished_kv_transfer_params))
+        # a request refused in a step that computed none of it (its KV load failed)
+        scheduled = {r.request_id for r, _ in sched.scheduled}
+        outputs += [CoreOutput(r.request_id, [], finish_reason=r.status.finish_reason,
+                               stop_reason=r.stop_reason) for r in finished
+                    if r.request_id in refused and r.request_id not in scheduled]
         return outputs
 
     def _run_finished_orders(self) -> None:

@@ -186,3 +186,30 @@ def test_a_tcp_fetch_runs_beside_the_step_and_lands_by_its_end():
         consumer.shutdown()
     assert not report.failed_loads and report.bytes_loaded == 2 * 8 * 4
     assert torch.equal(consumed[2:], produced[:2])
+
+
+def test_the_fail_policy_ends_a_request_whose_load_failed(pair, tiny_llama):
+    """kv_load_failure_policy "fail" (vLLM's): the corrupt block's request ends with an error
+    instead of computing it; the engine goes on."""
+    producer, _, folder = pair
+    consumer = LLM(tiny_llama, dtype="float32", block_size=BLOCK, max_model_len=128,
+                   kv_cache_memory=64 * 2048, kv_transfer_config={
+                       "kv_connector": "SharedStorageConnector", "kv_role": "kv_consumer",
+                       "kv_load_failure_policy": "fail",
+                       "kv_connector_extra_config": {"shared_storage_path": folder}})
+    params = prefill(producer, PROMPTS[3])
+    namespace = os.path.join(folder, params["remote_namespace"])
+    for name in os.listdir(namespace):  # every block of the folder corrupt (the last use of it)
+        with open(os.path.join(namespace, name), "r+b") as f:
+            f.seek(-8, os.SEEK_END)
+            f.write(b"garbage!")
+    (out,) = consumer.generate([PROMPTS[3]], sampling(6, params), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "abort"
+    assert "kv_load_failure_policy" in out.outputs[0].stop_reason
+    (alone,) = producer.generate([PROMPTS[4]], sampling(4), use_tqdm=False)
+    (again,) = consumer.generate([PROMPTS[4]], sampling(4), use_tqdm=False)
+    assert again.outputs[0].token_ids == alone.outputs[0].token_ids
+    with pytest.raises(ValueError, match="kv_load_failure_policy must be one of recompute, "
+                                         "fail, got 'retry'"):
+        LLM(tiny_llama, kv_transfer_config={"kv_connector": "SharedStorageConnector",
+                                            "kv_load_failure_policy": "retry"})
