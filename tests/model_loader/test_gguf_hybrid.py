@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from runtime import LLM, SamplingParams
-from runtime.model_loader.gguf_loader import load_gguf_config
+from runtime.model_loader.gguf_loader import iterate_gguf_weights, load_gguf_config
 from tests.model_loader.test_gguf_loader import add_tiny_tokenizer, finish, llama_cpp_permute
 from tests.parity import assert_matches_hf, hf_greedy
 
@@ -190,3 +190,13 @@ def test_hybrid_gguf_matches_transformers(arch, qtype, tmp_path):
     assert llm.engine.model_config.architecture == cls.__name__
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     assert_matches_hf(llm.generate(PROMPTS, params), references)
+
+
+def test_hybrid_gguf_refuses_raw_blocks(tmp_path):
+    cls, overrides = CASES["mamba2"]
+    model = cls(cls.config_class(**TINY, **overrides)).eval()
+    path = str(tmp_path / "tiny-mamba2.gguf")
+    with torch.no_grad():
+        write_hybrid_gguf(path, "mamba2", model, Q8_0)
+    with pytest.raises(ValueError, match="--quantization gguf .* does not run GGUF mamba2"):
+        next(iterate_gguf_weights(path, load_gguf_config(path), torch.float32, raw_linear=True))
