@@ -74,7 +74,7 @@ def hybrid_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
             **common, **attention, norm_eps=fields[Attn.LAYERNORM_RMS_EPS],
             rope_parameters={"rope_type": "default", "rope_theta": fields[Rope.FREQ_BASE]},
             conv_L_cache=fields[Keys.ShortConv.L_CACHE], block_auto_adjust_ff_dim=False,
-            conv_bias="blk.0.shortconv.in_proj.bias" in names,
+            conv_bias=_any_layer(names, "shortconv.conv.bias"),
             layer_types=["full_attention" if n else "conv" for n in kv_heads])
     if fields.get(Rope.SCALING_FINETUNED, False):
         # the converter's mark of a Bamba checkpoint (attention with rope, a plain MLP)
@@ -86,7 +86,7 @@ def hybrid_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
               "attention_multiplier": Attn.SCALE, "logits_scaling": LLM.LOGIT_SCALE}
     return GraniteMoeHybridConfig(
         **common, **attention, rms_norm_eps=fields[Attn.LAYERNORM_RMS_EPS],
-        **{key: fields[name] for key, name in scales.items() if name.format(arch=arch) in fields},
+        **{key: fields[name] for key, name in scales.items() if name in fields},
         num_local_experts=experts, num_experts_per_tok=fields.get(LLM.EXPERT_USED_COUNT, 0),
         shared_intermediate_size=fields.get(LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH,
                                             fields[LLM.FEED_FORWARD_LENGTH]),
@@ -103,9 +103,10 @@ def hybrid_tensor(gguf_name: str, arch: str) -> HybridTensor | None:
     top = _TOP[arch].get(gguf_name)
     if top is not None:
         return HybridTensor(top)
-    head, layer, rest = gguf_name.partition(".")[0], *gguf_name.split(".", 2)[1:]
-    if head != "blk":
+    parts = gguf_name.split(".", 2)
+    if len(parts) < 3 or parts[0] != "blk":
         return None
+    _, layer, rest = parts
     found = _LAYER[arch].get(rest)
     if found is None:
         return None
@@ -205,7 +206,7 @@ class _Fields:
         self._fields, self._arch = reader.fields, arch
 
     def __contains__(self, key: str) -> bool:
-        return key in self._fields
+        return key.format(arch=self._arch) in self._fields
 
     def __getitem__(self, key: str) -> Any:
         name = key.format(arch=self._arch)
