@@ -3,7 +3,9 @@
 Weights come out under the parameter names and in the layouts of the transformers model,
 dequantized: GGUF stores dimensions innermost-first, renames every tensor, stacks the experts
 of a MoE layer into one tensor per projection, and for the llama architecture stores q/k rows
-in the interleaved order of llama.cpp's rotary; each of those is undone here.
+in the interleaved order of llama.cpp's rotary; each of those is undone here. The state-space
+and hybrid architectures (runtime/model_loader/gguf_hybrid.py) bring their own configs, names
+and transforms.
 
 Only a file's first load parses it: the completed config, the tokenizer and an index of
 where each tensor lies are cached (runtime/model_loader/gguf_cache.py), and weights are
@@ -25,20 +27,23 @@ from transformers import (
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
 )
 
 from runtime.layers.rotary import compute_inv_freq, rope_parameters
 from runtime.model_loader.gguf_cache import cached_part
 from runtime.model_loader.gguf_header import gguf_architecture
+from runtime.model_loader.gguf_hybrid import HYBRID_ARCHITECTURES, hybrid_config, hybrid_tensor
 from runtime.progress import progress_bar
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe",
-                           "qwen3moe")
+                           "qwen3moe", *HYBRID_ARCHITECTURES)
 # GGUF files carry no `architectures` list; the engine's model registry needs one.
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                      "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                     "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+                     "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                     **HYBRID_ARCHITECTURES}
 # llama.cpp stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the weight alone).
 _NORM_PLUS_ONE = ("gemma2", "gemma3")
 
@@ -97,7 +102,11 @@ def iterate_gguf_weights(
     """
     with open(os.path.join(cached_part(path, "model", _build_model), _TENSOR_INDEX)) as f:
         index = json.load(f)
+    if raw_linear and index["architecture"] in HYBRID_ARCHITECTURES:
+        raise ValueError(f"--quantization gguf (the file's blocks kept) does not run GGUF "
+                         f"{index['architecture']} yet; load the file without it (dequantized)")
     data = np.memmap(path, dtype=np.uint8, mode="r")
+    parts: dict[str, list] = {}  # the pieces of tensors the converter split, until all came
     for entry in progress_bar(index["tensors"], "Loading GGUF weights", unit="tensor"):
         stored = np.dtype(entry["dtype"])
         start = entry["offset"]
@@ -118,8 +127,28 @@ def iterate_gguf_weights(
             weight = _unpermute(weight, hf_config.num_key_value_heads)
         elif index["architecture"] in _NORM_PLUS_ONE and entry["name"].endswith("norm.weight"):
             weight = weight - 1
+        elif entry.get("transform"):
+            weight = _undo_transform(weight, entry["transform"], hf_config)
+        if entry.get("merge"):
+            part, count, dim = entry["merge"]
+            pieces = parts.setdefault(entry["name"], [None] * count)
+            pieces[part] = weight
+            if any(piece is None for piece in pieces):
+                continue
+            weight = np.concatenate(parts.pop(entry["name"]), axis=dim)
         # The file is memory-mapped read-only; torch wants memory it may write.
         yield entry["name"], torch.from_numpy(np.require(weight, requirements=["C", "W"])).to(dtype)
+
+
+def _undo_transform(weight: np.ndarray, transform: str, hf_config: PretrainedConfig) -> np.ndarray:
+    """Invert what convert_hf_to_gguf.py did to a hybrid's tensor (gguf_hybrid.HybridTensor)."""
+    if transform == "a_log":  # the converter stores A = -exp(A_log)
+        return np.log(-weight)
+    if transform == "permute_q":
+        return _unpermute(weight, hf_config.num_attention_heads)
+    if transform == "permute_k":
+        return _unpermute(weight, hf_config.num_key_value_heads)
+    raise ValueError(f"unknown GGUF tensor transform {transform!r}")
 
 
 def _split_experts(name: str, stacked: np.ndarray, dtype: torch.dtype
@@ -151,6 +180,9 @@ def _build_model(path: str, folder: str) -> None:
     """
     reader = gguf.GGUFReader(path)
     arch = _architecture(reader)
+    if arch in HYBRID_ARCHITECTURES:
+        _build_hybrid_model(reader, arch, folder)
+        return
     directory, name = os.path.split(os.path.abspath(path))
     config = AutoConfig.from_pretrained(directory, gguf_file=name)
     if not getattr(config, "architectures", None):
@@ -188,6 +220,31 @@ def _build_model(path: str, folder: str) -> None:
         json.dump({"architecture": arch, "tensors": tensors}, f, indent=1)
 
 
+def _build_hybrid_model(reader: gguf.GGUFReader, arch: str, folder: str) -> None:
+    """`_build_model` for the state-space and hybrid architectures of gguf_hybrid.py."""
+    config = hybrid_config(reader, arch)
+    config.save_pretrained(folder)
+    tensors = []
+    for tensor in reader.tensors:
+        target = hybrid_tensor(tensor.name, arch)
+        if target is None:
+            raise ValueError(f"GGUF tensor {tensor.name!r} ({arch}) matches no parameter of "
+                             f"{HYBRID_ARCHITECTURES[arch]}")
+        shape = [int(d) for d in reversed(tensor.shape)]
+        if target.reshape == "conv":  # squeezed from [channels, 1, width]
+            shape = [shape[0], 1, shape[-1]]
+        elif target.reshape == "flat":
+            shape = [math.prod(shape)]
+        tensors.append({
+            "name": target.name, "gguf_name": tensor.name, "type": int(tensor.tensor_type),
+            "offset": int(tensor.data_offset), "dtype": tensor.data.dtype.str,
+            "data_shape": list(tensor.data.shape), "shape": shape,
+            "transform": target.transform, "merge": target.merge,
+        })
+    with open(os.path.join(folder, _TENSOR_INDEX), "w") as f:
+        json.dump({"architecture": arch, "tensors": tensors}, f, indent=1)
+
+
 def _complete_moe_config(reader: gguf.GGUFReader, arch: str, config: PretrainedConfig) -> None:
     """The expert sizes transformers' GGUF config leaves at their defaults, with llama.cpp's
     fallbacks when a key is absent (an expert of n_ff / n_expert_used, a shared expert of n_ff),
@@ -207,7 +264,11 @@ def _complete_moe_config(reader: gguf.GGUFReader, arch: str, config: PretrainedC
 def _build_tokenizer(path: str, folder: str) -> None:
     """Save the tokenizer of GGUF file `path` (files of `save_pretrained`) to `folder`."""
     directory, name = os.path.split(os.path.abspath(path))
-    AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(folder)
+    # AutoTokenizer would first read the config the way transformers does, which it cannot for
+    # most hybrids; the tokenizer itself is read from the same keys either way.
+    tokenizer_class = PreTrainedTokenizerFast if gguf_architecture(path) in HYBRID_ARCHITECTURES \
+        else AutoTokenizer
+    tokenizer_class.from_pretrained(directory, gguf_file=name).save_pretrained(folder)
 
 
 def _dequantize(raw: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:

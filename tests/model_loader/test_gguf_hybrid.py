@@ -1,0 +1,202 @@
+"""GGUF files of the state-space and hybrid architectures (mamba, mamba2, granitehybrid, lfm2),
+written here as llama.cpp's convert_hf_to_gguf.py writes them, run with the same greedy tokens
+and logprobs as transformers on the weights the file holds."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from runtime import LLM, SamplingParams
+from runtime.model_loader.gguf_loader import iterate_gguf_weights, load_gguf_config
+from tests.model_loader.test_gguf_loader import add_tiny_tokenizer, finish, llama_cpp_permute
+from tests.parity import assert_matches_hf, hf_greedy
+
+VOCAB = 128
+PROMPTS = [[VOCAB - 1, 5, 9, 12, 40], [VOCAB - 1] + list(range(20, 60))]
+Q8_0, F16 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16
+T = gguf.MODEL_TENSOR
+TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, initializer_range=0.2,
+            bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, pad_token_id=0)
+ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+CASES = {
+    # Mamba 1: A [d_inner, N], dt projected from a low rank
+    "mamba": (transformers.MambaForCausalLM, dict(state_size=16, expand=2, tie_word_embeddings=False)),
+    # two groups of B and C (the gated norm per group), tied embeddings
+    "mamba2": (transformers.Mamba2ForCausalLM, dict(
+        expand=2, num_heads=8, head_dim=16, n_groups=2, state_size=16, tie_word_embeddings=True)),
+    # Granite 4.0-H: Mamba 2, then attention without rope; top-2 of 4 experts and a shared MLP,
+    # every multiplier away from 1
+    "granitehybrid": (transformers.GraniteMoeHybridForCausalLM, dict(
+        ATTENTION, layer_types=["mamba", "attention"], intermediate_size=32, num_local_experts=4,
+        num_experts_per_tok=2, shared_intermediate_size=64, mamba_n_heads=8, mamba_d_head=16,
+        mamba_n_groups=2, mamba_d_state=16, mamba_expand=2, embedding_multiplier=2.0,
+        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
+        tie_word_embeddings=False)),
+    # a short gated conv (width 3), then attention with q/k norms; tied embeddings; the FFN
+    # size as the converter writes it (already adjusted)
+    "lfm2": (transformers.Lfm2ForCausalLM, dict(
+        ATTENTION, intermediate_size=96, block_auto_adjust_ff_dim=False,
+        layer_types=["conv", "full_attention"],
+        tie_word_embeddings=True)),
+}
+
+
+def _metadata(writer: gguf.GGUFWriter, arch: str, model: torch.nn.Module) -> None:
+    """The keys convert_hf_to_gguf.py's MambaModel, Mamba2Model, GraniteHybridModel and
+    LFM2Model write."""
+    c = model.config
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_layer_norm_rms_eps(getattr(c, "layer_norm_epsilon", None) or
+                                  getattr(c, "rms_norm_eps", None) or c.norm_eps)
+    if arch in ("mamba", "mamba2"):
+        writer.add_context_length(2**20)
+        writer.add_feed_forward_length(0)
+        writer.add_head_count(0)
+        writer.add_ssm_conv_kernel(c.conv_kernel)
+        writer.add_ssm_inner_size(c.intermediate_size if arch == "mamba" else c.expand * c.hidden_size)
+        writer.add_ssm_state_size(c.state_size)
+        if arch == "mamba":
+            writer.add_ssm_time_step_rank(c.time_step_rank)
+            writer.add_ssm_dt_b_c_rms(False)
+        else:
+            writer.add_ssm_time_step_rank(c.num_heads)
+            writer.add_ssm_group_count(c.n_groups)
+        return
+    kv = [c.num_key_value_heads if t in ("attention", "full_attention") else 0 for t in c.layer_types]
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(kv)
+    writer.add_vocab_size(VOCAB)
+    if arch == "lfm2":
+        writer.add_context_length(c.max_position_embeddings)
+        writer.add_feed_forward_length(model.model.layers[0].feed_forward.w1.weight.shape[0])
+        writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+        writer.add_shortconv_l_cache(c.conv_L_cache)
+        return
+    writer.add_context_length(2**20)  # no rope
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_expert_count(c.num_local_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_shared_feed_forward_length(c.shared_intermediate_size)
+    writer.add_attention_scale(c.attention_multiplier)
+    writer.add_embedding_scale(c.embedding_multiplier)
+    writer.add_residual_scale(c.residual_multiplier)
+    writer.add_logit_scale(c.logits_scaling)
+    writer.add_ssm_conv_kernel(c.mamba_d_conv)
+    writer.add_ssm_state_size(c.mamba_d_state)
+    writer.add_ssm_group_count(c.mamba_n_groups)
+    writer.add_ssm_inner_size(c.mamba_expand * c.hidden_size)
+    writer.add_ssm_time_step_rank(c.mamba_n_heads)
+    writer.add_rope_scaling_finetuned(False)
+
+
+def _converted(arch: str, model: torch.nn.Module, name: str, data: torch.Tensor
+               ) -> list[tuple[str, torch.Tensor]]:
+    """(GGUF name, tensor) as convert_hf_to_gguf.py makes them from one transformers tensor."""
+    c = model.config
+    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
+                                     c.num_hidden_layers)
+    module, suffix = name.rsplit(".", 1)
+    layer = int(name.split(".")[2]) if ".layers." in name else None
+
+    def blk(tensor: T) -> str:
+        return gguf.TENSOR_NAMES[tensor].format(bid=layer) + ".weight"
+
+    mamba2 = arch != "mamba"
+    if suffix in ("A_log", "D"):
+        data = -torch.exp(data) if suffix == "A_log" else data
+        return [(names.get_name(name), data.reshape(*data.shape, 1) if mamba2 and data.ndim == 1 else data)]
+    if suffix == "dt_bias":
+        return [(f"{names.get_name(module + '.dt_proj')}.bias", data)]
+    if module.endswith(("conv1d", "conv.conv")) and suffix == "weight":
+        return [(f"{names.get_name(module)}.weight", data.squeeze(1))]
+    if module.endswith("mamba.norm") or (arch == "mamba2" and module.endswith("mixer.norm")):
+        groups = c.mamba_n_groups if arch == "granitehybrid" else c.n_groups
+        return [(f"{names.get_name(module)}.weight", data.reshape(groups, -1))]
+    if suffix == "gate_up_proj":  # transformers fuses the experts' gate and up: [E, 2I, H]
+        gate, up = data.chunk(2, dim=1)
+        return [(blk(T.FFN_GATE_EXP), gate), (blk(T.FFN_UP_EXP), up)]
+    if name.endswith("experts.down_proj"):
+        return [(blk(T.FFN_DOWN_EXP), data)]
+    if module.endswith("block_sparse_moe.router"):
+        return [(blk(T.FFN_GATE_INP), data)]
+    if module.endswith("shared_mlp.input_linear"):
+        gate, up = data.chunk(2, dim=0)
+        return [(blk(T.FFN_GATE_SHEXP), gate), (blk(T.FFN_UP_SHEXP), up)]
+    if module.endswith("shared_mlp.output_linear"):
+        return [(blk(T.FFN_DOWN_SHEXP), data)]
+    if arch == "granitehybrid" and module.endswith("q_proj"):  # GraniteHybridModel.undo_permute
+        data = torch.from_numpy(llama_cpp_permute(data.numpy(), c.num_attention_heads, c.num_attention_heads))
+    elif arch == "granitehybrid" and module.endswith("k_proj"):
+        data = torch.from_numpy(llama_cpp_permute(data.numpy(), c.num_attention_heads, c.num_key_value_heads))
+    return [(f"{names.get_name(module)}.{suffix}", data)]
+
+
+def write_hybrid_gguf(path: str, arch: str, model: torch.nn.Module, qtype: gguf.GGMLQuantizationType
+                      ) -> None:
+    """Write `model` as llama.cpp's converter does: matrices in `qtype` (F16 where a row is no
+    whole number of Q8_0 blocks), vectors, convs and A in F32. The model's weights are then
+    replaced by what the file holds (the converter moves whole rows only, so rounding each
+    transformers row is rounding the file's), to be the reference for the file."""
+    writer = gguf.GGUFWriter(path, arch)
+    _metadata(writer, arch, model)
+    add_tiny_tokenizer(writer, VOCAB)
+    writer.add_pad_token_id(0)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        stored = None if tensor.ndim < 2 or "conv" in name or "A_log" in name else \
+            qtype if qtype == Q8_0 and tensor.shape[-1] % 32 == 0 else F16
+        for gguf_name, data in _converted(arch, model, name, tensor):
+            array = data.contiguous().numpy()
+            if stored == Q8_0:
+                writer.add_tensor(gguf_name, gguf.quants.quantize(array, Q8_0), raw_dtype=Q8_0)
+            else:
+                writer.add_tensor(gguf_name, array.astype(np.float16) if stored == F16 else array)
+        if stored == Q8_0:
+            tensor.copy_(torch.from_numpy(gguf.quants.dequantize(
+                gguf.quants.quantize(tensor.numpy(), Q8_0), Q8_0)))
+        elif stored == F16:
+            tensor.copy_(tensor.half().float())
+    finish(writer)
+
+
+@pytest.mark.parametrize("arch,qtype", [("mamba", F16), ("mamba2", Q8_0), ("granitehybrid", F16),
+                                        ("granitehybrid", Q8_0), ("lfm2", Q8_0)])
+def test_hybrid_gguf_matches_transformers(arch, qtype, tmp_path):
+    cls, overrides = CASES[arch]
+    config = cls.config_class(**TINY, **overrides)
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    with torch.no_grad():
+        write_hybrid_gguf(path, arch, model, qtype)
+    read = load_gguf_config(path)
+    assert read.architectures == [cls.__name__]
+    for key in (*TINY, *overrides):
+        # without rope, the converter writes a context of 2**20 rather than the config's
+        if key not in ("initializer_range", "max_position_embeddings"):
+            expected = getattr(config, key)  # floats come back as the file's float32
+            assert getattr(read, key) == (pytest.approx(expected) if isinstance(expected, float)
+                                          else expected), key
+    references = [hf_greedy(model, p, 8) for p in PROMPTS]
+    # the files of Mamba and Granite 4.0-H claim a context of 2**20: keep the profile run short
+    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4,
+              max_model_len=64, max_num_batched_tokens=64)
+    assert llm.engine.model_config.architecture == cls.__name__
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    assert_matches_hf(llm.generate(PROMPTS, params), references)
+
+
+def test_hybrid_gguf_refuses_raw_blocks(tmp_path):
+    cls, overrides = CASES["mamba2"]
+    model = cls(cls.config_class(**TINY, **overrides)).eval()
+    path = str(tmp_path / "tiny-mamba2.gguf")
+    with torch.no_grad():
+        write_hybrid_gguf(path, "mamba2", model, Q8_0)
+    with pytest.raises(ValueError, match="--quantization gguf .* does not run GGUF mamba2"):
+        next(iterate_gguf_weights(path, load_gguf_config(path), torch.float32, raw_linear=True))
