@@ -113,6 +113,15 @@ def test_expanded_prompt_has_each_images_own_token_count(llm, hf):
     _, ids, features = llm.engine.processor.prepare(request(PROMPTS[2], images))
     assert ids == hf_prompt(hf, PROMPTS[2], images)[0][0].tolist()
     assert [(f.offset, f.length) for f in features] == [(2, 63), (68, 60)]
+    # the bench's reference inputs (padded to the longest item) give transformers' features
+    image_processor, _, model = hf
+    padded = image_processor(images=images, return_tensors="pt")
+    want = model.model.get_image_features(padded["pixel_values"],
+                                          padded["image_position_ids"]).pooler_output
+    got = model.model.get_image_features(
+        *llm.engine.processor.multimodal.layout.hf_inputs(features).values()).pooler_output
+    assert [g.shape for g in got] == [w.shape for w in want]
+    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
 
 
 def test_image_attention_is_bidirectional_in_the_sliding_layer_only(llm):
@@ -132,6 +141,21 @@ def test_prefix_cache_hits_never_cross_images(llm, hf):
         runs.append(kv.num_cache_hits - hits)
         assert_matches(hf, prompt, [image], out)
     assert runs == [0, 4, 68]  # the text block; then all but the block of the last token
+
+
+def test_prefix_hit_that_ends_inside_an_image(llm, hf):
+    kv = llm.engine.core.kv
+    # image tokens 3..65: the 16 cached blocks end inside it, the rest attend both ways to
+    # its cached keys and to each other
+    prompt = f"w52 w53 {IMAGE}"
+    image = random_image(300)
+    runs = []
+    for _ in range(2):
+        hits = kv.num_cache_hits
+        out = llm.generate(request(prompt, [image]), greedy(), use_tqdm=False)[0]
+        runs.append(kv.num_cache_hits - hits)
+        assert_matches(hf, prompt, [image], out)
+    assert runs == [0, 64]
 
 
 def test_preempted_requests_encode_again_and_match_transformers(model_path, hf):
