@@ -23,7 +23,7 @@ from runtime.models.gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionM
 from runtime.models.llama import default_weight_loader
 from runtime.models.vlm import VisionLanguageModel
 
-DEFAULT_MAX_SOFT_TOKENS = 280  # the Gemma 4 image processor's
+LARGEST_MAX_SOFT_TOKENS = 1120  # the most the Gemma 4 image processor allows
 
 
 class Gemma4ForConditionalGeneration(VisionLanguageModel):
@@ -54,14 +54,15 @@ class Gemma4ForConditionalGeneration(VisionLanguageModel):
 
     @staticmethod
     def max_tokens_per_item(hf_config) -> int:
-        """The placeholder run of one image, which a step must take whole: the image
-        processor's `max_soft_tokens` (from the model folder's preprocessor_config.json)."""
+        """The longest placeholder run of one image, which a step must take whole: the image
+        processor's `max_soft_tokens`, from the model folder's preprocessor_config.json (280,
+        the processor's default, when it names none; the largest allowed without the file)."""
         path = os.path.join(getattr(hf_config, "_name_or_path", "") or "",
                             "preprocessor_config.json")
         if not os.path.isfile(path):
-            return DEFAULT_MAX_SOFT_TOKENS
+            return LARGEST_MAX_SOFT_TOKENS
         with open(path) as f:
-            return int(json.load(f).get("max_soft_tokens", DEFAULT_MAX_SOFT_TOKENS))
+            return int(json.load(f).get("max_soft_tokens", 280))
 
     def embed_multimodal(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each image's embeddings [its soft tokens, text hidden]."""
