@@ -2,6 +2,7 @@
 paged KV cache of a model's attention layers (MLA layers' latent caches too)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -22,7 +23,8 @@ class Attention(nn.Module):
                  ctx: BuildContext, sliding_window: int | None = None,
                  logits_soft_cap: float | None = None, sinks: bool = False,
                  attention_chunk_size: int | None = None,
-                 kv_sharing_target: str | None = None, encoder: bool = False) -> None:
+                 kv_sharing_target: str | None = None, encoder: bool = False,
+                 mm_prefix: bool = True) -> None:
         """`num_heads`/`num_kv_heads` are this rank's. With `sinks`, the layer holds the
         parameter `sinks` [num_heads] float32 (gpt-oss's attention sinks; this rank's heads of
         the checkpoint's) and hands it to the backend.
@@ -32,12 +34,16 @@ class Attention(nn.Module):
         that layer's K and V, and writing them again leaves the cache as it was.
 
         `encoder`: a vision encoder's layer, run in prefill-only steps of its own with the
-        context's `encoder_attention_backend`; it keeps no KV cache."""
+        context's `encoder_attention_backend`; it keeps no KV cache.
+
+        `mm_prefix`: whether the step's `mm_prefix_ranges` (image tokens attending both ways)
+        apply to this layer; Gemma 4's global layers stay causal over images."""
         super().__init__()
         self.encoder = encoder
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.sliding_window = sliding_window
         self.kv_sharing_target = kv_sharing_target
+        self.mm_prefix = mm_prefix
         self.sinks = None
         # passed only when set: a plugin backend written before sinks and chunked attention
         # need not take them
@@ -71,6 +77,8 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_size)
         v = v.view(t, self.num_kv_heads, self.head_size)
         metadata, connector = get_forward_context(), get_kv_connector()
+        if not self.mm_prefix and metadata.mm_prefix_ranges is not None:
+            metadata = dataclasses.replace(metadata, mm_prefix_ranges=None)
         if connector is not None:
             connector.wait_for_layer_load(self.kv_layer_name)
         if metadata.dcp is not None and not metadata.prefill_only:

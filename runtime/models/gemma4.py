@@ -99,10 +99,14 @@ class Gemma4Attention(nn.Module):
                                    ctx.max_model_len or config.max_position_embeddings, rope,
                                    ctx.dtype)
         self.rotary_op = ctx.custom_op("rotary_embedding") or rotary_embedding
+        # the vision model's image tokens attend both ways in the sliding layers only
+        mm_prefix = (getattr(config, "use_bidirectional_attention", None) == "vision"
+                     and self.layer_type == "sliding_attention")
         self.attn = Attention(self.num_heads, self.head_size, 1.0, self.num_kv_heads, ctx,
                               layer_sliding_window(config, layer_idx),
                               kv_sharing_target=(None if source is None else
-                                                 f"model.layers.{source}.self_attn.attn"))
+                                                 f"model.layers.{source}.self_attn.attn"),
+                              mm_prefix=mm_prefix)
 
     def _heads(self, x: torch.Tensor, norm: Gemma4RMSNorm) -> torch.Tensor:
         return norm(x.view(x.size(0), -1, self.head_size)).view(x.size(0), -1)
@@ -231,11 +235,17 @@ class Gemma4Model(nn.Module):
         projected = self.per_layer_projection_norm(projected.view(shape))
         return (projected + tokens.view(shape)) * 2.0 ** -0.5
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate: Intermediate | None = None) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # the normaliser is rounded to the activation dtype first, as in transformers
-        hidden = hidden * torch.tensor(self.hidden_size ** 0.5, dtype=hidden.dtype)
+        return hidden * torch.tensor(self.hidden_size ** 0.5, dtype=hidden.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: Intermediate | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds` (the vision model's merged text and image embeddings) replace the
+        embedding of `input_ids`, which still key the per-layer embeddings."""
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         per_layer = self.per_layer_inputs(input_ids, hidden) if self.per_layer_size else None
         shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(self.layers):

@@ -59,6 +59,7 @@ _BUILTIN: dict[str, str] = {
         "runtime.models.idefics3:Idefics3ForConditionalGeneration",
     "SmolVLMForConditionalGeneration": "runtime.models.idefics3:SmolVLMForConditionalGeneration",
     "Gemma3ForConditionalGeneration": "runtime.models.gemma3_mm:Gemma3ForConditionalGeneration",
+    "Gemma4ForConditionalGeneration": "runtime.models.gemma4_mm:Gemma4ForConditionalGeneration",
     # pooling models (runner="pooling"): encoders and classifiers
     "BertModel": "runtime.models.bert:BertModel",
     "BertForSequenceClassification": "runtime.models.bert:BertForSequenceClassification",

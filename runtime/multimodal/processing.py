@@ -40,6 +40,11 @@ def idefics3_layout(hf_config: Any, tokenizer: Any) -> ImageLayout:
     return Idefics3Layout(hf_config, tokenizer)
 
 
+def gemma4_layout(hf_config: Any, tokenizer: Any) -> ImageLayout:
+    from runtime.multimodal.gemma4_layout import Gemma4Layout
+    return Gemma4Layout(hf_config, tokenizer)
+
+
 LAYOUTS = {"LlavaForConditionalGeneration": llava_layout,
            "LlavaNextForConditionalGeneration": llava_next_layout,
            "Mistral3ForConditionalGeneration": mistral3_layout,
@@ -50,7 +55,8 @@ LAYOUTS = {"LlavaForConditionalGeneration": llava_layout,
            "Qwen3_5MoeForConditionalGeneration": QwenVLLayout,
            "Idefics3ForConditionalGeneration": idefics3_layout,
            "SmolVLMForConditionalGeneration": idefics3_layout,
-           "Gemma3ForConditionalGeneration": Gemma3Layout}
+           "Gemma3ForConditionalGeneration": Gemma3Layout,
+           "Gemma4ForConditionalGeneration": gemma4_layout}
 
 
 def is_multimodal_architecture(architecture: str) -> bool:

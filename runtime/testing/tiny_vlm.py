@@ -360,3 +360,63 @@ def build_tiny_gemma3_vl(path: str, seed: int = 0) -> str:
     save_gemma3_tokenizer(path)
     Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(path)
     return path
+
+
+GEMMA4_TOKENS = {"<|image>": 3, "<image|>": 4, "<|image|>": 5}
+GEMMA4_IMAGE = "<|image|>"
+
+
+def save_gemma4_tokenizer(path: str) -> None:
+    """Word-level, with Gemma 4's begin-, end- and soft image tokens as special tokens, then
+    made-up words "w6" …"""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **GEMMA4_TOKENS}
+    vocab.update({f"w{i}": i for i in range(len(vocab), VOCAB_SIZE)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in GEMMA4_TOKENS])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>", pad_token="<unk>",
+                            extra_special_tokens={"boi_token": "<|image>",
+                                                  "eoi_token": "<image|>",
+                                                  "image_token": GEMMA4_IMAGE},
+                            chat_template=CHAT_TEMPLATE).save_pretrained(path)
+
+
+def build_tiny_gemma4_vl(path: str, seed: int = 0, bidirectional: str | None = "vision") -> str:
+    """A Gemma4ForConditionalGeneration, images only: the Gemma 4 vision encoder (4-pixel
+    patches, 2x2 pooling, clipped linears, standardization) and Gemma 4 text (a 4-token
+    sliding window in layer 0, global attention in layer 1, per-layer embeddings), image
+    tokens attending both ways in the sliding layers (`bidirectional`); the Gemma 4 image
+    processor (PIL backend) at 70 soft tokens at most: a 48x40 image takes 63."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=32, patch_size=4,
+                  pooling_kernel_size=2, position_embedding_size=32, use_clipped_linears=True,
+                  standardize=True, initializer_range=0.2)
+    text = dict(TINY_LLAMA, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                global_head_dim=32, sliding_window=4, hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=VOCAB_SIZE, use_bidirectional_attention=bidirectional,
+                layer_types=["sliding_attention", "full_attention"])
+    config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
+                          boi_token_id=3, eoi_token_id=4, image_token_id=5,
+                          initializer_range=0.2)
+    model = Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # random clip bounds and standardization that take effect
+        tower = model.model.vision_tower
+        for name, buffer in tower.named_buffers():
+            if name.endswith(("input_min", "output_min")):
+                buffer.fill_(-2.0)
+            elif name.endswith(("input_max", "output_max")):
+                buffer.fill_(2.0)
+        tower.std_bias.normal_(0, 0.2)
+        tower.std_scale.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    save_gemma4_tokenizer(path)
+    Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2,
+                            max_soft_tokens=70).save_pretrained(path)
+    return path
