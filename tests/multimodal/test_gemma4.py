@@ -11,8 +11,9 @@ import shutil
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams
+from runtime import LLM
 from runtime.testing.tiny_vlm import GEMMA4_IMAGE as IMAGE, build_tiny_gemma4_vl, random_image
+from tests.multimodal.helpers import greedy, hf_greedy, request
 
 BOI, EOI, IMAGE_ID = 3, 4, 5
 PROMPTS = ["w6 w7 w8 w9 w10 w11", f"w6 w7 {IMAGE} w8 w9 w10 w11",
@@ -61,16 +62,7 @@ def hf_prompt(hf, prompt: str, images: list) -> tuple[torch.Tensor, dict]:
 
 def hf_generate(hf, prompt: str, images: list, n: int = 6) -> tuple[list[int], list[float]]:
     ids, inputs = hf_prompt(hf, prompt, images)
-    out = hf[2].generate(**inputs, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                         do_sample=False, output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, ids.shape[1]:].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
-                for step, t in zip(out.logits, tokens)]
-    return tokens, logprobs
-
-
-def greedy(n: int = 6) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
+    return hf_greedy(hf[2], {**inputs, "attention_mask": torch.ones_like(ids)}, n)
 
 
 def assert_matches(hf, prompt: str, images: list, out, n: int = 6) -> None:
@@ -79,10 +71,6 @@ def assert_matches(hf, prompt: str, images: list, out, n: int = 6) -> None:
     assert got.token_ids == tokens, prompt
     ours = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)]
     assert max(abs(a - b) for a, b in zip(ours, logprobs)) < LOGPROB_TOL, prompt
-
-
-def request(prompt: str, images: list) -> dict:
-    return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
 
 
 def test_greedy_tokens_and_logprobs_match_transformers_with_whole_image_chunks(llm, hf):
