@@ -23,3 +23,26 @@ def hf_greedy(model, inputs: dict, n: int) -> tuple[list[int], list[float]]:
     tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
     return tokens, [torch.log_softmax(step[0].float(), -1)[t].item()
                     for step, t in zip(out.logits, tokens)]
+
+
+def generate_recording_chunks(llm, requests: list, params: SamplingParams) -> tuple[list, list]:
+    """`llm.generate` of `requests`, and every chunk the scheduler gave them: (request, first
+    token, end) per request per step."""
+    scheduler = llm.engine.core.scheduler
+    schedule, chunks = scheduler.schedule, []
+
+    def recording():
+        out = schedule()
+        chunks.extend((r, r.num_computed_tokens, r.num_computed_tokens + n)
+                      for r, n in out.scheduled)
+        return out
+
+    scheduler.schedule = recording
+    try:
+        return llm.generate(requests, params), chunks
+    finally:
+        scheduler.schedule = schedule
+
+
+def chunks_ending_inside_images(chunks: list) -> list[tuple[int, int]]:
+    return [(lo, hi) for r, lo, hi in chunks for f in r.mm_features if f.offset < hi < f.end]

@@ -12,7 +12,9 @@ from runtime.attention_backends.torch_paged import TorchPagedAttention
 from runtime.plugins.interfaces import ModelInfo
 from runtime.testing.tiny_vlm import build_tiny_gemma3_vl, random_image
 from runtime.platforms.common import offer_backend
-from tests.multimodal.helpers import greedy, hf_greedy, request
+from tests.multimodal.helpers import (chunks_ending_inside_images,
+                                      generate_recording_chunks, greedy, hf_greedy,
+                                      request)
 
 IMAGE = "<start_of_image>"
 PROMPTS = ["w6 w7 w8 w9 w10 w11", f"w6 w7 {IMAGE} w8 w9 w10 w11",
@@ -61,21 +63,9 @@ def assert_matches(hf, prompt: str, images: list, out, n: int = 6) -> None:
 def test_greedy_tokens_and_logprobs_match_transformers_with_whole_image_chunks(llm, hf):
     images = {p: [random_image(10 * i + k) for k in range(p.count(IMAGE))]
               for i, p in enumerate(PROMPTS)}
-    scheduler = llm.engine.core.scheduler
-    schedule, chunks = scheduler.schedule, []
-
-    def recording():
-        out = schedule()
-        chunks.extend((r, r.num_computed_tokens, r.num_computed_tokens + n)
-                      for r, n in out.scheduled)
-        return out
-
-    scheduler.schedule = recording
-    try:
-        outs = llm.generate([request(p, images[p]) for p in PROMPTS], greedy())
-    finally:
-        scheduler.schedule = schedule
-    cut = [(lo, hi) for r, lo, hi in chunks for f in r.mm_features if f.offset < hi < f.end]
+    outs, chunks = generate_recording_chunks(llm, [request(p, images[p]) for p in PROMPTS],
+                                             greedy())
+    cut = chunks_ending_inside_images(chunks)
     assert not cut, f"chunks ending inside an image: {cut}"
     # the budget of 6 would have ended PROMPTS[1]'s first chunk at token 6, inside its image
     assert any(lo == 0 and hi == 3 for r, lo, hi in chunks if r.mm_features and
