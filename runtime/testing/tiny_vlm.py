@@ -50,6 +50,24 @@ def build_tiny_llava(path: str, seed: int = 0) -> str:
     return path
 
 
+def save_word_tokenizer(path: str, tokens: list[str], extra_special_tokens: dict[str, str],
+                        chat_template: str = CHAT_TEMPLATE) -> None:
+    """Word-level: <unk> <s> </s>, then `tokens` from id 3 as added tokens (special ones, but
+    a newline), then made-up words "wN" (N their id) up to VOCAB_SIZE."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({t: 3 + i for i, t in enumerate(tokens)})
+    vocab.update({f"w{i}": i for i in range(len(vocab), VOCAB_SIZE)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=t != "\n", normalized=False) for t in tokens])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>", pad_token="<unk>",
+                            extra_special_tokens=extra_special_tokens,
+                            chat_template=chat_template).save_pretrained(path)
+
+
 def random_image(seed: int, size: tuple[int, int] = (48, 40)):
     """A random RGB PIL image of `size` (width, height)."""
     from PIL import Image
@@ -158,21 +176,6 @@ MISTRAL3_TOKENS = {"[IMG]": 3, "[IMG_BREAK]": 4, "[IMG_END]": 5}
 MISTRAL3_IMAGE = "[IMG]"  # an image in a Mistral 3 prompt
 
 
-def save_mistral3_tokenizer(path: str) -> None:
-    """Word-level, with Mistral 3's image tokens as special tokens, then words "w6" …"""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **MISTRAL3_TOKENS}
-    vocab.update({f"w{i}": i for i in range(len(vocab), VOCAB_SIZE)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t in MISTRAL3_TOKENS])
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>", pad_token="<unk>",
-                            extra_special_tokens={"image_token": MISTRAL3_IMAGE},
-                            chat_template=CHAT_TEMPLATE).save_pretrained(path)
-
 
 def build_tiny_mistral3(path: str, seed: int = 0) -> str:
     """A Mistral3ForConditionalGeneration: Pixtral encoder of 8-pixel patches (2 layers, gated
@@ -191,7 +194,7 @@ def build_tiny_mistral3(path: str, seed: int = 0) -> str:
                             image_token_index=MISTRAL3_TOKENS["[IMG]"], spatial_merge_size=2,
                             vision_feature_layer=-1, tie_word_embeddings=False)
     Mistral3ForConditionalGeneration(config).eval().save_pretrained(path)
-    save_mistral3_tokenizer(path)
+    save_word_tokenizer(path, list(MISTRAL3_TOKENS), {"image_token": MISTRAL3_IMAGE})
     PixtralImageProcessorPil(patch_size={"height": 8, "width": 8},
                              size={"longest_edge": 64}).save_pretrained(path)
     return path
@@ -266,23 +269,6 @@ IDEFICS3_CHAT_TEMPLATE = (
     "{% endfor %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}w50:{% endif %}")
 
 
-def save_idefics3_tokenizer(path: str) -> None:
-    """Word-level, with Idefics3's image tokens (`<image>`, `<fake_token_around_image>`,
-    `<global-img>`, `<row_r_col_c>`) and "\\n" as added tokens, then made-up words "w44" …"""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({t: 3 + i for i, t in enumerate(IDEFICS3_TOKENS)})
-    vocab.update({f"w{i}": i for i in range(len(vocab), VOCAB_SIZE)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(t, special=t != "\n", normalized=False)
-                            for t in IDEFICS3_TOKENS])
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>", pad_token="<unk>",
-                            extra_special_tokens={"image_token": "<image>"},
-                            chat_template=IDEFICS3_CHAT_TEMPLATE).save_pretrained(path)
-
 
 def build_tiny_idefics3(path: str, smolvlm: bool = False, split: bool = True,
                         seed: int = 0, tile: int = 32) -> str:
@@ -308,7 +294,7 @@ def build_tiny_idefics3(path: str, smolvlm: bool = False, split: bool = True,
     config = Config(vision_config=vision, text_config=text, scale_factor=2,
                     image_token_id=IDEFICS3_IMAGE_TOKEN_ID, initializer_range=0.2)
     Model(config).eval().save_pretrained(path)
-    save_idefics3_tokenizer(path)
+    save_word_tokenizer(path, IDEFICS3_TOKENS, {"image_token": "<image>"}, IDEFICS3_CHAT_TEMPLATE)
     ImageProcessor(size={"longest_edge": 2 * tile}, max_image_size={"longest_edge": tile},
                    do_image_splitting=split).save_pretrained(path)
     return path
@@ -317,24 +303,6 @@ def build_tiny_idefics3(path: str, smolvlm: bool = False, split: bool = True,
 GEMMA3_TOKENS = {"<start_of_image>": 3, "<end_of_image>": 4, "<image_soft_token>": 5}
 GEMMA3_IMAGE = "<start_of_image>"  # an image in a Gemma 3 prompt
 
-
-def save_gemma3_tokenizer(path: str) -> None:
-    """Word-level, with Gemma 3's image tokens as special tokens (the processor's expanded
-    text runs them together), then made-up words "w6" …"""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **GEMMA3_TOKENS}
-    vocab.update({f"w{i}": i for i in range(len(vocab), VOCAB_SIZE)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t in GEMMA3_TOKENS])
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>", pad_token="<unk>",
-                            extra_special_tokens={"boi_token": "<start_of_image>",
-                                                  "eoi_token": "<end_of_image>",
-                                                  "image_token": "<image_soft_token>"},
-                            chat_template=CHAT_TEMPLATE).save_pretrained(path)
 
 
 def build_tiny_gemma3_vl(path: str, seed: int = 0) -> str:
@@ -357,7 +325,9 @@ def build_tiny_gemma3_vl(path: str, seed: int = 0) -> str:
     with torch.no_grad():  # transformers initialises the projection to zeros
         model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2)
     model.save_pretrained(path)
-    save_gemma3_tokenizer(path)
+    save_word_tokenizer(path, list(GEMMA3_TOKENS), {"boi_token": "<start_of_image>",
+                                                    "eoi_token": "<end_of_image>",
+                                                    "image_token": "<image_soft_token>"})
     Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(path)
     return path
 
@@ -365,24 +335,6 @@ def build_tiny_gemma3_vl(path: str, seed: int = 0) -> str:
 GEMMA4_TOKENS = {"<|image>": 3, "<image|>": 4, "<|image|>": 5}
 GEMMA4_IMAGE = "<|image|>"
 
-
-def save_gemma4_tokenizer(path: str) -> None:
-    """Word-level, with Gemma 4's begin-, end- and soft image tokens as special tokens, then
-    made-up words "w6" …"""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **GEMMA4_TOKENS}
-    vocab.update({f"w{i}": i for i in range(len(vocab), VOCAB_SIZE)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t in GEMMA4_TOKENS])
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>", pad_token="<unk>",
-                            extra_special_tokens={"boi_token": "<|image>",
-                                                  "eoi_token": "<image|>",
-                                                  "image_token": GEMMA4_IMAGE},
-                            chat_template=CHAT_TEMPLATE).save_pretrained(path)
 
 
 def build_tiny_gemma4_vl(path: str, seed: int = 0, bidirectional: str | None = "vision") -> str:
@@ -416,7 +368,9 @@ def build_tiny_gemma4_vl(path: str, seed: int = 0, bidirectional: str | None = "
         tower.std_bias.normal_(0, 0.2)
         tower.std_scale.uniform_(0.5, 1.5)
     model.save_pretrained(path)
-    save_gemma4_tokenizer(path)
+    save_word_tokenizer(path, list(GEMMA4_TOKENS), {"boi_token": "<|image>",
+                                                    "eoi_token": "<image|>",
+                                                    "image_token": GEMMA4_IMAGE})
     Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2,
                             max_soft_tokens=70).save_pretrained(path)
     return path
