@@ -18,12 +18,10 @@ import copy
 import torch
 from torch import nn
 
-from runtime.attention_backends.base import prefill_only_metadata
-from runtime.forward_context import forward_context
 from runtime.layers.build_context import BuildContext
 from runtime.layers.linear import ReplicatedLinear
-from runtime.models.clip import CLIPEncoder
 from runtime.models.llama import LlamaForCausalLM
+from runtime.models.siglip import SiglipVisionTower
 from runtime.models.vlm import VisionLanguageModel
 
 
@@ -55,25 +53,6 @@ class Idefics3VisionEmbeddings(nn.Module):
         rows, cols = patches.shape[-2:]
         positions = patch_position_ids(rows, cols, self.side).to(patches.device)
         return patches.flatten(2).transpose(1, 2) + self.position_embedding(positions)
-
-
-class Idefics3VisionTransformer(nn.Module):
-    def __init__(self, config, ctx: BuildContext) -> None:
-        super().__init__()
-        self.embeddings = Idefics3VisionEmbeddings(config)
-        self.encoder = CLIPEncoder(config, ctx, config.num_hidden_layers)
-        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.to(ctx.dtype)  # torch.nn layers are made in float32
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[N, C, H, W] -> [N, patches, hidden]; each tile attends within itself."""
-        x = self.embeddings(pixel_values)
-        n, p, d = x.shape
-        with forward_context(prefill_only_metadata([p] * n, False, x.device)):
-            flat = x.reshape(n * p, d)
-            for layer in self.encoder.layers:
-                flat = layer(flat)
-        return self.post_layernorm(flat.view(n, p, d))
 
 
 class Idefics3Connector(nn.Module):
@@ -115,7 +94,8 @@ class Idefics3ForConditionalGeneration(VisionLanguageModel):
                              f"{side} x {side} patch grid")
         self.config = config
         self.image_token_id = config.image_token_id
-        self.vision_model = Idefics3VisionTransformer(vision, ctx)
+        # SigLIP's layers over tiles, each attending within itself
+        self.vision_model = SiglipVisionTower(vision, ctx, Idefics3VisionEmbeddings(vision))
         self.connector = Idefics3Connector(config, ctx)
         text = copy.copy(config.text_config)
         text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))

@@ -31,9 +31,12 @@ class SiglipVisionEmbeddings(nn.Module):
 
 
 class SiglipVisionTower(nn.Module):
-    def __init__(self, config, ctx: BuildContext) -> None:
+    """`embeddings`: a module of [B, C, H, W] -> [B, patches, hidden] in place of SigLIP's
+    (Idefics3's positions for tiles of any size)."""
+
+    def __init__(self, config, ctx: BuildContext, embeddings: nn.Module | None = None) -> None:
         super().__init__()
-        self.embeddings = SiglipVisionEmbeddings(config)
+        self.embeddings = embeddings or SiglipVisionEmbeddings(config)
         self.encoder = CLIPEncoder(config, ctx, config.num_hidden_layers)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.to(ctx.dtype)  # torch.nn layers are made in float32
