@@ -99,12 +99,17 @@ class DeepseekV3Attention(nn.Module):
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim],
                                                            -1)
         kv_c = self.kv_a_layernorm(kv_c.contiguous())
-        q_pe, k_pe = self.rotary_op(positions, q[..., self.nope_dim:].reshape(t, -1),
-                                    k_pe.contiguous(), self.rotary_emb.cos_sin_cache,
-                                    self.rope_dim)
+        q_pe, k_pe = self.rotate(positions, q[..., self.nope_dim:].reshape(t, -1),
+                                 k_pe.contiguous())
         out = self.attn(q[..., :self.nope_dim], q_pe.view(t, self.num_heads, self.rope_dim),
                         kv_c, k_pe)
         return self.o_proj(out)
+
+    def rotate(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rope parts of the queries [T, H * rope] and of the shared key [T, rope]."""
+        return self.rotary_op(positions, q_pe, k_pe, self.rotary_emb.cos_sin_cache,
+                              self.rope_dim)
 
 
 def grouped_topk(logits: torch.Tensor, bias: torch.Tensor, num_groups: int, topk_groups: int,

@@ -33,19 +33,9 @@ class KimiMLAAttention(DeepseekV3Attention):
     """MLA with no rotation (NoPE): the rope part of the queries and the shared key go to the
     attention as they are."""
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        t = hidden.size(0)
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(hidden)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)
-        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim],
-                                                           -1)
-        kv_c = self.kv_a_layernorm(kv_c.contiguous())
-        out = self.attn(q[..., :self.nope_dim], q[..., self.nope_dim:].contiguous(), kv_c,
-                        k_pe.contiguous())
-        return self.o_proj(out)
+    def rotate(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return q_pe, k_pe
 
 
 class KimiRouter(nn.Module):
