@@ -46,3 +46,24 @@ def generate_recording_chunks(llm, requests: list, params: SamplingParams) -> tu
 
 def chunks_ending_inside_images(chunks: list) -> list[tuple[int, int]]:
     return [(lo, hi) for r, lo, hi in chunks for f in r.mm_features if f.offset < hi < f.end]
+
+
+def generate_counting_encodes(llm, prompts: list[str], images: list) -> tuple[list, int, int]:
+    """Each prompt with `images`, one request after another: the outputs, how many items the
+    vision encoder encoded meanwhile, and how many the encoder cache served."""
+    cache = llm.engine.core.scheduler.encoder_cache
+    encoder = llm.engine.core.executor.worker.runner.encoder
+    hits, encoded = cache.num_hits, encoder.num_encoded_items
+    outs = [llm.generate(request(p, images), greedy(), use_tqdm=False)[0] for p in prompts]
+    return outs, encoder.num_encoded_items - encoded, cache.num_hits - hits
+
+
+def generate_counting_prefix_hits(llm, prompt: str, images: list) -> list[tuple[int, list[int]]]:
+    """`prompt` with each of `images` in turn: per run, the tokens the prefix cache gave and
+    the greedy tokens."""
+    kv, runs = llm.engine.core.kv, []
+    for image in images:
+        hits = kv.num_cache_hits
+        out = llm.generate(request(prompt, [image]), greedy(), use_tqdm=False)[0]
+        runs.append((kv.num_cache_hits - hits, out.outputs[0].token_ids))
+    return runs

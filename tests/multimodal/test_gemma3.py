@@ -12,9 +12,8 @@ from runtime.attention_backends.torch_paged import TorchPagedAttention
 from runtime.plugins.interfaces import ModelInfo
 from runtime.testing.tiny_vlm import build_tiny_gemma3_vl, random_image
 from runtime.platforms.common import offer_backend
-from tests.multimodal.helpers import (chunks_ending_inside_images,
-                                      generate_recording_chunks, greedy, hf_greedy,
-                                      request)
+from tests.multimodal.helpers import (chunks_ending_inside_images, generate_counting_encodes,
+                                     generate_recording_chunks, greedy, hf_greedy, request)
 
 IMAGE = "<start_of_image>"
 PROMPTS = ["w6 w7 w8 w9 w10 w11", f"w6 w7 {IMAGE} w8 w9 w10 w11",
@@ -85,14 +84,11 @@ def test_expanded_prompt_is_the_processors(llm, hf):
 
 
 def test_requests_sharing_an_image_encode_it_once(llm, hf):
-    cache = llm.engine.core.scheduler.encoder_cache
-    encoder = llm.engine.core.executor.worker.runner.encoder
-    hits, encoded = cache.num_hits, encoder.num_encoded_items
     image = random_image(100)
     prompts = [f"w20 {IMAGE} w21", f"w30 w31 {IMAGE} w32 w33"]
-    outs = [llm.generate(request(p, [image]), greedy(), use_tqdm=False)[0] for p in prompts]
-    assert encoder.num_encoded_items - encoded == 1
-    assert cache.num_hits - hits == 1
+    outs, encoded, cache_hits = generate_counting_encodes(llm, prompts, [image])
+    assert encoded == 1
+    assert cache_hits == 1
     for prompt, out in zip(prompts, outs):
         assert_matches(hf, prompt, [image], out)
 

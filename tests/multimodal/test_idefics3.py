@@ -11,7 +11,8 @@ import torch
 from runtime import LLM
 from runtime.multimodal.chat_parts import template_reads_parts
 from runtime.testing.tiny_vlm import build_tiny_idefics3, random_image
-from tests.multimodal.helpers import greedy, hf_greedy, request
+from tests.multimodal.helpers import (generate_counting_encodes, generate_counting_prefix_hits,
+                                     greedy, hf_greedy, request)
 
 LOGPROB_TOL = 1e-4  # float32 on both sides
 WIDE = (64, 32)  # split: 1 x 2 tiles and the global image
@@ -98,29 +99,21 @@ def test_an_image_item_is_all_its_tiles(model):
 
 def test_requests_sharing_an_image_encode_it_once(model):
     _, llm, _, _ = model
-    cache = llm.engine.core.scheduler.encoder_cache
-    encoder = llm.engine.core.executor.worker.runner.encoder
-    hits, encoded = cache.num_hits, encoder.num_encoded_items
     image = random_image(100, SQUARE)
     prompts = ["w70 <image> w71", "w72 w73 <image> w74 w75"]
-    outs = [llm.generate(request(p, [image]), greedy(), use_tqdm=False)[0] for p in prompts]
-    assert encoder.num_encoded_items - encoded == 1
-    assert cache.num_hits - hits == 1
+    outs, encoded, cache_hits = generate_counting_encodes(llm, prompts, [image])
+    assert encoded == 1
+    assert cache_hits == 1
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_generate(model, prompt, [image])[0]
 
 
 def test_same_text_with_another_image_gets_no_prefix_hit_on_its_blocks(model):
     name, llm, _, _ = model
-    kv = llm.engine.core.kv
     # 8 text tokens (one block, shared), then the image's run (7: none of a full block)
     prompt = "w80 w81 w82 w83 w84 w85 w86 w87 <image> w88 w89 w90 w91 w92 w93 w94 w95 w96 w97"
     first, second = random_image(200, WIDE), random_image(201, WIDE)
-    runs = []
-    for image in (first, second, first):
-        hits = kv.num_cache_hits
-        out = llm.generate(request(prompt, [image]), greedy(), use_tqdm=False)[0]
-        runs.append((kv.num_cache_hits - hits, out.outputs[0].token_ids))
+    runs = generate_counting_prefix_hits(llm, prompt, [first, second, first])
     total = 8 + (7 if name.endswith("whole") else 21) + 10
     assert [hits for hits, _ in runs] == [0, 8, total // 8 * 8]
     assert runs[0][1] == runs[2][1] == hf_generate(model, prompt, [first])[0]

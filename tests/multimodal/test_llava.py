@@ -8,7 +8,8 @@ import torch
 
 from runtime import LLM
 from runtime.testing.tiny_vlm import build_tiny_llava, random_image
-from tests.multimodal.helpers import greedy, hf_greedy
+from tests.multimodal.helpers import (generate_counting_encodes, generate_counting_prefix_hits,
+                                     greedy, hf_greedy)
 
 PROMPTS = ["w5 w6 <image> w7 w8 w9", "<image> w10 w11", "w12 <image> w13 <image> w14"]
 LOGPROB_TOL = 1e-4  # float32 on both sides
@@ -72,30 +73,20 @@ def test_expanded_prompt_records_each_image(llm, hf):
 
 
 def test_requests_sharing_an_image_encode_it_once(llm, hf):
-    cache = llm.engine.core.scheduler.encoder_cache
-    encoder = llm.engine.core.executor.worker.runner.encoder
-    hits, encoded = cache.num_hits, encoder.num_encoded_items
     image = random_image(100)
     prompts = ["w20 <image> w21", "w30 w31 <image> w32 w33"]
-    outs = [llm.generate({"prompt": p, "multi_modal_data": {"image": image}}, greedy(),
-                         use_tqdm=False)[0] for p in prompts]
-    assert encoder.num_encoded_items - encoded == 1
-    assert cache.num_hits - hits == 1
+    outs, encoded, cache_hits = generate_counting_encodes(llm, prompts, [image])
+    assert encoded == 1
+    assert cache_hits == 1
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_generate(hf, prompt, [image])[0]
 
 
 def test_same_text_with_another_image_gets_no_prefix_hit_on_its_blocks(llm, hf):
-    kv = llm.engine.core.kv
     # 8 text tokens (one block, shared), then the image's 16 placeholders (two blocks)
     prompt = "w40 w41 w42 w43 w44 w45 w46 w47 <image> w48 w49"
     first, second = random_image(200), random_image(201)
-    runs = []
-    for image in (first, second, first):
-        hits = kv.num_cache_hits
-        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, greedy(),
-                           use_tqdm=False)[0]
-        runs.append((kv.num_cache_hits - hits, out.outputs[0].token_ids))
+    runs = generate_counting_prefix_hits(llm, prompt, [first, second, first])
     assert [hits for hits, _ in runs] == [0, 8, 24]  # the text block; then all three blocks
     assert runs[0][1] == runs[2][1] == hf_generate(hf, prompt, [first])[0]
     assert runs[1][1] == hf_generate(hf, prompt, [second])[0]

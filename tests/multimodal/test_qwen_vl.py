@@ -113,7 +113,8 @@ def test_repeated_image_hits_the_encoder_and_prefix_caches(llm, hf):
     prompt = f"w30 w31 w32 w33 w34 w35 w36 {IMAGE} w37 w38"  # 8 text tokens, then the image
     hits, encoded, blocks = cache.num_hits, encoder.num_encoded_items, kv.num_cache_hits
     first = llm.generate(request(prompt, [image]), greedy(ignore_eos=False), use_tqdm=False)[0]
-    other = llm.generate(request("w40 " + prompt, [image]), greedy(ignore_eos=False), use_tqdm=False)[0]
+    other = llm.generate(request("w40 " + prompt, [image]), greedy(ignore_eos=False),
+                         use_tqdm=False)[0]
     again = llm.generate(request(prompt, [image]), greedy(ignore_eos=False), use_tqdm=False)[0]
     assert encoder.num_encoded_items - encoded == 1
     assert cache.num_hits - hits >= 1
@@ -142,7 +143,8 @@ def test_preempted_requests_resume_at_their_positions(version, model_path, hf):
                 encoder_cache_size=16, enable_prefix_caching=False)
     prompts = [f"w5 w6 {IMAGE} w7 w8 w9", f"w9 w8 {IMAGE} w7 w6 w5"]
     images = [random_image(400, (112, 84)), random_image(401, (84, 112))]
-    outs = small.generate([request(p, [i]) for p, i in zip(prompts, images)], greedy(16, ignore_eos=False),
+    outs = small.generate([request(p, [i]) for p, i in zip(prompts, images)],
+                          greedy(16, ignore_eos=False),
                           use_tqdm=False)
     assert small.engine.core.scheduler.num_preemptions > 0
     for prompt, image, out in zip(prompts, images, outs):
