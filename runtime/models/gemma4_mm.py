@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable
 
 import torch
 
 from runtime.layers.build_context import BuildContext
 from runtime.models.gemma4 import Gemma4ForCausalLM
 from runtime.models.gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionModel
-from runtime.models.llama import default_weight_loader
 from runtime.models.vlm import VisionLanguageModel
 
 LARGEST_MAX_SOFT_TOKENS = 1120  # the most the Gemma 4 image processor allows
 
 
 class Gemma4ForConditionalGeneration(VisionLanguageModel):
+    stacked_params: dict[str, tuple[str, str | int]] = {}  # its tower keeps q, k, v apart
     supports_prompt_embeds = False  # its per-layer embeddings are looked up by token id
     mm_prefix_lm = True  # the sliding layers may attend both ways within an image
 
@@ -77,22 +76,3 @@ class Gemma4ForConditionalGeneration(VisionLanguageModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_input_ids(input_ids)
         return self.language_model.model(ids, positions, intermediate, inputs_embeds)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        text: list[tuple[str, torch.Tensor]] = []
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name.startswith("language_model."):
-                text.append((f"model.{name.removeprefix('language_model.')}", tensor))
-                continue
-            if name.startswith("lm_head."):
-                text.append((name, tensor))
-                continue
-            if name not in params:  # the vision tower's and embedder's names are ours
-                raise ValueError(f"checkpoint tensor {name!r} has no place in "
-                                 f"{type(self).__name__}")
-            default_weight_loader(params[name], tensor)
-            loaded.add(name)
-        return loaded | {f"language_model.{n}" for n in self.language_model.load_weights(text)}

@@ -80,24 +80,6 @@ QWEN_VL_TOKENS = {"<|image_pad|>": 3, "<|vision_start|>": 4, "<|vision_end|>": 5
 QWEN_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # an image in a Qwen-VL prompt
 
 
-def save_qwen_vl_tokenizer(path: str) -> None:
-    """Word-level, with Qwen-VL's vision tokens as special tokens (so that a run of
-    `<|image_pad|>` with no spaces between splits), then made-up words "w7" …"""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **QWEN_VL_TOKENS}
-    vocab.update({f"w{i}": i for i in range(len(vocab), VOCAB_SIZE)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t in QWEN_VL_TOKENS])
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>", pad_token="<unk>",
-                            extra_special_tokens={"image_token": "<|image_pad|>",
-                                                  "video_token": "<|video_pad|>"},
-                            chat_template=CHAT_TEMPLATE).save_pretrained(path)
-
-
 def build_tiny_qwen_vl(path: str, version: str = "2", seed: int = 0) -> str:
     """A Qwen2VLForConditionalGeneration (`version` "2") or Qwen2_5_VLForConditionalGeneration
     ("2.5": RMSNorm, gated MLP, window attention in layer 0, full in layer 1) or
@@ -137,7 +119,9 @@ def build_tiny_qwen_vl(path: str, version: str = "2", seed: int = 0) -> str:
     config = Config(text_config=text, vision_config={**vision, "initializer_range": 0.2},
                     initializer_range=0.2, **ids)
     Model(config).eval().save_pretrained(path)
-    save_qwen_vl_tokenizer(path)
+    # the vision tokens special, so that a run of <|image_pad|> with no spaces between splits
+    save_word_tokenizer(path, list(QWEN_VL_TOKENS), {"image_token": "<|image_pad|>",
+                                                     "video_token": "<|video_pad|>"})
     Qwen2VLImageProcessorPil(patch_size=vision["patch_size"], merge_size=2,
                              temporal_patch_size=2).save_pretrained(path)
     return path
@@ -174,7 +158,6 @@ def build_tiny_llava_next(path: str, text_model: str = "llama", seed: int = 0) -
 
 MISTRAL3_TOKENS = {"[IMG]": 3, "[IMG_BREAK]": 4, "[IMG_END]": 5}
 MISTRAL3_IMAGE = "[IMG]"  # an image in a Mistral 3 prompt
-
 
 
 def build_tiny_mistral3(path: str, seed: int = 0) -> str:
@@ -269,7 +252,6 @@ IDEFICS3_CHAT_TEMPLATE = (
     "{% endfor %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}w50:{% endif %}")
 
 
-
 def build_tiny_idefics3(path: str, smolvlm: bool = False, split: bool = True,
                         seed: int = 0, tile: int = 32) -> str:
     """An Idefics3ForConditionalGeneration (or SmolVLMForConditionalGeneration): vision
@@ -304,7 +286,6 @@ GEMMA3_TOKENS = {"<start_of_image>": 3, "<end_of_image>": 4, "<image_soft_token>
 GEMMA3_IMAGE = "<start_of_image>"  # an image in a Gemma 3 prompt
 
 
-
 def build_tiny_gemma3_vl(path: str, seed: int = 0) -> str:
     """A Gemma3ForConditionalGeneration: SigLIP tower (32x32 images, 8x8 patches: a 4x4
     grid), average-pooled to 4 image tokens; Gemma 3 text with a 4-token sliding window in
@@ -334,7 +315,6 @@ def build_tiny_gemma3_vl(path: str, seed: int = 0) -> str:
 
 GEMMA4_TOKENS = {"<|image>": 3, "<image|>": 4, "<|image|>": 5}
 GEMMA4_IMAGE = "<|image|>"
-
 
 
 def build_tiny_gemma4_vl(path: str, seed: int = 0, bidirectional: str | None = "vision") -> str:
