@@ -122,3 +122,10 @@ def test_checkpoint_states_the_kernel_cannot_write_are_refused():
 def test_the_kernels_keep_the_portable_signatures(name):
     assert (inspect.signature(getattr(chunk_triton, name))
             == inspect.signature(portable.OPS[name]))
+
+
+def test_the_cuda_platform_answers_the_chunked_scans_with_the_kernels():
+    from runtime.platforms.cuda.platform import CudaPlatform, GpuDevice
+    platform = CudaPlatform([GpuDevice(0, "H100", (9, 0), 80 << 30)])
+    for name in ("mamba2_chunk_scan", "chunk_gated_delta_rule"):
+        assert platform.custom_op(name) is getattr(chunk_triton, name)
