@@ -75,14 +75,14 @@ def _mamba2_chunk_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, qsl_ptr, ini
                          ck_states_ptr, heads, groups, p, n, chunk,
                          HAS_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
                          BLOCK_N: tl.constexpr):
-    s = tl.program_id(0)
+    s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     i = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     j = tl.arange(0, BLOCK_N)
     r = tl.arange(0, BLOCK_L)
     group = h // (heads // groups)
-    lo = tl.load(qsl_ptr + s)
-    hi = tl.load(qsl_ptr + s + 1)
+    lo = tl.load(qsl_ptr + s).to(tl.int64)  # int64 offsets: T x H x P passes 2 ** 31
+    hi = tl.load(qsl_ptr + s + 1).to(tl.int64)
     ck_lo = tl.load(ck_bounds_ptr + s)
     ck_hi = tl.load(ck_bounds_ptr + s + 1)
     a = tl.load(a_ptr + h)
@@ -168,14 +168,14 @@ def _gated_delta_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr, ini
                               ck_states_ptr, k_heads, v_heads, dk, dv, scale, chunk,
                               L2NORM: tl.constexpr, BLOCK_L: tl.constexpr,
                               BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    s = tl.program_id(0)
+    s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     i = tl.arange(0, BLOCK_K)
     r = tl.arange(0, BLOCK_L)
     kh = h // (v_heads // k_heads)
-    lo = tl.load(qsl_ptr + s)
-    hi = tl.load(qsl_ptr + s + 1)
+    lo = tl.load(qsl_ptr + s).to(tl.int64)  # int64 offsets: T x H x P passes 2 ** 31
+    hi = tl.load(qsl_ptr + s + 1).to(tl.int64)
     ck_lo = tl.load(ck_bounds_ptr + s)
     ck_hi = tl.load(ck_bounds_ptr + s + 1)
     state_mask = (i[:, None] < dk) & (cols[None, :] < dv)
