@@ -24,6 +24,8 @@ DEFAULT_MEMORY_UTILIZATION = 0.9
 # halves run portably)
 RECURRENT_DECODE_OPS = ("causal_conv1d_update", "fused_recurrent_gated_delta_rule",
                         "mamba2_state_update")
+# the chunked prefill scans that `chunk_triton` has kernels for
+RECURRENT_CHUNK_OPS = ("mamba2_chunk_scan", "chunk_gated_delta_rule")
 
 
 @dataclass(frozen=True)
@@ -175,14 +177,17 @@ class CudaPlatform(Platform):
         return cuda_quantization_kernel(method, params, self.capability)
 
     def custom_op(self, name: str) -> Callable | None:
-        """Multi-LoRA's lora_shrink / lora_expand, fused_moe and the recurrent layers' decode
-        ops as Triton kernels; the portable rest."""
+        """Multi-LoRA's lora_shrink / lora_expand, fused_moe, the recurrent layers' decode ops
+        and chunked scans as Triton kernels; the portable rest."""
         if name in ("lora_shrink", "lora_expand"):
             from runtime.platforms.cuda import lora_triton
             return getattr(lora_triton, name)
         if name in RECURRENT_DECODE_OPS:
             from runtime.platforms.cuda import recurrent_triton
             return getattr(recurrent_triton, name)
+        if name in RECURRENT_CHUNK_OPS:
+            from runtime.platforms.cuda import chunk_triton
+            return getattr(chunk_triton, name)
         if name == "fused_moe":
             from runtime.platforms.cuda.fused_moe_triton import fused_moe
             return fused_moe
