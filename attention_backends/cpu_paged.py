@@ -3,8 +3,9 @@
 Decodes read K and V straight from the cache blocks in one C++ pass per (sequence, KV head),
 instead of gathering every sequence's context into a padded tensor first. A step whose prefill
 chunks all start their requests runs them as one causal `encoder_attention` over the packed
-tokens; other prefill chunks run as in the portable backend. The cache is stored head-major, [2, num_blocks, num_kv_heads,
-block_size, head_size]: one head's rows of a block are adjacent, so a decode streams them
+tokens; other steps' prefill chunks (past a cached prefix, or a prompt's later chunks) run as
+one `prefill_attention` over their context in the cache. The cache is stored head-major, [2,
+num_blocks, num_kv_heads, block_size, head_size]: one head's rows of a block are adjacent, so a decode streams them
 (the token-major layout interleaves the heads, and its strided reads ran a decode step's
 attention 1.3x slower, SmolLM2 at batch 64 on a Xeon). The portable code sees it through
 permuted views. Prefill-only (pooling) steps run `encoder_attention` on the packed
@@ -103,21 +104,27 @@ class CpuPagedAttention(TorchPagedAttention):
     def _prefills(self, out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   metadata: AttentionMetadata, nd: int, block_size: int) -> None:
-        """When every prefill chunk of the step starts its request (the common step of fresh
-        prompts), one causal `encoder_attention` over their packed tokens, not one SDPA call
-        per request (64 prompts of 128 tokens, SmolLM2's heads, 2 threads of an AVX-512 EPYC:
-        bf16 2.7x, fp32 1.1x faster)."""
+        """The step's prefill chunks in one call: when every chunk starts its request (fresh
+        prompts), causal `encoder_attention` over their packed tokens; else (a chunk past a
+        cached prefix or an earlier chunk) `prefill_attention` over each chunk's context in the
+        cache, which holds the step's K and V by now. Not one SDPA call per request with the
+        context gathered: 64 prompts of 128 tokens, SmolLM2's heads, 2 threads of an AVX-512
+        EPYC: bf16 2.7x, fp32 1.1x faster."""
         starts, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-        if (self._encode_fallback() or is_fp8(k_cache.dtype) or metadata.mm_prefix_ranges
-                or any(starts[i + 1] - starts[i] != lens[i]
-                       for i in range(nd, metadata.num_reqs))):
+        if self._encode_fallback() or is_fp8(k_cache.dtype) or metadata.mm_prefix_ranges:
             return super()._prefills(out, query, key, value, k_cache, v_cache, metadata, nd,
                                      block_size)
         first, last = starts[nd], starts[metadata.num_reqs]
         cu_seqlens = metadata.query_start_loc[nd:metadata.num_reqs + 1] - first
-        out[first:last] = torch.ops.runtime_cpu.encoder_attention(
-            query[first:last], key[first:last], value[first:last], cu_seqlens,
-            max(lens[nd:metadata.num_reqs]), self.scale, True)
+        max_len = max(lens[nd:metadata.num_reqs])
+        if all(starts[i + 1] - starts[i] == lens[i] for i in range(nd, metadata.num_reqs)):
+            out[first:last] = torch.ops.runtime_cpu.encoder_attention(
+                query[first:last], key[first:last], value[first:last], cu_seqlens, max_len,
+                self.scale, True)
+            return
+        out[first:last] = torch.ops.runtime_cpu.prefill_attention(
+            query[first:last], k_cache, v_cache, metadata.block_tables[nd:metadata.num_reqs],
+            cu_seqlens, metadata.seq_lens[nd:metadata.num_reqs], max_len, self.scale)
 
     def _encode_fallback(self) -> bool:
         """Whether this layer's attention needs what `encoder_attention` does not apply."""

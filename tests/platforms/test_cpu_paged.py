@@ -35,6 +35,35 @@ def test_matches_the_portable_backend(dtype, tol, heads, window, head_size):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2),
+                                       (torch.float16, 2e-3)])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("head_size", [32, 64, 128])
+@pytest.mark.parametrize("query_lens,seq_lens", [
+    ([1, 1, 7, 33, 1, 5], [30, 64, 7, 100, 49, 5]),  # decodes, chunks past a prefix, fresh ones
+    ([3, 16, 40], [3, 16, 40]),  # every chunk starts its request: encoder_attention
+])
+def test_prefill_chunks_match_the_portable_backend(dtype, tol, heads, head_size, query_lens,
+                                                   seq_lens):
+    """Prefill chunks over cached contexts (prefill_attention: chunks of 1 and of several
+    blocks, contexts ending mid-block) and fresh prompts (encoder_attention)."""
+    batch = make_batch(query_lens, seq_lens, 16, *heads, head_size, dtype, seed=5)
+    got, _ = run_backend(CpuPagedAttention, batch, None)
+    want, _ = run_backend(TorchPagedAttention, batch, None)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_prefill_chunks_take_the_paged_kernel():
+    """A step with a chunk past its cached prefix reads the context in the cache natively:
+    no SDPA call, no gathered copy of the context."""
+    batch = make_batch([1, 9, 16], [20, 40, 16], 16, 4, 2, 64, torch.float32, seed=1)
+    with torch.profiler.profile() as prof:
+        run_backend(CpuPagedAttention, batch, None)
+    names = {e.key for e in prof.key_averages()}
+    assert "runtime_cpu::prefill_attention" in names
+    assert not any("scaled_dot_product" in n for n in names)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 8])
 @pytest.mark.parametrize("head_size", [128, 40])

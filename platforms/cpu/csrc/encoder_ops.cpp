@@ -1,11 +1,14 @@
-// Encoder (prefill-only) kernels for the CPU: attention over packed variable-length sequences
-// with no padding and no KV cache, erf GELU, and the residual add fused into LayerNorm.
+// Prompt attention kernels for the CPU, and the encoders' elementwise ones: attention over packed
+// variable-length sequences with no padding (encoders, and prompts whose chunk is their whole
+// context, from the step's own K and V), attention of prefill chunks over their context in the
+// paged KV cache (a chunk past a cached prefix or an earlier chunk), erf GELU, and the residual
+// add fused into LayerNorm.
 //
 // Attention: per (sequence, head), K is widened to float32 and transposed to [D, L] and V
 // widened to [L, D] in thread-local buffers; blocks of kRows queries then take their scores 16
 // keys at a time (no horizontal sums), a float32 softmax, and P·V with one accumulator per
-// (query row, 16 lanes of D). Sequences are short (<= 512 for the BERT family), so a whole
-// score row lives in L1. Only the output is rounded to the model dtype.
+// (query row, 16 lanes of D). A whole score row of kRows queries is kept: 8 x 4 KiB at a
+// 1024-token context. Only the output is rounded to the model dtype.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -37,33 +40,60 @@ struct Buffers {
   }
 };
 
-// One (sequence, head): rows of q/k/v/out are `*_stride` elements apart, each D contiguous.
-// NC = D / kLanes.
-template <typename T, int NC>
-void attend_head(T* out, int64_t out_stride, const T* q, int64_t q_stride, const T* k,
-                 int64_t k_stride, const T* v, int64_t v_stride, int64_t len, float scale,
-                 bool causal, Buffers& buf) {
+// Where one head's key and value rows are: packed token rows `*_stride` elements apart (the
+// step's own K and V), or rows of a paged cache reached through a block table.
+template <typename T>
+struct PackedRows {
+  const T* k;
+  int64_t k_stride;
+  const T* v;
+  int64_t v_stride;
+  const T* key(int64_t j) const { return k + j * k_stride; }
+  const T* value(int64_t j) const { return v + j * v_stride; }
+};
+
+template <typename T>
+struct PagedRows {
+  const T* k;  // the head's first row in block 0; each row's D contiguous
+  const T* v;
+  const int32_t* table;
+  int64_t block_size, kb_stride, kt_stride, vb_stride, vt_stride;
+  const T* key(int64_t j) const {
+    return k + table[j / block_size] * kb_stride + (j % block_size) * kt_stride;
+  }
+  const T* value(int64_t j) const {
+    return v + table[j / block_size] * vb_stride + (j % block_size) * vt_stride;
+  }
+};
+
+// One (sequence, head): `q_rows` queries (rows `q_stride` apart, as those of out) at the last
+// positions of `len` keys. NC = D / kLanes.
+template <typename T, int NC, typename Rows>
+void attend_head(T* out, int64_t out_stride, const T* q, int64_t q_stride, const Rows& keys,
+                 int64_t len, int64_t q_rows, float scale, bool causal, Buffers& buf) {
   constexpr int64_t D = NC * kLanes;
   const int64_t lpad = (len + kLanes - 1) / kLanes * kLanes;
+  const int64_t first = len - q_rows;  // the first query's position
   float* kt = buf.kt.data();
   float* vf = buf.vf.data();
   for (int64_t j = 0; j < len; ++j) {
-    for (int64_t d = 0; d < D; ++d) kt[d * lpad + j] = static_cast<float>(k[j * k_stride + d]);
-    for (int64_t c = 0; c < NC; ++c)
-      storev(vf + j * D + c * kLanes, loadv(v + j * v_stride + c * kLanes));
+    const T* k = keys.key(j);
+    const T* v = keys.value(j);
+    for (int64_t d = 0; d < D; ++d) kt[d * lpad + j] = static_cast<float>(k[d]);
+    for (int64_t c = 0; c < NC; ++c) storev(vf + j * D + c * kLanes, loadv(v + c * kLanes));
   }
   for (int64_t d = 0; d < D; ++d)
     for (int64_t j = len; j < lpad; ++j) kt[d * lpad + j] = 0.f;
 
   float* qf = buf.q.data();
   float* s = buf.s.data();
-  for (int64_t i0 = 0; i0 < len; i0 += kRows) {
-    const int64_t rows = std::min(kRows, len - i0);
+  for (int64_t i0 = 0; i0 < q_rows; i0 += kRows) {
+    const int64_t rows = std::min(kRows, q_rows - i0);
     for (int64_t r = 0; r < kRows; ++r)  // a short last block repeats its last query
       for (int64_t c = 0; c < NC; ++c)
         storev(qf + r * D + c * kLanes,
                loadv(q + (i0 + std::min(r, rows - 1)) * q_stride + c * kLanes) * scale);
-    const int64_t n = causal ? i0 + rows : len;  // the keys any row of the block sees
+    const int64_t n = causal ? first + i0 + rows : len;  // the keys any row of the block sees
     const int64_t npad = (n + kLanes - 1) / kLanes * kLanes;
     for (int64_t j = 0; j < npad; j += kLanes) {
       vecf acc[kRows] = {};
@@ -75,7 +105,7 @@ void attend_head(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
     }
     for (int64_t r = 0; r < kRows; ++r) {
       float* sr = s + r * lpad;
-      const int64_t nr = causal ? std::min(i0 + r + 1, n) : n;
+      const int64_t nr = causal ? std::min(first + i0 + r + 1, n) : n;
       for (int64_t j = nr; j < npad; ++j) sr[j] = -std::numeric_limits<float>::infinity();
       vecf mx = loadv(sr);
       for (int64_t j = kLanes; j < npad; j += kLanes) {
@@ -108,6 +138,26 @@ void attend_head(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
   }
 }
 
+// The head size in kLanes-wide chunks, checked against those `with_chunks` instantiates.
+int64_t checked_chunks(int64_t head_size) {
+  const int64_t nc = head_size / kLanes;
+  TORCH_CHECK(head_size % kLanes == 0 && (nc == 1 || nc == 2 || nc == 4 || nc == 8 || nc == 16),
+              "head size must be 16, 32, 64 or 128");
+  return nc;
+}
+
+// run(std::integral_constant<int, nc>) for a checked chunk count.
+template <typename F>
+void with_chunks(int64_t nc, F&& run) {
+  switch (nc) {
+    case 1: run(std::integral_constant<int, 1>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 4: run(std::integral_constant<int, 4>{}); break;
+    case 8: run(std::integral_constant<int, 8>{}); break;
+    default: run(std::integral_constant<int, 16>{}); break;
+  }
+}
+
 template <typename T, int NC>
 void encoder_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const int32_t* starts, int64_t num_seqs,
@@ -124,10 +174,10 @@ void encoder_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
       const int64_t seq = item / heads, h = item % heads, kh = h / group;
       const int64_t t0 = starts[seq], len = starts[seq + 1] - t0;
       if (len == 0) continue;
+      const PackedRows<T> keys{kp + t0 * k.stride(0) + kh * k.stride(1), k.stride(0),
+                               vp + t0 * v.stride(0) + kh * v.stride(1), v.stride(0)};
       attend_head<T, NC>(o + t0 * out.stride(0) + h * out.stride(1), out.stride(0),
-                         qp + t0 * q.stride(0) + h * q.stride(1), q.stride(0),
-                         kp + t0 * k.stride(0) + kh * k.stride(1), k.stride(0),
-                         vp + t0 * v.stride(0) + kh * v.stride(1), v.stride(0), len,
+                         qp + t0 * q.stride(0) + h * q.stride(1), q.stride(0), keys, len, len,
                          static_cast<float>(scale), causal, buf);
     }
   });
@@ -151,24 +201,86 @@ at::Tensor encoder_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt && cu_seqlens.is_contiguous() &&
                   cu_seqlens.dim() == 1,
               "cu_seqlens must be contiguous int32 [num_seqs + 1]");
-  const int64_t nc = q.size(2) / kLanes;
-  TORCH_CHECK(q.size(2) % kLanes == 0 && (nc == 1 || nc == 2 || nc == 4 || nc == 8 || nc == 16),
-              "head size must be 16, 32, 64 or 128");
+  const int64_t nc = checked_chunks(q.size(2));
   at::Tensor out = at::empty(q.sizes(), q.options());
   const int32_t* starts = cu_seqlens.data_ptr<int32_t>();
   const int64_t num_seqs = cu_seqlens.numel() - 1;
   RUNTIME_CPU_DISPATCH(q.scalar_type(), "encoder_attention", [&] {
-    auto run = [&](auto nc_const) {
+    with_chunks(nc, [&](auto nc_const) {
       encoder_attention_impl<scalar_t, decltype(nc_const)::value>(
           out, q, k, v, starts, num_seqs, max_seq_len, scale, causal);
-    };
-    switch (nc) {
-      case 1: run(std::integral_constant<int, 1>{}); break;
-      case 2: run(std::integral_constant<int, 2>{}); break;
-      case 4: run(std::integral_constant<int, 4>{}); break;
-      case 8: run(std::integral_constant<int, 8>{}); break;
-      default: run(std::integral_constant<int, 16>{}); break;
+    });
+  });
+  return out;
+}
+
+template <typename T, int NC>
+void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const int32_t* starts, const int32_t* lens, int64_t num_seqs,
+                            int64_t max_len, double scale) {
+  const int64_t heads = q.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
+  T* o = out.data_ptr<T>();
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  at::parallel_for(0, num_seqs * heads, 1, [&](int64_t begin, int64_t end) {
+    Buffers buf(max_len, q.size(2));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / heads, h = item % heads, kh = h / group;
+      const int64_t t0 = starts[seq], q_rows = starts[seq + 1] - t0;
+      if (q_rows == 0) continue;
+      const PagedRows<T> keys{kp + kh * k_cache.stride(2), vp + kh * v_cache.stride(2),
+                              tables + seq * block_tables.stride(0), k_cache.size(1),
+                              k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+                              v_cache.stride(1)};
+      attend_head<T, NC>(o + t0 * out.stride(0) + h * out.stride(1), out.stride(0),
+                         qp + t0 * q.stride(0) + h * q.stride(1), q.stride(0), keys, lens[seq],
+                         q_rows, static_cast<float>(scale), true, buf);
     }
+  });
+}
+
+// Causal attention of prefill chunks over their whole context in the paged cache (the chunk's
+// own K and V already written there): q [T, H, D], each head's D contiguous; k_cache/v_cache
+// [num_blocks, block_size, Hkv, D] (any strides but D's); block_tables [S, max_blocks] int32;
+// cu_seqlens [S + 1] int32 over q's rows; seq_lens [S] int32, each at least its chunk's rows:
+// chunk s's queries are the last positions of its seq_lens[s] tokens. -> out [T, H, D].
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_tables,
+                             const at::Tensor& cu_seqlens, const at::Tensor& seq_lens,
+                             int64_t max_seq_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, heads, D], D contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "k_cache and v_cache must be [num_blocks, block_size, Hkv, D], D contiguous");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
+              "head sizes differ or Hkv does not divide q's heads");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
+                  q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share one dtype");
+  const int64_t num_seqs = cu_seqlens.numel() - 1;
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt && cu_seqlens.is_contiguous() &&
+                  seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  seq_lens.numel() == num_seqs && block_tables.scalar_type() == at::kInt &&
+                  block_tables.stride(1) == 1 && block_tables.size(0) >= num_seqs,
+              "cu_seqlens [S + 1], seq_lens [S] and block_tables [S, max_blocks] must be "
+              "int32 with contiguous rows");
+  const int64_t nc = checked_chunks(q.size(2));
+  const int32_t* starts = cu_seqlens.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t s = 0; s < num_seqs; ++s)
+    TORCH_CHECK(starts[s + 1] - starts[s] <= lens[s] && lens[s] <= max_seq_len &&
+                    (lens[s] + k_cache.size(1) - 1) / k_cache.size(1) <= block_tables.size(1),
+                "chunk ", s, " has more queries than context, or more context than "
+                "max_seq_len or its block table holds");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  RUNTIME_CPU_DISPATCH(q.scalar_type(), "prefill_attention", [&] {
+    with_chunks(nc, [&](auto nc_const) {
+      prefill_attention_impl<scalar_t, decltype(nc_const)::value>(
+          out, q, k_cache, v_cache, block_tables, starts, lens, num_seqs, max_seq_len, scale);
+    });
   });
   return out;
 }
@@ -265,6 +377,8 @@ at::Tensor add_layer_norm(const at::Tensor& x, const at::Tensor& residual,
 TORCH_LIBRARY_FRAGMENT(runtime_cpu, m) {
   m.def("encoder_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seq_len, "
         "float scale, bool causal) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor cu_seqlens, Tensor seq_lens, int max_seq_len, float scale) -> Tensor");
   m.def("gelu(Tensor x) -> Tensor");
   m.def("add_layer_norm(Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps) "
         "-> Tensor");
@@ -272,6 +386,7 @@ TORCH_LIBRARY_FRAGMENT(runtime_cpu, m) {
 
 TORCH_LIBRARY_IMPL(runtime_cpu, CPU, m) {
   m.impl("encoder_attention", &encoder_attention);
+  m.impl("prefill_attention", &prefill_attention);
   m.impl("gelu", &gelu);
   m.impl("add_layer_norm", &add_layer_norm);
 }
