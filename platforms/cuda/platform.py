@@ -20,10 +20,12 @@ logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 DEFAULT_MEMORY_UTILIZATION = 0.9
-# the recurrent layers' one-token ops that `recurrent_triton` has kernels for (their prefill
-# halves run portably)
+# the recurrent layers' one-token ops that `recurrent_triton` has kernels for
 RECURRENT_DECODE_OPS = ("causal_conv1d_update", "fused_recurrent_gated_delta_rule",
                         "mamba2_state_update")
+# the causal conv's prefill and Mamba 1's scan and update, in `conv_scan_triton` (the chunked
+# Mamba 2 and gated delta rule prefills run portably)
+CONV_SCAN_OPS = ("causal_conv1d", "selective_scan", "selective_state_update")
 
 
 @dataclass(frozen=True)
@@ -175,14 +177,17 @@ class CudaPlatform(Platform):
         return cuda_quantization_kernel(method, params, self.capability)
 
     def custom_op(self, name: str) -> Callable | None:
-        """Multi-LoRA's lora_shrink / lora_expand, fused_moe and the recurrent layers' decode
-        ops as Triton kernels; the portable rest."""
+        """Multi-LoRA's lora_shrink / lora_expand, fused_moe, the recurrent layers' decode ops,
+        the causal conv's prefill and Mamba 1's scan as Triton kernels; the portable rest."""
         if name in ("lora_shrink", "lora_expand"):
             from runtime.platforms.cuda import lora_triton
             return getattr(lora_triton, name)
         if name in RECURRENT_DECODE_OPS:
             from runtime.platforms.cuda import recurrent_triton
             return getattr(recurrent_triton, name)
+        if name in CONV_SCAN_OPS:
+            from runtime.platforms.cuda import conv_scan_triton
+            return getattr(conv_scan_triton, name)
         if name == "fused_moe":
             from runtime.platforms.cuda.fused_moe_triton import fused_moe
             return fused_moe
