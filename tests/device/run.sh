@@ -67,7 +67,6 @@ SECTIONS=(
     "3g|torch_paged on the GPU vs the host|20|gpu|$PYTEST tests/device/test_cuda.py -k 'test_backend_matches and torch_paged'"
     "3h|float32 engines vs transformers|20|gpu|$PYTEST tests/device/test_cuda.py -k test_engine_in_float32"
     "3i|Triton attention, decode context parallel|15|gpu|$PYTEST tests/attention/test_triton_context_parallel.py"
-    "3j|Triton recurrent kernels (decode, conv, Mamba 1)|20|gpu|$PYTEST tests/platforms/test_triton_recurrent.py tests/platforms/test_triton_conv_scan.py"
     "4|FP8 w8a8 via torch._scaled_mm|15|gpu|$PYTEST tests/quantization/test_fp8_cuda.py"
     "5|conformance suite --device cuda|45|gpu|python3 -m runtime.testing.conformance --device cuda -v -rs -p no:cacheprovider"
     "6|engine at 0.9 memory, graphs captured|40|gpu|$PYTEST -s tests/device/test_cuda.py::test_engine_at_09_with_graphs"
