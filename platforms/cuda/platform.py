@@ -23,8 +23,9 @@ DEFAULT_MEMORY_UTILIZATION = 0.9
 # the recurrent layers' one-token ops that `recurrent_triton` has kernels for
 RECURRENT_DECODE_OPS = ("causal_conv1d_update", "fused_recurrent_gated_delta_rule",
                         "mamba2_state_update")
-# the causal conv's prefill and Mamba 1's scan and update, in `conv_scan_triton` (the chunked
-# Mamba 2 and gated delta rule prefills run portably)
+# the chunked prefill scans that `chunk_triton` has kernels for
+RECURRENT_CHUNK_OPS = ("mamba2_chunk_scan", "chunk_gated_delta_rule")
+# the causal conv's prefill and Mamba 1's scan and update, in `conv_scan_triton`
 CONV_SCAN_OPS = ("causal_conv1d", "selective_scan", "selective_state_update")
 
 
@@ -178,13 +179,17 @@ class CudaPlatform(Platform):
 
     def custom_op(self, name: str) -> Callable | None:
         """Multi-LoRA's lora_shrink / lora_expand, fused_moe, the recurrent layers' decode ops,
-        the causal conv's prefill and Mamba 1's scan as Triton kernels; the portable rest."""
+        chunked scans, causal conv prefill and Mamba 1 scan as Triton kernels; the portable
+        rest."""
         if name in ("lora_shrink", "lora_expand"):
             from runtime.platforms.cuda import lora_triton
             return getattr(lora_triton, name)
         if name in RECURRENT_DECODE_OPS:
             from runtime.platforms.cuda import recurrent_triton
             return getattr(recurrent_triton, name)
+        if name in RECURRENT_CHUNK_OPS:
+            from runtime.platforms.cuda import chunk_triton
+            return getattr(chunk_triton, name)
         if name in CONV_SCAN_OPS:
             from runtime.platforms.cuda import conv_scan_triton
             return getattr(conv_scan_triton, name)

