@@ -18,7 +18,7 @@ if DEVICE == "cpu" and not triton.knobs.runtime.interpret:
 from runtime.platforms.cuda import conv_scan_triton  # noqa: E402
 from runtime.plugins import recurrent_ops as portable  # noqa: E402
 
-DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 LENGTHS = [1, 13, 2, 5]
 LOC = torch.tensor([0, 1, 14, 16, 21], device=DEVICE)
 T = 21
