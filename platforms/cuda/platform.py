@@ -20,12 +20,13 @@ logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 DEFAULT_MEMORY_UTILIZATION = 0.9
-# the recurrent layers' one-token ops that `recurrent_triton` has kernels for (their prefill
-# halves run portably)
+# the recurrent layers' one-token ops that `recurrent_triton` has kernels for
 RECURRENT_DECODE_OPS = ("causal_conv1d_update", "fused_recurrent_gated_delta_rule",
                         "mamba2_state_update")
 # the chunked prefill scans that `chunk_triton` has kernels for
 RECURRENT_CHUNK_OPS = ("mamba2_chunk_scan", "chunk_gated_delta_rule")
+# the causal conv's prefill and Mamba 1's scan and update, in `conv_scan_triton`
+CONV_SCAN_OPS = ("causal_conv1d", "selective_scan", "selective_state_update")
 
 
 @dataclass(frozen=True)
@@ -177,8 +178,9 @@ class CudaPlatform(Platform):
         return cuda_quantization_kernel(method, params, self.capability)
 
     def custom_op(self, name: str) -> Callable | None:
-        """Multi-LoRA's lora_shrink / lora_expand, fused_moe, the recurrent layers' decode ops
-        and chunked scans as Triton kernels; the portable rest."""
+        """Multi-LoRA's lora_shrink / lora_expand, fused_moe, the recurrent layers' decode ops,
+        chunked scans, causal conv prefill and Mamba 1 scan as Triton kernels; the portable
+        rest."""
         if name in ("lora_shrink", "lora_expand"):
             from runtime.platforms.cuda import lora_triton
             return getattr(lora_triton, name)
@@ -188,6 +190,9 @@ class CudaPlatform(Platform):
         if name in RECURRENT_CHUNK_OPS:
             from runtime.platforms.cuda import chunk_triton
             return getattr(chunk_triton, name)
+        if name in CONV_SCAN_OPS:
+            from runtime.platforms.cuda import conv_scan_triton
+            return getattr(conv_scan_triton, name)
         if name == "fused_moe":
             from runtime.platforms.cuda.fused_moe_triton import fused_moe
             return fused_moe
