@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.platforms.cpu.linear_choice import PackedRows, fp32_packed_rows
+from runtime.plugins import kda_ops as portable_kda
 from runtime.plugins import lora_ops as portable_lora
 from runtime.plugins import recurrent_ops as portable_recurrent
 from runtime.plugins.lora_ops import LoRABatch
@@ -205,20 +206,95 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
         _rows(state_indices, seqs), use_qk_l2norm, _gdn_scale(q, scale))
 
 
+def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor, query_start_loc: torch.Tensor,
+              initial_state: torch.Tensor | None = None,
+              has_initial_state: torch.Tensor | None = None,
+              checkpoint_rows: torch.Tensor | None = None,
+              checkpoint_states: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule's kernel with a decay per key channel."""
+    if not _gdn_fits(q, v):
+        return portable_kda.chunk_kda(q, k, v, g, beta, query_start_loc, initial_state,
+                                      has_initial_state, checkpoint_rows, checkpoint_states)
+    seqs = query_start_loc.numel() - 1
+    state, has = _prefill_states(initial_state, has_initial_state,
+                                 (seqs, v.size(1), k.size(-1), v.size(-1)), torch.float32)
+    state[~has] = 0
+    out = torch.ops.runtime_cpu.kimi_delta_rule(
+        q.contiguous(), k.contiguous(), v.contiguous(), g.float().exp().contiguous(),
+        beta.float().contiguous(), query_start_loc.long().contiguous(), state,
+        torch.arange(seqs), True, q.size(-1) ** -0.5,
+        None if checkpoint_rows is None else checkpoint_rows.long().contiguous(),
+        checkpoint_states)
+    return out, state.to(initial_state.dtype if initial_state is not None else torch.float32)
+
+
+def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, state: torch.Tensor,
+                        state_indices: torch.Tensor | None = None) -> torch.Tensor:
+    if not (_gdn_fits(q, v) and state.dtype == torch.float32 and state.is_contiguous()):
+        return portable_kda.fused_recurrent_kda(q, k, v, g, beta, state, state_indices)
+    seqs = v.size(0)
+    return torch.ops.runtime_cpu.kimi_delta_rule(
+        q.contiguous(), k.contiguous(), v.contiguous(), g.float().exp().contiguous(),
+        beta.float().contiguous(), torch.arange(seqs + 1), state, _rows(state_indices, seqs),
+        True, q.size(-1) ** -0.5)
+
+
+def _mamba2_fits(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> bool:
+    return B.size(-1) % 16 == 0 and B.dtype == x.dtype and C.dtype == x.dtype
+
+
+def _mamba2_params(A: torch.Tensor, D: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return A.float().contiguous(), None if D is None else D.float().contiguous()
+
+
+def mamba2_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                      C: torch.Tensor, D: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                      dt_softplus: bool, query_start_loc: torch.Tensor,
+                      initial_state: torch.Tensor | None = None,
+                      has_initial_state: torch.Tensor | None = None, chunk_size: int = 256,
+                      dt_limit: tuple[float, float] = (0.0, float("inf")),
+                      checkpoint_rows: torch.Tensor | None = None,
+                      checkpoint_states: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel runs the recurrence token by token (each work item's rows of a head's state
+    stay in L1), which on a CPU beat the chunked quadratic form; `chunk_size` is only a hint
+    here and goes unused. The same contract, the same result to float32 rounding."""
+    if not _mamba2_fits(x, B, C):
+        return portable_recurrent.mamba2_chunk_scan(
+            x, dt, A, B, C, D, dt_bias, dt_softplus, query_start_loc, initial_state,
+            has_initial_state, chunk_size, dt_limit, checkpoint_rows, checkpoint_states)
+    seqs = query_start_loc.numel() - 1
+    state, has = _prefill_states(initial_state, has_initial_state,
+                                 (seqs, *x.shape[1:], B.size(-1)), torch.float32)
+    state[~has] = 0
+    dt = portable_recurrent.mamba2_dt(dt, dt_bias, dt_softplus, dt_limit)
+    A, D = _mamba2_params(A, D)
+    y = torch.ops.runtime_cpu.mamba2_scan(
+        x.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(), D,
+        query_start_loc.long().contiguous(), state, torch.arange(seqs),
+        None if checkpoint_rows is None else checkpoint_rows.long().contiguous(),
+        checkpoint_states)
+    return y, state.to(initial_state.dtype if initial_state is not None else torch.float32)
+
+
 def mamba2_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
                         A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                         D: torch.Tensor | None, dt_bias: torch.Tensor | None,
                         dt_softplus: bool, state_indices: torch.Tensor | None = None,
                         dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
-    if not (state.dtype == torch.float32 and state.is_contiguous() and B.size(-1) % 16 == 0
-            and B.dtype == x.dtype and C.dtype == x.dtype):
+    if not (state.dtype == torch.float32 and state.is_contiguous() and _mamba2_fits(x, B, C)):
         return portable_recurrent.mamba2_state_update(state, x, dt, A, B, C, D, dt_bias,
                                                       dt_softplus, state_indices, dt_limit)
     dt = portable_recurrent.mamba2_dt(dt, dt_bias, dt_softplus, dt_limit)
-    return torch.ops.runtime_cpu.mamba2_state_update(
-        state, x.contiguous(), dt.contiguous(), A.float().contiguous(), B.contiguous(),
-        C.contiguous(), None if D is None else D.float().contiguous(),
-        _rows(state_indices, x.size(0)))
+    seqs = x.size(0)
+    A, D = _mamba2_params(A, D)
+    return torch.ops.runtime_cpu.mamba2_scan(
+        x.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(), D,
+        torch.arange(seqs + 1), state, _rows(state_indices, seqs))
 
 
 def _scan_fits(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> bool:
@@ -317,5 +393,7 @@ OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_
        "causal_conv1d_update": causal_conv1d_update,
        "chunk_gated_delta_rule": chunk_gated_delta_rule,
        "fused_recurrent_gated_delta_rule": fused_recurrent_gated_delta_rule,
-       "mamba2_state_update": mamba2_state_update, "selective_scan": selective_scan,
+       "chunk_kda": chunk_kda, "fused_recurrent_kda": fused_recurrent_kda,
+       "mamba2_chunk_scan": mamba2_chunk_scan, "mamba2_state_update": mamba2_state_update,
+       "selective_scan": selective_scan,
        "selective_state_update": selective_state_update, "greedy_argmax": greedy_argmax}

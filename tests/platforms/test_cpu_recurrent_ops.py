@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from runtime.platforms.cpu import kernels, ops
 from runtime.platforms.cpu.platform import CpuPlatform
+from runtime.plugins import kda_ops as portable_kda
 from runtime.plugins import recurrent_ops as portable
 
 BUILD_ERROR = kernels.load(CpuPlatform().info.model_name)
@@ -17,6 +18,10 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 LENS = [1, 9, 70, 3]
 LOC = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()])
 HAS = torch.tensor([True, False, True, True])
+SCAN_LENS = [1, 5, 37, 300]  # the prefill scans' batch: 343 tokens
+SCAN_LOC = torch.tensor([0, *torch.tensor(SCAN_LENS).cumsum(0).tolist()])
+# prefix-cache checkpoints: the ends of the first three sequences and of the batch, rows inside
+SCAN_ROWS = torch.tensor([0, 3, 5, 20, 42, 100, 255, 342])
 
 
 def _close(got, want, dtype):
@@ -105,6 +110,64 @@ def test_mamba2_state_update(dtype):
     _close(state, want_state, torch.float32)
 
 
+def _mamba2(dtype, tokens, groups, heads=4, p=24, n=32):
+    """p 24: a full and a partial block of 16 state rows per head."""
+    x, dt = torch.randn(tokens, heads, p).to(dtype), torch.randn(tokens, heads).to(dtype)
+    B, C = (torch.randn(tokens, groups, n).to(dtype) for _ in range(2))
+    return x, dt, -torch.rand(heads) - 0.5, B, C, torch.randn(heads), torch.randn(heads)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("initial", [True, False])
+def test_mamba2_chunk_scan(dtype, groups, initial):
+    x, dt, A, B, C, D, dt_bias = _mamba2(dtype, sum(SCAN_LENS), groups)
+    states = torch.randn(4, 4, 24, 32) if initial else None
+    has = torch.tensor([True, False, True, True]) if initial else None
+    kept, want_kept = torch.zeros(len(SCAN_ROWS), 4, 24, 32), torch.zeros(len(SCAN_ROWS), 4, 24, 32)
+    limit = (0.0, 2.0) if groups == 2 else (0.0, float("inf"))
+    want = portable.mamba2_chunk_scan(x, dt, A, B, C, D, dt_bias, True, SCAN_LOC, states, has,
+                                      64, limit, SCAN_ROWS, want_kept)
+    got = ops.mamba2_chunk_scan(x, dt, A, B, C, D, dt_bias, True, SCAN_LOC, states, has, 64,
+                                limit, SCAN_ROWS, kept)
+    _close(got[0], want[0], dtype)
+    _close(got[1], want[1], torch.float32)
+    _close(kept, want_kept, torch.float32)
+
+
+def _kda(dtype, tokens, heads=2, dk=32, dv=48):
+    q, k = (torch.randn(tokens, heads, dk).to(dtype) for _ in range(2))
+    v = torch.randn(tokens, heads, dv).to(dtype)
+    g = -F.softplus(torch.randn(tokens, heads, dk))
+    return q, k, v, g, torch.rand(tokens, heads).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("initial", [True, False])
+def test_chunk_kda(dtype, initial):
+    inputs = _kda(dtype, sum(SCAN_LENS))
+    states = torch.randn(4, 2, 32, 48) if initial else None
+    has = torch.tensor([False, True, True, True]) if initial else None
+    kept, want_kept = torch.zeros(len(SCAN_ROWS), 2, 32, 48), torch.zeros(len(SCAN_ROWS), 2, 32, 48)
+    want = portable_kda.chunk_kda(*inputs, SCAN_LOC, states, has, SCAN_ROWS, want_kept)
+    got = ops.chunk_kda(*inputs, SCAN_LOC, states, has, SCAN_ROWS, kept)
+    _close(got[0], want[0], dtype)
+    _close(got[1], want[1], torch.float32)
+    _close(kept, want_kept, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_fused_recurrent_kda(dtype):
+    q, k, v, g, beta = _kda(dtype, 3)
+    state = torch.randn(5, 2, 32, 48)
+    rows = torch.tensor([4, 0, 2])
+    want_state = state.clone()
+    want = portable_kda.fused_recurrent_kda(q, k, v, g, beta, want_state, rows)
+    got = ops.fused_recurrent_kda(q, k, v, g, beta, state, rows)
+    _close(got, want, dtype)
+    _close(state, want_state, torch.float32)
+
+
 def _mamba1(dtype, tokens, dim=40, n=16):
     x, dt, z = (torch.randn(tokens, dim).to(dtype) for _ in range(3))
     A = -torch.rand(dim, n) - 0.5
@@ -153,9 +216,6 @@ def test_shapes_the_kernels_do_not_take_use_the_portable_ops():
 
 def test_the_platform_answers_the_recurrent_ops_with_their_signatures():
     platform = CpuPlatform()
-    for name in ("causal_conv1d", "causal_conv1d_update", "chunk_gated_delta_rule",
-                 "fused_recurrent_gated_delta_rule", "mamba2_state_update", "selective_scan",
-                 "selective_state_update"):
+    for name, portable_op in {**portable.OPS, **portable_kda.OPS}.items():
         assert platform.custom_op(name) is getattr(ops, name)
-        assert inspect.signature(getattr(ops, name)) == inspect.signature(portable.OPS[name])
-    assert platform.custom_op("mamba2_chunk_scan") is None  # no kernel yet: the portable op runs
+        assert inspect.signature(getattr(ops, name)) == inspect.signature(portable_op)

@@ -1,8 +1,8 @@
-// Recurrent layer kernels for the CPU: the gated delta rule, the causal depthwise conv1d,
-// Mamba 1's selective scan and Mamba 2's one-token state update. Each takes a varlen batch through query_start_loc (decode:
-// one token per sequence) and updates its states in place, row state_indices[s] for sequence s,
-// so one kernel serves prefill (the caller passes a buffer of initial states) and decode (the
-// state cache itself). Arithmetic is float32; outputs round to the activations' dtype.
+// Recurrent layer kernels for the CPU: the gated delta rule (and Kimi delta attention), the
+// causal depthwise conv1d, Mamba 1's selective scan and Mamba 2's scan. Each takes a varlen
+// batch through query_start_loc (decode: one token per sequence) and updates its states in
+// place, row state_indices[s] for sequence s, so one kernel serves prefill (the caller passes a
+// buffer of initial states) and decode (the state cache itself). Arithmetic is float32; outputs round to the activations' dtype.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -51,13 +51,15 @@ void normed_qk(const T* q, const T* k, float* qn, float* kn, int64_t rows, int64
 }
 
 // Gated delta rule, per value head with state S [K, V] (V contiguous, float32):
-// S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q. Column j of S only ever meets v[j],
-// so each work item owns a block of lanes of V and runs its sequence's tokens with that block
-// of the state in L1, read twice and written once per token: S^T k is taken before the decay
-// (exp(g) S^T k), which the update then applies. Four accumulators keep the FMA chains apart.
+// S = diag(a) S; S += k (beta (v - S^T k))^T; o = S^T q, with a = exp(g) one decay per head
+// (g [T, Hv], log) or, kPerChannel (Kimi delta attention), one per key channel (g [T, Hv, K],
+// already exp'd). Column j of S only ever meets v[j], so each work item owns a block of lanes
+// of V and runs its sequence's tokens with that block of the state in L1, read twice and
+// written once per token: S^T k is taken before the decay ((S^T (a k)), which the update then
+// applies. Four accumulators keep the FMA chains apart.
 // After each of the sorted `checkpoints` rows (a prefix-cache checkpoint), the item's block
 // of the state is also copied into that row's entry of `kept` [C, Hv, K, V].
-template <typename T>
+template <bool kPerChannel, typename T>
 void gated_delta_rule_kernel(const float* q, const float* k, const T* v, const float* g,
                              const float* beta, const int64_t* loc, const int64_t* rows,
                              float* state, T* out, int64_t seqs, int64_t k_heads,
@@ -74,23 +76,27 @@ void gated_delta_rule_kernel(const float* q, const float* k, const T* v, const f
       for (int64_t t = loc[s]; t < loc[s + 1]; ++t) {
         const float* qt = q + (t * k_heads + kh) * dk;
         const float* kt = k + (t * k_heads + kh) * dk;
-        const float decay = std::exp(g[t * v_heads + h]), b = beta[t * v_heads + h];
+        const float* channel_decay = kPerChannel ? g + (t * v_heads + h) * dk : g;
+        const float head_decay = kPerChannel ? 1.f : std::exp(g[t * v_heads + h]);
+        auto decay = [&](int64_t i) { return kPerChannel ? channel_decay[i] : head_decay; };
+        const float b = beta[t * v_heads + h];
         vecf mem[4] = {};
         int64_t i = 0;
         for (; i + 4 <= dk; i += 4)
-          for (int j = 0; j < 4; ++j) mem[j] += loadv(S + (i + j) * dv) * kt[i + j];
-        for (; i < dk; ++i) mem[0] += loadv(S + i * dv) * kt[i];
-        const vecf kv = ((mem[0] + mem[1]) + (mem[2] + mem[3])) * decay;
+          for (int j = 0; j < 4; ++j)
+            mem[j] += loadv(S + (i + j) * dv) * (kt[i + j] * decay(i + j));
+        for (; i < dk; ++i) mem[0] += loadv(S + i * dv) * (kt[i] * decay(i));
+        const vecf kv = (mem[0] + mem[1]) + (mem[2] + mem[3]);
         const vecf delta = (loadv(v + (t * v_heads + h) * dv + col) - kv) * b;
         vecf o[4] = {};
         for (i = 0; i + 4 <= dk; i += 4)
           for (int j = 0; j < 4; ++j) {
-            const vecf row = loadv(S + (i + j) * dv) * decay + delta * kt[i + j];
+            const vecf row = loadv(S + (i + j) * dv) * decay(i + j) + delta * kt[i + j];
             storev(S + (i + j) * dv, row);
             o[j] += row * qt[i + j];
           }
         for (; i < dk; ++i) {
-          const vecf row = loadv(S + i * dv) * decay + delta * kt[i];
+          const vecf row = loadv(S + i * dv) * decay(i) + delta * kt[i];
           storev(S + i * dv, row);
           o[0] += row * qt[i];
         }
@@ -105,12 +111,13 @@ void gated_delta_rule_kernel(const float* q, const float* k, const T* v, const f
   });
 }
 
-at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& g, const at::Tensor& beta,
-                            const at::Tensor& query_start_loc, at::Tensor state,
-                            const at::Tensor& state_indices, bool l2norm, double scale,
-                            const c10::optional<at::Tensor>& checkpoint_rows,
-                            const c10::optional<at::Tensor>& checkpoint_states) {
+template <bool kPerChannel>
+at::Tensor delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& g, const at::Tensor& beta,
+                      const at::Tensor& query_start_loc, at::Tensor state,
+                      const at::Tensor& state_indices, bool l2norm, double scale,
+                      const c10::optional<at::Tensor>& checkpoint_rows,
+                      const c10::optional<at::Tensor>& checkpoint_states) {
   const int64_t seqs = checked_sequences(query_start_loc, state_indices);
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
               "q, k must be [T, Hk, K] and v [T, Hv, V]");
@@ -122,9 +129,11 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(v_heads % k_heads == 0, "the value heads must be a multiple of the key heads");
   TORCH_CHECK(dv % 16 == 0, "the value head size must be a multiple of 16");
   TORCH_CHECK(g.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat &&
-                  g.is_contiguous() && beta.is_contiguous() && g.numel() == v.size(0) * v_heads &&
-                  beta.numel() == g.numel(),
-              "g and beta must be contiguous float32 [T, Hv]");
+                  g.is_contiguous() && beta.is_contiguous() &&
+                  beta.numel() == v.size(0) * v_heads &&
+                  g.numel() == beta.numel() * (kPerChannel ? dk : 1),
+              kPerChannel ? "decay (exp g) must be contiguous float32 [T, H, K], beta [T, H]"
+                          : "g and beta must be contiguous float32 [T, Hv]");
   TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
                   state.size(1) == v_heads && state.size(2) == dk && state.size(3) == dv,
               "state must be contiguous float32 [slots, Hv, K, V]");
@@ -145,7 +154,7 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
     normed_qk<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), qn.data_ptr<float>(),
                         kn.data_ptr<float>(), q.size(0) * k_heads, dk, l2norm,
                         static_cast<float>(scale));
-    gated_delta_rule_kernel<scalar_t>(
+    gated_delta_rule_kernel<kPerChannel, scalar_t>(
         qn.data_ptr<float>(), kn.data_ptr<float>(), v.data_ptr<scalar_t>(), g.data_ptr<float>(),
         beta.data_ptr<float>(), query_start_loc.data_ptr<int64_t>(),
         state_indices.data_ptr<int64_t>(), state.data_ptr<float>(), out.data_ptr<scalar_t>(),
@@ -231,8 +240,6 @@ at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-// Mamba 2, one token per sequence, per head with state h [P, N] (N contiguous, float32):
-// h = exp(dt A) h + dt x B^T; y = h C + D x. dt arrives final (bias, softplus and clamp done).
 // Mamba 1's selective scan, per channel i with state h [N] (float32, N % 16 == 0):
 // h = exp(dt A_i) h + dt x B;  y = C . h (D and the gate are the caller's). Each work item owns
 // a block of channels of one sequence and runs its tokens with those rows of the state in L1.
@@ -317,47 +324,71 @@ at::Tensor selective_scan(const at::Tensor& x, const at::Tensor& dt, const at::T
   return out;
 }
 
+// Mamba 2 over a varlen batch (decode: one token per sequence), per head with state h [P, N]
+// (N contiguous, float32): h = exp(dt A) h + dt x B^T; y = h C + D x. dt arrives final (bias,
+// softplus and clamp done). Token by token, not the chunked quadratic form: each work item
+// owns a block of rows of one head's state, which stays in L1 across its sequence's tokens.
+// After each of the sorted `checkpoints` rows, the item's rows are also copied into that row's
+// entry of `kept` [C, H, P, N].
 template <typename T>
-void mamba2_state_update_kernel(const T* x, const float* dt, const float* A, const T* B,
-                                const T* C, const float* D, const int64_t* rows, float* state,
-                                T* out, int64_t seqs, int64_t heads, int64_t p, int64_t groups,
-                                int64_t n) {
-  const int64_t per_group = heads / groups;
-  at::parallel_for(0, seqs * heads, 1, [&](int64_t begin, int64_t end) {
+void mamba2_scan_kernel(const T* x, const float* dt, const float* A, const T* B, const T* C,
+                        const float* D, const int64_t* loc, const int64_t* rows, float* state,
+                        T* out, int64_t seqs, int64_t heads, int64_t p, int64_t groups,
+                        int64_t n, const int64_t* checkpoints, int64_t num_checkpoints,
+                        float* kept) {
+  constexpr int64_t kRows = 16;  // of the state, per work item
+  const int64_t per_group = heads / groups, blocks = (p + kRows - 1) / kRows;
+  at::parallel_for(0, seqs * heads * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / heads, h = item % heads, grp = h / per_group;
-      const float d = dt[item], decay = std::exp(d * A[h]);
-      const T* Bs = B + (s * groups + grp) * n;
-      const T* Cs = C + (s * groups + grp) * n;
+      const int64_t s = item / (heads * blocks), h = item / blocks % heads;
+      const int64_t r0 = item % blocks * kRows, r1 = std::min(p, r0 + kRows);
+      const int64_t grp = h / per_group;
       float* H = state + (rows[s] * heads + h) * p * n;
-      for (int64_t i = 0; i < p; ++i) {
-        const float xi = static_cast<float>(x[item * p + i]);
-        vecf acc = {};
-        for (int64_t j = 0; j < n; j += kLanes) {
-          vecf row = loadv(H + i * n + j) * decay + loadv(Bs + j) * (d * xi);
-          storev(H + i * n + j, row);
-          acc += row * loadv(Cs + j);
+      int64_t c = std::lower_bound(checkpoints, checkpoints + num_checkpoints, loc[s]) -
+                  checkpoints;
+      for (int64_t t = loc[s]; t < loc[s + 1]; ++t) {
+        const float d = dt[t * heads + h], decay = std::exp(d * A[h]);
+        const T* Bt = B + (t * groups + grp) * n;
+        const T* Ct = C + (t * groups + grp) * n;
+        const T* xt = x + (t * heads + h) * p;
+        T* yt = out + (t * heads + h) * p;
+        for (int64_t i = r0; i < r1; ++i) {
+          const float xi = static_cast<float>(xt[i]);
+          vecf acc = {};
+          for (int64_t j = 0; j < n; j += kLanes) {
+            const vecf row = loadv(H + i * n + j) * decay + loadv(Bt + j) * (d * xi);
+            storev(H + i * n + j, row);
+            acc += row * loadv(Ct + j);
+          }
+          yt[i] = static_cast<T>(hsum(acc) + (D != nullptr ? D[h] * xi : 0.f));
         }
-        out[item * p + i] = static_cast<T>(hsum(acc) + (D != nullptr ? D[h] * xi : 0.f));
+        if (c < num_checkpoints && checkpoints[c] == t) {
+          std::copy(H + r0 * n, H + r1 * n, kept + ((c * heads + h) * p + r0) * n);
+          ++c;
+        }
       }
     }
   });
 }
 
-at::Tensor mamba2_state_update(at::Tensor state, const at::Tensor& x, const at::Tensor& dt,
-                               const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
-                               const c10::optional<at::Tensor>& D,
-                               const at::Tensor& state_indices) {
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "x must be contiguous [S, H, P]");
-  const int64_t seqs = x.size(0), heads = x.size(1), p = x.size(2);
-  TORCH_CHECK(B.dim() == 3 && B.sizes() == C.sizes() && B.size(0) == seqs && B.is_contiguous() &&
-                  C.is_contiguous() && B.scalar_type() == x.scalar_type() &&
+at::Tensor mamba2_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
+                       const at::Tensor& B, const at::Tensor& C,
+                       const c10::optional<at::Tensor>& D, const at::Tensor& query_start_loc,
+                       at::Tensor state, const at::Tensor& state_indices,
+                       const c10::optional<at::Tensor>& checkpoint_rows,
+                       const c10::optional<at::Tensor>& checkpoint_states) {
+  const int64_t seqs = checked_sequences(query_start_loc, state_indices);
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "x must be contiguous [T, H, P]");
+  const int64_t tokens = x.size(0), heads = x.size(1), p = x.size(2);
+  TORCH_CHECK(B.dim() == 3 && B.sizes() == C.sizes() && B.size(0) == tokens &&
+                  B.is_contiguous() && C.is_contiguous() && B.scalar_type() == x.scalar_type() &&
                   C.scalar_type() == x.scalar_type() && heads % B.size(1) == 0 &&
                   B.size(2) % 16 == 0,
-              "B and C must be contiguous [S, G, N] in x's dtype, H % G == 0, N % 16 == 0");
+              "B and C must be contiguous [T, G, N] in x's dtype, H % G == 0, N % 16 == 0");
   const int64_t groups = B.size(1), n = B.size(2);
-  TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.is_contiguous() && dt.numel() == seqs * heads,
-              "dt must be contiguous float32 [S, H]");
+  TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.is_contiguous() &&
+                  dt.numel() == tokens * heads,
+              "dt must be contiguous float32 [T, H]");
   TORCH_CHECK(A.scalar_type() == at::kFloat && A.is_contiguous() && A.numel() == heads,
               "A must be contiguous float32 [H]");
   TORCH_CHECK(!D.has_value() || (D->scalar_type() == at::kFloat && D->is_contiguous() &&
@@ -366,16 +397,25 @@ at::Tensor mamba2_state_update(at::Tensor state, const at::Tensor& x, const at::
   TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
                   state.size(1) == heads && state.size(2) == p && state.size(3) == n,
               "state must be contiguous float32 [slots, H, P, N]");
-  TORCH_CHECK(state_indices.scalar_type() == at::kLong && state_indices.is_contiguous() &&
-                  state_indices.numel() == seqs,
-              "state_indices must be contiguous int64 [S]");
+  const int64_t num_checkpoints = checkpoint_rows.has_value() ? checkpoint_rows->numel() : 0;
+  TORCH_CHECK(num_checkpoints == 0 ||
+                  (checkpoint_rows->scalar_type() == at::kLong &&
+                   checkpoint_rows->is_contiguous() && checkpoint_states.has_value() &&
+                   checkpoint_states->scalar_type() == at::kFloat &&
+                   checkpoint_states->is_contiguous() &&
+                   checkpoint_states->numel() == num_checkpoints * heads * p * n),
+              "checkpoint_rows must be sorted int64 [C] with float32 checkpoint_states "
+              "[C, H, P, N]");
   at::Tensor out = at::empty_like(x);
-  RUNTIME_CPU_DISPATCH(x.scalar_type(), "mamba2_state_update", [&] {
-    mamba2_state_update_kernel<scalar_t>(
+  RUNTIME_CPU_DISPATCH(x.scalar_type(), "mamba2_scan", [&] {
+    mamba2_scan_kernel<scalar_t>(
         x.data_ptr<scalar_t>(), dt.data_ptr<float>(), A.data_ptr<float>(),
         B.data_ptr<scalar_t>(), C.data_ptr<scalar_t>(),
-        D.has_value() ? D->data_ptr<float>() : nullptr, state_indices.data_ptr<int64_t>(),
-        state.data_ptr<float>(), out.data_ptr<scalar_t>(), seqs, heads, p, groups, n);
+        D.has_value() ? D->data_ptr<float>() : nullptr, query_start_loc.data_ptr<int64_t>(),
+        state_indices.data_ptr<int64_t>(), state.data_ptr<float>(), out.data_ptr<scalar_t>(),
+        seqs, heads, p, groups, n,
+        num_checkpoints ? checkpoint_rows->data_ptr<int64_t>() : nullptr, num_checkpoints,
+        num_checkpoints ? checkpoint_states->data_ptr<float>() : nullptr);
   });
   return out;
 }
@@ -387,18 +427,24 @@ TORCH_LIBRARY_FRAGMENT(runtime_cpu, m) {
         "Tensor query_start_loc, Tensor(a!) state, Tensor state_indices, bool l2norm, "
         "float scale, Tensor? checkpoint_rows=None, Tensor(b!)? checkpoint_states=None) "
         "-> Tensor");
+  m.def("kimi_delta_rule(Tensor q, Tensor k, Tensor v, Tensor decay, Tensor beta, "
+        "Tensor query_start_loc, Tensor(a!) state, Tensor state_indices, bool l2norm, "
+        "float scale, Tensor? checkpoint_rows=None, Tensor(b!)? checkpoint_states=None) "
+        "-> Tensor");
   m.def("causal_conv1d(Tensor x, Tensor weight, Tensor? bias, Tensor query_start_loc, "
         "Tensor(a!) state, Tensor state_indices, Tensor has_initial_state, bool silu) -> Tensor");
-  m.def("mamba2_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, "
-        "Tensor C, Tensor? D, Tensor state_indices) -> Tensor");
+  m.def("mamba2_scan(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, "
+        "Tensor query_start_loc, Tensor(a!) state, Tensor state_indices, "
+        "Tensor? checkpoint_rows=None, Tensor(b!)? checkpoint_states=None) -> Tensor");
   m.def("selective_scan(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, "
         "Tensor query_start_loc, Tensor(a!) state, Tensor state_indices, "
         "Tensor? checkpoint_rows=None, Tensor(b!)? checkpoint_states=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(runtime_cpu, CPU, m) {
-  m.impl("gated_delta_rule", &gated_delta_rule);
+  m.impl("gated_delta_rule", &delta_rule<false>);
+  m.impl("kimi_delta_rule", &delta_rule<true>);
   m.impl("causal_conv1d", &causal_conv1d);
-  m.impl("mamba2_state_update", &mamba2_state_update);
+  m.impl("mamba2_scan", &mamba2_scan);
   m.impl("selective_scan", &selective_scan);
 }
