@@ -233,7 +233,8 @@ _TOP = {
     "lfm2": {"token_embd.weight": "model.embed_tokens.weight",
              "token_embd_norm.weight": "model.embedding_norm.weight", "output.weight": "lm_head.weight"},
     "jamba": {"token_embd.weight": "model.embed_tokens.weight",
-              "output_norm.weight": "model.final_layernorm.weight", "output.weight": "lm_head.weight"},
+              "output_norm.weight": "model.final_layernorm.weight",
+              "output.weight": "lm_head.weight"},
 }
 _LAYER_PREFIX = {"mamba": "backbone.layers", "mamba2": "backbone.layers",
                  "granitehybrid": "model.layers", "lfm2": "model.layers", "jamba": "model.layers"}
