@@ -4,8 +4,10 @@ transformers reads no GGUF config of Mamba 2 or Granite 4.0-H, so each config he
 from llama.cpp's metadata keys. Each GGUF tensor maps to a checkpoint parameter of the
 transformers model, with what convert_hf_to_gguf.py did to it undone: Mamba's A stored as
 -exp(A_log), conv weights squeezed to [channels, width], Mamba 2's A, D and grouped norm
-reshaped, Granite's fused gate/up projections split in two (`merge` joins them again) and its
-attention q/k rows permuted as for llama.
+reshaped, Granite's and Jamba's fused gate/up projections split in two (`merge` joins them
+again) and Granite's attention q/k rows permuted as for llama. Jamba's attention and expert
+layers, which its config places by offset and period, the file marks per layer (a KV head count,
+a router tensor).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any
 import gguf
 from transformers import (
     GraniteMoeHybridConfig,
+    JambaConfig,
     Lfm2Config,
     Mamba2Config,
     MambaConfig,
@@ -22,7 +25,8 @@ from transformers import (
 )
 
 HYBRID_ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "granitehybrid": "GraniteMoeHybridForCausalLM",
-                        "lfm2": "Lfm2ForCausalLM", "mamba": "MambaForCausalLM"}
+                        "lfm2": "Lfm2ForCausalLM", "mamba": "MambaForCausalLM",
+                        "jamba": "JambaForCausalLM"}
 
 Keys, LLM, Attn, Rope, SSM = gguf.Keys, gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.SSM
 
@@ -76,6 +80,22 @@ def hybrid_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
             conv_L_cache=fields[Keys.ShortConv.L_CACHE], block_auto_adjust_ff_dim=False,
             conv_bias=_any_layer(names, "shortconv.conv.bias"),
             layer_types=["full_attention" if n else "conv" for n in kv_heads])
+    if arch == "jamba":
+        layers = common["num_hidden_layers"]
+        attn_offset, attn_period = _offset_period([i for i, n in enumerate(kv_heads) if n],
+                                                  layers, "attention")
+        expert_offset, expert_period = _offset_period(
+            [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names], layers, "MoE")
+        return JambaConfig(
+            **common, **attention, rms_norm_eps=fields[Attn.LAYERNORM_RMS_EPS],
+            num_experts=fields[LLM.EXPERT_COUNT], num_experts_per_tok=fields[LLM.EXPERT_USED_COUNT],
+            attn_layer_offset=attn_offset, attn_layer_period=attn_period,
+            expert_layer_offset=expert_offset, expert_layer_period=expert_period,
+            mamba_d_state=fields[SSM.STATE_SIZE], mamba_d_conv=fields[SSM.CONV_KERNEL],
+            mamba_expand=fields[SSM.INNER_SIZE] // fields[LLM.EMBEDDING_LENGTH],
+            mamba_dt_rank=fields[SSM.TIME_STEP_RANK],
+            mamba_conv_bias=_any_layer(names, "ssm_conv1d.bias"),
+            mamba_proj_bias=_any_layer(names, "ssm_in.bias"))
     if fields.get(Rope.SCALING_FINETUNED, False):
         # the converter's mark of a Bamba checkpoint (attention with rope, a plain MLP)
         raise NotImplementedError("GGUF granitehybrid with rope (converted from Bamba) is not "
@@ -159,6 +179,30 @@ def _granite_layer() -> dict[str, HybridTensor]:
     return layer
 
 
+def _jamba_layer() -> dict[str, HybridTensor]:
+    ffn = "feed_forward"
+    layer = _mixer("mamba", False)
+    layer.update({
+        "ssm_dt_norm.weight": HybridTensor("mamba.dt_layernorm.weight"),
+        "ssm_b_norm.weight": HybridTensor("mamba.b_layernorm.weight"),
+        "ssm_c_norm.weight": HybridTensor("mamba.c_layernorm.weight"),
+        "attn_norm.weight": HybridTensor("input_layernorm.weight"),
+        "ffn_norm.weight": HybridTensor("pre_ff_layernorm.weight"),
+        "attn_q.weight": HybridTensor("self_attn.q_proj.weight"),
+        "attn_k.weight": HybridTensor("self_attn.k_proj.weight"),
+        "attn_v.weight": HybridTensor("self_attn.v_proj.weight"),
+        "attn_output.weight": HybridTensor("self_attn.o_proj.weight"),
+        "ffn_gate.weight": HybridTensor(f"{ffn}.gate_proj.weight"),
+        "ffn_up.weight": HybridTensor(f"{ffn}.up_proj.weight"),
+        "ffn_down.weight": HybridTensor(f"{ffn}.down_proj.weight"),
+        "ffn_gate_inp.weight": HybridTensor(f"{ffn}.router.weight"),
+        "ffn_gate_exps.weight": HybridTensor(f"{ffn}.experts.gate_up_proj", merge=(0, 2, 1)),
+        "ffn_up_exps.weight": HybridTensor(f"{ffn}.experts.gate_up_proj", merge=(1, 2, 1)),
+        "ffn_down_exps.weight": HybridTensor(f"{ffn}.experts.down_proj"),
+    })
+    return layer
+
+
 _LFM2_LAYER = {
     "attn_norm.weight": HybridTensor("operator_norm.weight"),
     "ffn_norm.weight": HybridTensor("ffn_norm.weight"),
@@ -188,14 +232,18 @@ _TOP = {
     # LFM2's final norm is named embedding_norm, and llama.cpp keeps the name
     "lfm2": {"token_embd.weight": "model.embed_tokens.weight",
              "token_embd_norm.weight": "model.embedding_norm.weight", "output.weight": "lm_head.weight"},
+    "jamba": {"token_embd.weight": "model.embed_tokens.weight",
+              "output_norm.weight": "model.final_layernorm.weight",
+              "output.weight": "lm_head.weight"},
 }
 _LAYER_PREFIX = {"mamba": "backbone.layers", "mamba2": "backbone.layers",
-                 "granitehybrid": "model.layers", "lfm2": "model.layers"}
+                 "granitehybrid": "model.layers", "lfm2": "model.layers", "jamba": "model.layers"}
 _LAYER = {
     "mamba": {"attn_norm.weight": HybridTensor("norm.weight"), **_mixer("mixer", False)},
     "mamba2": {"attn_norm.weight": HybridTensor("norm.weight"), **_mixer("mixer", True)},
     "granitehybrid": _granite_layer(),
     "lfm2": _LFM2_LAYER,
+    "jamba": _jamba_layer(),
 }
 
 
@@ -227,3 +275,13 @@ def _token_ids(reader: gguf.GGUFReader) -> dict[str, int]:
 
 def _any_layer(names: set[str], suffix: str) -> bool:
     return any(n.startswith("blk.") and n.endswith(f".{suffix}") for n in names)
+
+
+def _offset_period(layers: list[int], count: int, kind: str) -> tuple[int, int]:
+    """The (offset, period) of Jamba's config that places its `kind` layers at `layers`."""
+    offset = layers[0] if layers else count
+    period = layers[1] - layers[0] if len(layers) > 1 else count
+    if [i for i in range(offset, count) if (i - offset) % period == 0] != layers:
+        raise NotImplementedError(f"GGUF jamba with {kind} layers {layers}, which no offset and "
+                                  f"period place, is not supported")
+    return offset, period

@@ -1,4 +1,5 @@
-"""GGUF files of the state-space and hybrid architectures (mamba, mamba2, granitehybrid, lfm2),
+"""GGUF files of the state-space and hybrid architectures (mamba, mamba2, granitehybrid, lfm2,
+jamba),
 written here as llama.cpp's convert_hf_to_gguf.py writes them, run with the same greedy tokens
 and logprobs as transformers on the weights the file holds."""
 from __future__ import annotations
@@ -42,12 +43,18 @@ CASES = {
         ATTENTION, intermediate_size=96, block_auto_adjust_ff_dim=False,
         layer_types=["conv", "full_attention"],
         tie_word_embeddings=True)),
+    # Jamba: Mamba 1 with dt/B/C norms, attention (no rope) in layers 1 and 3, top-2 of 4
+    # experts in layers 0 and 2 (a Mamba and an attention layer each with experts and without)
+    "jamba": (transformers.JambaForCausalLM, dict(
+        ATTENTION, num_hidden_layers=4, intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=0,
+        expert_layer_period=2, mamba_d_state=16, mamba_expand=2, tie_word_embeddings=False)),
 }
 
 
 def _metadata(writer: gguf.GGUFWriter, arch: str, model: torch.nn.Module) -> None:
-    """The keys convert_hf_to_gguf.py's MambaModel, Mamba2Model, GraniteHybridModel and
-    LFM2Model write."""
+    """The keys convert_hf_to_gguf.py's MambaModel, Mamba2Model, GraniteHybridModel, LFM2Model
+    and JambaModel write."""
     c = model.config
     writer.add_embedding_length(c.hidden_size)
     writer.add_block_count(c.num_hidden_layers)
@@ -67,7 +74,8 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, model: torch.nn.Module) -> Non
             writer.add_ssm_time_step_rank(c.num_heads)
             writer.add_ssm_group_count(c.n_groups)
         return
-    kv = [c.num_key_value_heads if t in ("attention", "full_attention") else 0 for t in c.layer_types]
+    types = c.layers_block_type if arch == "jamba" else c.layer_types
+    kv = [c.num_key_value_heads if t in ("attention", "full_attention") else 0 for t in types]
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(kv)
     writer.add_vocab_size(VOCAB)
@@ -76,6 +84,16 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, model: torch.nn.Module) -> Non
         writer.add_feed_forward_length(model.model.layers[0].feed_forward.w1.weight.shape[0])
         writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
         writer.add_shortconv_l_cache(c.conv_L_cache)
+        return
+    if arch == "jamba":
+        writer.add_context_length(c.max_position_embeddings)
+        writer.add_feed_forward_length(c.intermediate_size)
+        writer.add_ssm_conv_kernel(c.mamba_d_conv)
+        writer.add_ssm_inner_size(c.mamba_expand * c.hidden_size)
+        writer.add_ssm_state_size(c.mamba_d_state)
+        writer.add_ssm_time_step_rank(c.mamba_dt_rank)
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
         return
     writer.add_context_length(2**20)  # no rope
     writer.add_feed_forward_length(c.intermediate_size)
@@ -106,7 +124,7 @@ def _converted(arch: str, model: torch.nn.Module, name: str, data: torch.Tensor
     def blk(tensor: T) -> str:
         return gguf.TENSOR_NAMES[tensor].format(bid=layer) + ".weight"
 
-    mamba2 = arch != "mamba"
+    mamba2 = arch in ("mamba2", "granitehybrid")
     if suffix in ("A_log", "D"):
         data = -torch.exp(data) if suffix == "A_log" else data
         return [(names.get_name(name), data.reshape(*data.shape, 1) if mamba2 and data.ndim == 1 else data)]
@@ -166,10 +184,11 @@ def write_hybrid_gguf(path: str, arch: str, model: torch.nn.Module, qtype: gguf.
 
 
 @pytest.mark.parametrize("arch,qtype", [("mamba", F16), ("mamba2", Q8_0), ("granitehybrid", F16),
-                                        ("granitehybrid", Q8_0), ("lfm2", Q8_0)])
+                                        ("granitehybrid", Q8_0), ("lfm2", Q8_0), ("jamba", F16),
+                                        ("jamba", Q8_0)])
 def test_hybrid_gguf_matches_transformers(arch, qtype, tmp_path):
     cls, overrides = CASES[arch]
-    config = cls.config_class(**TINY, **overrides)
+    config = cls.config_class(**{**TINY, **overrides})
     torch.manual_seed(0)
     model = cls(config).eval()
     path = str(tmp_path / f"tiny-{arch}.gguf")
@@ -184,9 +203,9 @@ def test_hybrid_gguf_matches_transformers(arch, qtype, tmp_path):
             assert getattr(read, key) == (pytest.approx(expected) if isinstance(expected, float)
                                           else expected), key
     references = [hf_greedy(model, p, 8) for p in PROMPTS]
-    # the files of Mamba and Granite 4.0-H claim a context of 2**20: keep the profile run short
-    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4,
-              max_model_len=64, max_num_batched_tokens=64)
+    # no max_model_len: the files of Mamba and Granite 4.0-H claim a context of 2**20, which
+    # the engine lowers to what the KV cache holds
+    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4)
     assert llm.engine.model_config.architecture == cls.__name__
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     assert_matches_hf(llm.generate(PROMPTS, params), references)
