@@ -10,7 +10,8 @@
 #       64/128/256, MQA, sliding window, split-KV decodes), the CPU suites' Triton and FP8 tests
 #       on the GPU, then each backend alone against torch_paged (bf16, fp16, FP8 KV), one
 #       process per backend, the float32 engines against transformers, and the Triton
-#       kernel's decode-context-parallel partials; (3k) the chunked recurrent scans
+#       kernel's decode-context-parallel partials; (3j-3l) the recurrent layers' Triton
+#       kernels (decode, chunked Mamba 2 and delta-rule scans, conv1d and Mamba 1)
 #   (4) FP8 w8a8 through torch._scaled_mm (sm89+)
 #   (5) the conformance suite with --device cuda
 #   (6) the engine at --gpu-memory-utilization 0.9 with graphs captured: memory before and after
@@ -61,18 +62,20 @@ SECTIONS=(
     "3a|Triton attention compiled vs torch_paged|35|gpu|$PYTEST tests/device/test_triton_gpu.py"
     "3b|Triton attention, the CPU suite's cases|25|gpu|$PYTEST tests/platforms/test_triton_paged.py"
     "3c|FP8 KV cache suite|25|gpu|$PYTEST tests/attention/test_fp8_kv_cache.py"
-    "3d|flash_attn alone vs torch_paged|10|gpu|$PYTEST tests/device/test_cuda.py -k 'test_backend_matches and flash_attn'"
-    "3e|flashinfer alone vs torch_paged|10|gpu|$PYTEST tests/device/test_cuda.py -k 'test_backend_matches and flashinfer'"
+    "3d|flash_attn alone vs torch_paged|5|gpu|$PYTEST tests/device/test_cuda.py -k 'test_backend_matches and flash_attn'"
+    "3e|flashinfer alone vs torch_paged|5|gpu|$PYTEST tests/device/test_cuda.py -k 'test_backend_matches and flashinfer'"
     "3f|triton_paged alone vs torch_paged|30|gpu|$PYTEST tests/device/test_cuda.py -k 'test_backend_matches and triton_paged'"
     "3g|torch_paged on the GPU vs the host|20|gpu|$PYTEST tests/device/test_cuda.py -k 'test_backend_matches and torch_paged'"
     "3h|float32 engines vs transformers|20|gpu|$PYTEST tests/device/test_cuda.py -k test_engine_in_float32"
     "3i|Triton attention, decode context parallel|15|gpu|$PYTEST tests/attention/test_triton_context_parallel.py"
+    "3j|Triton recurrent decode kernels|10|gpu|$PYTEST tests/platforms/test_triton_recurrent.py"
     "3k|Triton chunked Mamba 2 and gated delta rule|15|gpu|$PYTEST tests/platforms/test_triton_chunk.py"
+    "3l|Triton conv1d and Mamba 1 kernels|10|gpu|$PYTEST tests/platforms/test_triton_conv_scan.py"
     "4|FP8 w8a8 via torch._scaled_mm|15|gpu|$PYTEST tests/quantization/test_fp8_cuda.py"
     "5|conformance suite --device cuda|45|gpu|python3 -m runtime.testing.conformance --device cuda -v -rs -p no:cacheprovider"
     "6|engine at 0.9 memory, graphs captured|40|gpu|$PYTEST -s tests/device/test_cuda.py::test_engine_at_09_with_graphs"
-    "7|decode bandwidth vs a device copy|25|gpu|python3 tests/device/decode_bandwidth.py"
-    "8|runtime bench throughput, SmolLM2 bf16|50|gpu|bench"
+    "7|decode bandwidth vs a device copy|20|gpu|python3 tests/device/decode_bandwidth.py"
+    "8|runtime bench throughput, SmolLM2 bf16|45|gpu|bench"
 )
 
 # The wheels that install on this Python (all of them on the device; here, the pure ones), into
