@@ -100,11 +100,6 @@ class KimiLinearDecoderLayer(nn.Module):
 class KimiLinearModel(LlamaModel):
     layer_cls = KimiLinearDecoderLayer
 
-    def __init__(self, config, ctx: BuildContext) -> None:
-        if ctx.pp.size > 1:
-            raise ValueError("pipeline parallel is not supported for Kimi Linear yet")
-        super().__init__(config, ctx)
-
 
 class KimiLinearForCausalLM(MoeForCausalLM):
     model_cls = KimiLinearModel
@@ -122,6 +117,8 @@ class KimiLinearForCausalLM(MoeForCausalLM):
                 if conv is None:
                     yield name, tensor
                     continue
+                if not self.pp.owns(name, self.config.num_hidden_layers):
+                    continue  # another pipeline stage's
                 modules[conv.group(1)].load_conv(conv.group(2), tensor)
                 loaded.add(f"{conv.group(1)}.conv1d.weight")
         return super().load_weights(others()) | loaded

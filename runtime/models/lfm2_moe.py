@@ -5,7 +5,8 @@
 Its router scores each expert by sigmoid(logit); with `use_expert_bias` the top-k are chosen
 by score plus the checkpoint's `expert_bias` and weighted by the unbiased score. The weights
 are renormalised (`norm_topk_prob`, with transformers' 1e-6 in the sum) and scaled by
-`routed_scaling_factor`. The experts run on the fused MoE op.
+`routed_scaling_factor`. The experts run on the fused MoE op, split under tensor and expert
+parallel as Qwen3-MoE's are; pipeline stages split the layers as LFM2's do.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from torch import nn
 from runtime.layers.build_context import BuildContext
 from runtime.layers.fused_moe import FusedMoE
 from runtime.layers.linear import ReplicatedLinear
-from runtime.models.lfm2 import CHECKPOINT_RENAMES, Lfm2DecoderLayer, Lfm2Model
+from runtime.models.lfm2 import (CHECKPOINT_RENAMES, Lfm2DecoderLayer, Lfm2ForCausalLM,
+                                 Lfm2Model)
 from runtime.models.llama import LlamaMLP
 from runtime.models.moe import MoeForCausalLM
 
@@ -60,18 +62,10 @@ class Lfm2MoeDecoderLayer(Lfm2DecoderLayer):
 class Lfm2MoeModel(Lfm2Model):
     layer_cls = Lfm2MoeDecoderLayer
 
-    def __init__(self, config, ctx: BuildContext) -> None:
-        if ctx.pp.size > 1 or ctx.tp_size > 1:
-            raise ValueError("tensor and pipeline parallel are not supported for LFM2-MoE yet "
-                             "(its forward and expert loading are one rank's)")
-        super().__init__(config, ctx)
-
 
 class Lfm2MoeForCausalLM(MoeForCausalLM):
     model_cls = Lfm2MoeModel
     is_hybrid = True
     supports_prompt_embeds = False  # its model embeds the token ids itself
     checkpoint_renames = CHECKPOINT_RENAMES
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    forward = Lfm2ForCausalLM.forward

@@ -5,7 +5,7 @@ same stack of Mamba 2 mixers (runtime.models.mamba2).
 
 With `residual_in_fp32` (the configs' default) the residual stream is kept in float32, as
 transformers keeps it: each layer's norm reads it rounded to the model dtype, the final norm
-reads it whole."""
+reads it whole. Pipeline stages split the layers; a stage keeps no KV (it has no attention)."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -13,6 +13,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from runtime.distributed.pipeline import Intermediate
 from runtime.layers.build_context import BuildContext
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.layernorm import RMSNorm
@@ -41,17 +42,33 @@ class MambaBlock(nn.Module):
 
 
 class MambaBackbone(nn.Module):
-    def __init__(self, config, ctx: BuildContext, mixers: list[nn.Module]) -> None:
+    def __init__(self, config, ctx: BuildContext, mixers: dict[int, nn.Module]) -> None:
         super().__init__()
-        self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
-        self.layers = nn.ModuleList(MambaBlock(config, mixer, ctx) for mixer in mixers)
-        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon, ctx)
+        # a pipeline stage builds its own layers only, as LlamaModel's
+        self.start, self.end = ctx.pp.layers(config.num_hidden_layers)
+        self.embeddings = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+                           if ctx.pp.is_first else None)
+        self.layers = nn.ModuleList(MambaBlock(config, mixers[i], ctx) if i in mixers
+                                    else nn.Identity() for i in range(config.num_hidden_layers))
+        self.norm_f = (RMSNorm(config.hidden_size, config.layer_norm_epsilon, ctx)
+                       if ctx.pp.is_last else None)
         self.residual_in_fp32 = bool(getattr(config, "residual_in_fp32", False))
+        self.dtype = ctx.dtype
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embeddings(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, intermediate: Intermediate | None = None
+                ) -> torch.Tensor | Intermediate:
+        """A stage after the first starts from the previous one's `intermediate`; with a
+        float32 residual the stages exchange both tensors in float32 (the worker receives in
+        the model's `intermediate_dtype`), the hidden states cast back on arrival."""
+        if intermediate is None:
+            hidden, residual = self.embeddings(input_ids), None
+        else:
+            hidden, residual = intermediate
+            hidden = hidden.to(self.dtype)
+        for layer in self.layers[self.start:self.end]:
             hidden, residual = layer(hidden, residual)
+        if self.norm_f is None:
+            return hidden.to(residual.dtype), residual
         if self.residual_in_fp32:
             h = residual + hidden
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_f.eps)
@@ -66,14 +83,17 @@ class MambaForCausalLM(nn.Module):
 
     def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
-        if ctx.pp.size > 1:
-            raise ValueError(f"pipeline parallel is not supported for {self.name} yet")
-        self.config = config
-        mixers = [self.build_mixer(config, ctx, f"backbone.layers.{i}.mixer")
-                  for i in range(config.num_hidden_layers)]
+        self.config, self.pp = config, ctx.pp
+        start, end = ctx.pp.layers(config.num_hidden_layers)
+        mixers = {i: self.build_mixer(config, ctx, f"backbone.layers.{i}.mixer")
+                  for i in range(start, end)}
         self.backbone = MambaBackbone(config, ctx, mixers)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
-        if getattr(config, "tie_word_embeddings", False):
+        if getattr(config, "residual_in_fp32", False):
+            self.intermediate_dtype = torch.float32
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
+                        if ctx.pp.is_last else None)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings and ctx.pp.size == 1:
             self.lm_head.weight = self.backbone.embeddings.weight
 
     def build_mixer(self, config, ctx: BuildContext, prefix: str) -> nn.Module:
@@ -84,17 +104,29 @@ class MambaForCausalLM(nn.Module):
                           use_conv_bias=config.use_conv_bias, use_bias=config.use_bias,
                           activation=config.hidden_act)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.backbone(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        return self.backbone(input_ids, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Each stage takes its own layers' tensors; with tied embeddings the last stage
+        loads its LM head from the embeddings."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        num_layers = self.config.num_hidden_layers
         for name, tensor in weights:
-            if name == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if name == "backbone.embeddings.weight":
+                if self.tie_word_embeddings and self.pp.size > 1 and self.pp.is_last:
+                    self.lm_head.weight.weight_loader(self.lm_head.weight, tensor)
+                    loaded.add("lm_head.weight")
+                if not self.pp.is_first:
+                    continue
+            elif not self.pp.owns(name, num_layers):
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in "

@@ -22,7 +22,8 @@ from runtime.distributed.pipeline import Intermediate
 from runtime.layers.build_context import BuildContext
 from runtime.layers.embedding import VocabParallelEmbedding
 from runtime.layers.layernorm import RMSNorm
-from runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from runtime.layers.linear import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
+                                   divide)
 from runtime.layers.mamba2_mixer import Mamba2Mixer
 from runtime.models.deepseek_v3 import DeepseekV3Router, grouped_topk
 from runtime.models.jamba import NoRopeAttention
@@ -54,17 +55,33 @@ class ReluSquaredMLP(nn.Module):
 
 class UngatedExperts(nn.Module):
     """Stacked squared-ReLU experts as the checkpoint keeps them, `up_proj` [E, I, D] and
-    `down_proj` [E, D, I] (D the hidden or latent size)."""
+    `down_proj` [E, D, I] (D the hidden or latent size). Under tensor parallel each rank holds
+    every expert's share of I (rows of up, columns of down), and the partial outputs are
+    summed over the ranks, as the fused MoE op's are."""
 
     def __init__(self, num_experts: int, size: int, intermediate_size: int,
                  ctx: BuildContext) -> None:
         super().__init__()
-        if ctx.tp_size > 1:
-            raise ValueError("tensor parallel is not supported for Nemotron-H's experts yet")
-        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, size,
+        self.shard = divide(intermediate_size, ctx.tp_size)
+        self.tp_rank, self.tp_size, self.tp_group = ctx.tp_rank, ctx.tp_size, ctx.tp_group
+        self.up_proj = nn.Parameter(torch.empty(num_experts, self.shard, size,
                                                 dtype=ctx.dtype), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, size, intermediate_size,
+        self.down_proj = nn.Parameter(torch.empty(num_experts, size, self.shard,
                                                   dtype=ctx.dtype), requires_grad=False)
+        self.up_proj.weight_loader = self.load_stacked
+        self.down_proj.weight_loader = self.load_stacked
+
+    def load_expert(self, param: nn.Parameter, loaded: torch.Tensor, expert: int) -> None:
+        """One expert's `up_proj` [I, D] or `down_proj` [D, I]: this rank's slice of I."""
+        lo = self.tp_rank * self.shard
+        if param is self.up_proj:
+            param.data[expert].copy_(loaded[lo:lo + self.shard])
+        else:
+            param.data[expert].copy_(loaded[:, lo:lo + self.shard])
+
+    def load_stacked(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        for expert in range(loaded.size(0)):
+            self.load_expert(param, loaded[expert], expert)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                 ) -> torch.Tensor:
@@ -73,6 +90,8 @@ class UngatedExperts(nn.Module):
             token, slot = torch.where(ids == expert)
             y = relu_squared(x[token] @ self.up_proj[expert].t()) @ self.down_proj[expert].t()
             out.index_add_(0, token, (y * weights[token, slot, None]).float())
+        if self.tp_size > 1:
+            out = self.tp_group.all_reduce(out)
         return out.to(x.dtype)
 
 
@@ -190,7 +209,7 @@ class NemotronHForCausalLM(LlamaForCausalLM):
         `model.`, its `embeddings` and `norm_f` our `embed_tokens` and `norm`; experts saved
         one by one (`experts.{j}.up_proj.weight`) go into their stacked parameters."""
         loaded: set[str] = set()
-        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
 
         def ours(name: str) -> str:
             if name.startswith("backbone."):
@@ -210,7 +229,8 @@ class NemotronHForCausalLM(LlamaForCausalLM):
                 if expert is None:
                     yield name, tensor
                     continue
-                target = f"{expert.group(1)}.{expert.group(3)}"
-                params[target].data[int(expert.group(2))].copy_(tensor)
-                loaded.add(target)
+                experts = modules[expert.group(1)]
+                experts.load_expert(getattr(experts, expert.group(3)), tensor,
+                                    int(expert.group(2)))
+                loaded.add(f"{expert.group(1)}.{expert.group(3)}")
         return super().load_weights(others()) | loaded

@@ -148,8 +148,11 @@ class Worker:
             proposer = build_proposer(cfg.speculative_config, mc, self.answers, generators,
                                       self.device, cfg.block_size, cfg)
         self.lora = lora
+        # what pipeline stages exchange: the model dtype unless the model says otherwise
+        # (Mamba's float32 residual stream)
+        pp_dtype = getattr(model, "intermediate_dtype", mc.dtype)
         self.runner = ModelRunner(model, self.device, cfg.block_size, mc.vocab_size,
-                                  graph_runner, ctx.pp, (mc.hidden_size, mc.dtype),
+                                  graph_runner, ctx.pp, (mc.hidden_size, pp_dtype),
                                   hooks=[lora] if lora is not None else [], proposer=proposer,
                                   pooling=pooling, generators=generators,
                                   logits_processors=self.answers.logits_processors(),

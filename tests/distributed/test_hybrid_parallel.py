@@ -9,6 +9,7 @@ import pytest
 from runtime import LLM, SamplingParams
 from tests.models.test_hybrid_models import CASES
 from tests.models.test_hybrid_models_more import CASES as MORE_CASES
+from tests.models.test_hybrid_models_new import CASES as NEW_CASES, build
 from tests.parity import LOGPROB_ATOL
 
 MAX_NEW = 6
@@ -20,20 +21,40 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logp
 ENGINE = dict(dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=24,
               block_size=16, max_num_seqs=8, num_threads=1)
 
-# (model, overrides of its hybrid test case, tp, pp): each tp = 2 engine costs seconds, so the
-# other mixers (LFM2's short conv, Mamba 1) are split against the whole layer in
-# tests/layers/test_recurrent_sharding.py
+# (model, overrides of its hybrid test case, tp, pp, engine options): each tp = 2 engine costs
+# seconds, so the other mixers (LFM2's short conv, Mamba 1) are split against the whole layer
+# in tests/layers/test_recurrent_sharding.py
 PARALLEL = {
     # gated delta-nets: one key head and two value heads per rank
-    "qwen3.5-tp2": ("qwen3.5", {}, 2, 1),
+    "qwen3.5-tp2": ("qwen3.5", {}, 2, 1, {}),
     # Mamba 2 with one group of B and C: replicated on both ranks, the gated norm's variance
     # all-reduced over the ranks
-    "bamba-tp2-one-group": ("bamba", dict(mamba_n_groups=1), 2, 1),
+    "bamba-tp2-one-group": ("bamba", dict(mamba_n_groups=1), 2, 1, {}),
     # the short conv on stage 0, attention on stage 1
-    "lfm2-pp2": ("lfm2", {}, 1, 2),
+    "lfm2-pp2": ("lfm2", {}, 1, 2, {}),
     # Mamba 2 and the experts on stage 0, attention and the MLP on stage 1
-    "nemotron-h-pp2": ("nemotron-h", {}, 1, 2),
+    "nemotron-h-pp2": ("nemotron-h", {}, 1, 2, {}),
+    # the ungated experts' intermediate split, summed over the ranks
+    "nemotron-h-tp2": ("nemotron-h", {}, 2, 1, {}),
+    # the short conv and dense MLP, then attention and the fused experts split by
+    # intermediate; and the same layers over two stages
+    "lfm2-moe-tp2": ("lfm2-moe", {}, 2, 1, {}),
+    "lfm2-moe-pp2": ("lfm2-moe", {}, 1, 2, {}),
+    # KDA, MLA and the experts on stage 0, KDA and the experts on stage 1
+    "kimi-linear-pp2": ("kimi-linear", {}, 1, 2, {}),
+    # no attention: neither stage keeps KV; in bfloat16 the float32 residual stream crosses
+    # between the stages beside the hidden states (pipeline parallel changes no arithmetic,
+    # so the tokens and logprobs equal one rank's in any dtype)
+    "mamba2-pp2-bf16": ("mamba2", {}, 1, 2, dict(dtype="bfloat16")),
 }
+
+def _path(factory, model: str, overrides: dict) -> str:
+    if model in NEW_CASES:
+        assert not overrides
+        return build(factory, model)
+    arch, base = {**CASES, **MORE_CASES}[model]
+    return factory(arch, **{**base, **overrides})
+
 
 def _run(llm: LLM) -> list:
     return [llm.generate([p], GREEDY)[0] for p in PROMPTS]
@@ -41,11 +62,11 @@ def _run(llm: LLM) -> list:
 
 @pytest.mark.parametrize("case", list(PARALLEL))
 def test_parallel_hybrid_matches_one_rank(case, tiny_model_factory):
-    model, overrides, tp, pp = PARALLEL[case]
-    arch, base = {**CASES, **MORE_CASES}[model]
-    path = tiny_model_factory(arch, **{**base, **overrides})
-    single = _run(LLM(path, **ENGINE))
-    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+    model, overrides, tp, pp, options = PARALLEL[case]
+    path = _path(tiny_model_factory, model, overrides)
+    engine = {**ENGINE, **options}
+    single = _run(LLM(path, **engine))
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **engine)
     try:
         outputs = _run(llm)
     finally:
