@@ -48,6 +48,7 @@ PARALLEL = {
     "mamba2-pp2-bf16": ("mamba2", {}, 1, 2, dict(dtype="bfloat16")),
 }
 
+
 def _path(factory, model: str, overrides: dict) -> str:
     if model in NEW_CASES:
         assert not overrides
