@@ -7,7 +7,7 @@ transformers model, with what convert_hf_to_gguf.py did to it undone: Mamba's A 
 reshaped, Granite's and Jamba's fused gate/up projections split in two (`merge` joins them
 again) and Granite's attention q/k rows permuted as for llama. Jamba's attention and expert
 layers, which its config places by offset and period, the file marks per layer (a KV head count,
-a router tensor).
+a router tensor). Falcon-H1's config and layer names are gguf_falcon_h1.py's.
 """
 from __future__ import annotations
 
@@ -24,9 +24,11 @@ from transformers import (
     PretrainedConfig,
 )
 
+from runtime.model_loader.gguf_falcon_h1 import FALCON_H1_LAYER, FALCON_H1_TOP, falcon_h1_config
+
 HYBRID_ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "granitehybrid": "GraniteMoeHybridForCausalLM",
                         "lfm2": "Lfm2ForCausalLM", "mamba": "MambaForCausalLM",
-                        "jamba": "JambaForCausalLM"}
+                        "jamba": "JambaForCausalLM", "falcon-h1": "FalconH1ForCausalLM"}
 
 Keys, LLM, Attn, Rope, SSM = gguf.Keys, gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.SSM
 
@@ -80,6 +82,8 @@ def hybrid_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
             conv_L_cache=fields[Keys.ShortConv.L_CACHE], block_auto_adjust_ff_dim=False,
             conv_bias=_any_layer(names, "shortconv.conv.bias"),
             layer_types=["full_attention" if n else "conv" for n in kv_heads])
+    if arch == "falcon-h1":
+        return falcon_h1_config(fields, common, lambda suffix: _any_layer(names, suffix))
     if arch == "jamba":
         layers = common["num_hidden_layers"]
         attn_offset, attn_period = _offset_period([i for i, n in enumerate(kv_heads) if n],
@@ -235,15 +239,19 @@ _TOP = {
     "jamba": {"token_embd.weight": "model.embed_tokens.weight",
               "output_norm.weight": "model.final_layernorm.weight",
               "output.weight": "lm_head.weight"},
+    "falcon-h1": FALCON_H1_TOP,
 }
 _LAYER_PREFIX = {"mamba": "backbone.layers", "mamba2": "backbone.layers",
-                 "granitehybrid": "model.layers", "lfm2": "model.layers", "jamba": "model.layers"}
+                 "granitehybrid": "model.layers", "lfm2": "model.layers", "jamba": "model.layers",
+                 "falcon-h1": "model.layers"}
 _LAYER = {
     "mamba": {"attn_norm.weight": HybridTensor("norm.weight"), **_mixer("mixer", False)},
     "mamba2": {"attn_norm.weight": HybridTensor("norm.weight"), **_mixer("mixer", True)},
     "granitehybrid": _granite_layer(),
     "lfm2": _LFM2_LAYER,
     "jamba": _jamba_layer(),
+    "falcon-h1": {**_mixer("mamba", True),
+                  **{key: HybridTensor(name) for key, name in FALCON_H1_LAYER.items()}},
 }
 
 

@@ -1,5 +1,5 @@
 """GGUF files of the state-space and hybrid architectures (mamba, mamba2, granitehybrid, lfm2,
-jamba),
+jamba, falcon-h1),
 written here as llama.cpp's convert_hf_to_gguf.py writes them, run with the same greedy tokens
 and logprobs as transformers on the weights the file holds."""
 from __future__ import annotations
@@ -219,3 +219,118 @@ def test_hybrid_gguf_refuses_raw_blocks(tmp_path):
         write_hybrid_gguf(path, "mamba2", model, Q8_0)
     with pytest.raises(ValueError, match="--quantization gguf .* does not run GGUF mamba2"):
         next(iterate_gguf_weights(path, load_gguf_config(path), torch.float32, raw_linear=True))
+
+
+# Falcon-H1 (its own converter, FalconH1Model): every muP multiplier away from 1 and folded into
+# the weights; d_ssm (96) apart from expand * hidden; the gated norm, gate first as llama.cpp
+FALCON_H1 = dict(
+    ATTENTION, head_dim=16, intermediate_size=96, mamba_d_ssm=96, mamba_n_heads=8,
+    mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=16, mamba_rms_norm=True,
+    mamba_norm_before_gate=False, embedding_multiplier=2.0, lm_head_multiplier=0.5,
+    mlp_multipliers=[0.7, 1.3], key_multiplier=0.6, attention_in_multiplier=1.2,
+    attention_out_multiplier=0.8, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9],
+    ssm_in_multiplier=1.1, ssm_out_multiplier=0.9, tie_word_embeddings=False)
+
+
+def _falcon_h1_fold(c: transformers.FalconH1Config, name: str) -> torch.Tensor | float:
+    """What FalconH1Model.modify_tensors multiplies parameter `name` by (in_proj: per row)."""
+    scales = {"down_proj": c.mlp_multipliers[1], "gate_proj": c.mlp_multipliers[0],
+              "k_proj": c.key_multiplier * c.attention_in_multiplier,
+              "q_proj": c.attention_in_multiplier, "v_proj": c.attention_in_multiplier,
+              "o_proj": c.attention_out_multiplier, "out_proj": c.ssm_out_multiplier,
+              "lm_head": c.lm_head_multiplier, "embed_tokens": c.embedding_multiplier}
+    if "in_proj" in name:
+        bc = c.mamba_n_groups * c.mamba_d_state
+        sizes = [c.mamba_d_ssm, c.mamba_d_ssm, bc, bc, c.mamba_n_heads]
+        rows = torch.cat([torch.full((n, 1), m) for n, m in zip(sizes, c.ssm_multipliers)])
+        return rows * c.ssm_in_multiplier
+    return next((m for key, m in scales.items() if key in name), 1.0)
+
+
+def _falcon_h1_metadata(writer: gguf.GGUFWriter, c: transformers.FalconH1Config) -> None:
+    """The keys FalconH1Model (over Mamba2Model) writes."""
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_ssm_conv_kernel(c.mamba_d_conv)
+    writer.add_ssm_inner_size(c.mamba_d_ssm)
+    writer.add_ssm_state_size(c.mamba_d_state)
+    writer.add_ssm_time_step_rank(c.mamba_d_ssm // c.mamba_d_head)
+    writer.add_ssm_group_count(c.mamba_n_groups)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+
+
+def write_falcon_h1_gguf(path: str, model: torch.nn.Module, qtype: gguf.GGMLQuantizationType
+                         ) -> None:
+    """Write Falcon-H1 as the converter does (multipliers folded in, then rounded to `qtype`);
+    the model's weights become the file's divided by what was folded in, so that transformers
+    with its multipliers runs what the file holds."""
+    c = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.FALCON_H1, c.num_hidden_layers)
+    writer = gguf.GGUFWriter(path, "falcon-h1")
+    _falcon_h1_metadata(writer, c)
+    add_tiny_tokenizer(writer, VOCAB)
+    writer.add_pad_token_id(0)
+    for name, tensor in model.state_dict().items():
+        module, suffix = name.rsplit(".", 1)
+        fold = _falcon_h1_fold(c, name)
+        data = tensor * fold
+        if suffix == "dt_bias":  # Mamba2Model.filter_tensors: named as dt_proj's bias
+            gguf_name = f"{names.get_name(module + '.dt_proj')}.bias"
+        else:
+            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if suffix == "A_log":
+            data = -torch.exp(data)
+        if suffix in ("A_log", "D"):
+            data = data.reshape(-1, 1)
+        elif module.endswith("conv1d") and suffix == "weight":
+            data = data.squeeze(1)
+        elif module.endswith("mamba.norm"):
+            data = data.reshape(c.mamba_n_groups, -1)
+        array = data.contiguous().numpy()
+        if tensor.ndim < 2 or "conv" in name:
+            writer.add_tensor(gguf_name, array)
+            continue
+        if qtype == Q8_0 and array.shape[-1] % 32 == 0:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, Q8_0), raw_dtype=Q8_0)
+            held = gguf.quants.dequantize(gguf.quants.quantize(array, Q8_0), Q8_0)
+        else:
+            writer.add_tensor(gguf_name, array.astype(np.float16))
+            held = array.astype(np.float16).astype(np.float32)
+        tensor.copy_(torch.from_numpy(held) / fold)
+    finish(writer)
+
+
+@pytest.mark.parametrize("qtype", [F16, Q8_0])
+def test_falcon_h1_gguf_matches_transformers(qtype, tmp_path):
+    config = transformers.FalconH1Config(**{**TINY, **FALCON_H1})
+    torch.manual_seed(0)
+    model = transformers.FalconH1ForCausalLM(config).eval()
+    path = str(tmp_path / "tiny-falcon-h1.gguf")
+    with torch.no_grad():
+        write_falcon_h1_gguf(path, model, qtype)
+    read = load_gguf_config(path)
+    assert read.architectures == ["FalconH1ForCausalLM"]
+    for key in (*TINY, *FALCON_H1):
+        if key in ("initializer_range", "mamba_chunk_size"):  # neither is in the file
+            continue
+        if "multiplier" in key:  # folded into the weights
+            expected = [1.0] * len(config.ssm_multipliers if key.startswith("ssm_multipliers")
+                                   else config.mlp_multipliers) \
+                if key.endswith("multipliers") else 1.0
+        else:
+            expected = getattr(config, key)
+        assert getattr(read, key) == (pytest.approx(expected) if isinstance(expected, float)
+                                      else expected), key
+    references = [hf_greedy(model, p, 8) for p in PROMPTS]
+    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4)
+    assert llm.engine.model_config.architecture == "FalconH1ForCausalLM"
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    assert_matches_hf(llm.generate(PROMPTS, params), references)
