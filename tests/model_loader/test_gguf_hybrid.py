@@ -286,7 +286,8 @@ def _qwen3next_converted(c, name: str, data: torch.Tensor) -> list[tuple[str, to
         return [(f"blk.{layer}.ssm_a", data)]
     if name.endswith("experts.gate_up_proj"):  # transformers' fused [E, 2I, H], stacked apart
         gate, up = data.chunk(2, dim=1)
-        return [(f"blk.{layer}.ffn_gate_exps.weight", gate), (f"blk.{layer}.ffn_up_exps.weight", up)]
+        return [(f"blk.{layer}.ffn_gate_exps.weight", gate),
+                (f"blk.{layer}.ffn_up_exps.weight", up)]
     if name.endswith("experts.down_proj"):
         return [(f"blk.{layer}.ffn_down_exps.weight", data)]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, c.num_hidden_layers)
