@@ -1,4 +1,5 @@
-"""GGUF files of the state-space and hybrid architectures: their configs and tensor names.
+"""GGUF files of the state-space and hybrid architectures: their configs and tensor names
+(Qwen3-Next's in gguf_qwen3next.py).
 
 transformers reads no GGUF config of Mamba 2 or Granite 4.0-H, so each config here is rebuilt
 from llama.cpp's metadata keys. Each GGUF tensor maps to a checkpoint parameter of the
@@ -28,7 +29,8 @@ from runtime.model_loader.gguf_falcon_h1 import FALCON_H1_LAYER, FALCON_H1_TOP, 
 
 HYBRID_ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "granitehybrid": "GraniteMoeHybridForCausalLM",
                         "lfm2": "Lfm2ForCausalLM", "mamba": "MambaForCausalLM",
-                        "jamba": "JambaForCausalLM", "falcon-h1": "FalconH1ForCausalLM"}
+                        "jamba": "JambaForCausalLM", "falcon-h1": "FalconH1ForCausalLM",
+                        "qwen3next": "Qwen3NextForCausalLM"}
 
 Keys, LLM, Attn, Rope, SSM = gguf.Keys, gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.SSM
 
@@ -53,6 +55,9 @@ def hybrid_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
         tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         architectures=[HYBRID_ARCHITECTURES[arch]], **_token_ids(reader))
     names = {t.name for t in reader.tensors}
+    if arch == "qwen3next":
+        from runtime.model_loader.gguf_qwen3next import qwen3next_config
+        return qwen3next_config(fields, common)
     if arch == "mamba":
         if fields.get(SSM.DT_B_C_RMS, False):
             raise NotImplementedError("GGUF mamba with dt/B/C norms (Falcon Mamba) is not supported")
@@ -124,6 +129,9 @@ def hybrid_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
 
 def hybrid_tensor(gguf_name: str, arch: str) -> HybridTensor | None:
     """Where GGUF tensor `gguf_name` of architecture `arch` goes; None if nowhere."""
+    if arch == "qwen3next":
+        from runtime.model_loader.gguf_qwen3next import qwen3next_tensor
+        return qwen3next_tensor(gguf_name)
     top = _TOP[arch].get(gguf_name)
     if top is not None:
         return HybridTensor(top)

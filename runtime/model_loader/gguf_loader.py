@@ -144,6 +144,8 @@ def _undo_transform(weight: np.ndarray, transform: str, hf_config: PretrainedCon
     """Invert what convert_hf_to_gguf.py did to a hybrid's tensor (gguf_hybrid.HybridTensor)."""
     if transform == "a_log":  # the converter stores A = -exp(A_log)
         return np.log(-weight)
+    if transform == "minus_one":  # a zero-centred RMSNorm's weight, stored as 1 + w
+        return weight - 1
     if transform == "permute_q":
         return _unpermute(weight, hf_config.num_attention_heads)
     if transform == "permute_k":

@@ -56,6 +56,8 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, model: torch.nn.Module) -> Non
     """The keys convert_hf_to_gguf.py's MambaModel, Mamba2Model, GraniteHybridModel, LFM2Model
     and JambaModel write."""
     c = model.config
+    if arch == "qwen3next":
+        return _qwen3next_metadata(writer, c)
     writer.add_embedding_length(c.hidden_size)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_layer_norm_rms_eps(getattr(c, "layer_norm_epsilon", None) or
@@ -116,6 +118,8 @@ def _converted(arch: str, model: torch.nn.Module, name: str, data: torch.Tensor
                ) -> list[tuple[str, torch.Tensor]]:
     """(GGUF name, tensor) as convert_hf_to_gguf.py makes them from one transformers tensor."""
     c = model.config
+    if arch == "qwen3next":
+        return _qwen3next_converted(c, name, data)
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
                                      c.num_hidden_layers)
     module, suffix = name.rsplit(".", 1)
@@ -332,5 +336,100 @@ def test_falcon_h1_gguf_matches_transformers(qtype, tmp_path):
     references = [hf_greedy(model, p, 8) for p in PROMPTS]
     llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4)
     assert llm.engine.model_config.architecture == "FalconH1ForCausalLM"
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    assert_matches_hf(llm.generate(PROMPTS, params), references)
+
+
+# Qwen3-Next: delta-nets in layers 0-2 (two value heads per key head), gated attention in
+# layer 3 (partial rope), top-2 of 4 experts with a gated shared expert in every layer (llama.cpp
+# names no dense FFN of qwen3next)
+QWEN3NEXT = dict(
+    TINY, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    max_position_embeddings=256, intermediate_size=64, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, tie_word_embeddings=False)
+
+
+def _qwen3next_metadata(writer: gguf.GGUFWriter, c) -> None:
+    """The keys convert_hf_to_gguf.py's Qwen3NextModel (over Qwen2MoeModel) writes."""
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_expert_count(c.num_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(c.linear_key_head_dim)
+    writer.add_ssm_group_count(c.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(c.linear_num_value_heads)
+    writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    writer.add_full_attention_interval(4)
+    writer.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
+    writer.add_vocab_size(VOCAB)
+
+
+def _qwen3next_converted(c, name: str, data: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """(GGUF name, tensor) as Qwen3NextModel.modify_tensors (over Qwen2MoeModel's, which
+    stacks the experts) makes them."""
+    if name.endswith(".A_log"):
+        data = -torch.exp(data)
+    elif name.endswith("conv1d.weight"):
+        data = data.squeeze()
+    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        data = data + 1
+    layer = name.split(".")[2] if ".layers." in name else None
+    if name.endswith("in_proj_qkvz.weight"):  # [q, k, v, z] per key head -> all q, k, v; all z
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        r = c.linear_num_value_heads // c.linear_num_key_heads
+        q, k, v, z = data.view(c.linear_num_key_heads, -1, c.hidden_size).split(
+            [dk, dk, r * dv, r * dv], 1)
+        qkv = torch.cat([t.reshape(-1, c.hidden_size) for t in (q, k, v)])
+        return [(f"blk.{layer}.attn_qkv.weight", qkv),
+                (f"blk.{layer}.attn_gate.weight", z.reshape(-1, c.hidden_size))]
+    if name.endswith("linear_attn.dt_bias"):
+        return [(f"blk.{layer}.ssm_dt.bias", data)]
+    if name.endswith("linear_attn.A_log"):
+        return [(f"blk.{layer}.ssm_a", data)]
+    if name.endswith("experts.gate_up_proj"):  # transformers' fused [E, 2I, H], stacked apart
+        gate, up = data.chunk(2, dim=1)
+        return [(f"blk.{layer}.ffn_gate_exps.weight", gate),
+                (f"blk.{layer}.ffn_up_exps.weight", up)]
+    if name.endswith("experts.down_proj"):
+        return [(f"blk.{layer}.ffn_down_exps.weight", data)]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, c.num_hidden_layers)
+    module, suffix = name.rsplit(".", 1)
+    return [(f"{names.get_name(module)}.{suffix}", data)]
+
+
+@pytest.mark.parametrize("qtype", [F16, Q8_0])
+def test_qwen3next_gguf_matches_transformers(qtype, tmp_path):
+    config = transformers.Qwen3NextConfig(**QWEN3NEXT)
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith("norm.weight"):  # zero-centred norms start at 0: make them count
+                tensor.normal_(0, 0.3)
+        path = str(tmp_path / "tiny-qwen3next.gguf")
+        write_hybrid_gguf(path, "qwen3next", model, qtype)
+    read = load_gguf_config(path)
+    assert read.architectures == ["Qwen3NextForCausalLM"]
+    for key in QWEN3NEXT:
+        if key != "initializer_range":
+            assert getattr(read, key) == getattr(config, key), key
+    assert read.layer_types == config.layer_types
+    assert read.rope_parameters["partial_rotary_factor"] == pytest.approx(0.25)
+    references = [hf_greedy(model, p, 8) for p in PROMPTS]
+    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4, max_model_len=256)
+    assert llm.engine.model_config.architecture == "Qwen3NextForCausalLM"
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     assert_matches_hf(llm.generate(PROMPTS, params), references)
