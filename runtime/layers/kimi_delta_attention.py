@@ -16,7 +16,8 @@ from torch import nn
 from runtime.forward_context import get_forward_context
 from runtime.layers.build_context import BuildContext
 from runtime.layers.gated_delta_net import DepthwiseConvWeight
-from runtime.layers.linear import ReplicatedLinear
+from runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from runtime.layers.recurrent_sharding import sharded_param, split
 from runtime.layers.recurrent_state import StatefulLayer, conv_states_at
 from runtime.plugins import kda_ops, recurrent_ops
 
@@ -36,37 +37,39 @@ class SigmoidGatedRMSNorm(nn.Module):
 
 
 class KimiDeltaAttention(StatefulLayer):
+    """Under tensor parallel each rank holds consecutive heads (`recurrent_sharding`): their
+    rows of q, k, v, `f_b_proj`, `dt_bias`, `A_log`, `b_proj`, `g_b_proj` and the conv; the
+    low-rank inputs `f_a_proj` and `g_a_proj` whole; `o_proj` row-parallel."""
+
     def __init__(self, config, ctx: BuildContext, prefix: str) -> None:
         super().__init__()
-        if ctx.tp_size > 1:
-            raise ValueError("tensor parallel is not supported for Kimi delta attention yet "
-                             "(its conv channels and heads are not sharded)")
         if config.hidden_act not in ("silu", "swish"):
             raise ValueError(f"Kimi delta attention: activation {config.hidden_act!r} is not "
                              "supported (silu only)")
-        hidden = config.hidden_size
-        self.heads, self.head_dim = config.linear_num_heads, config.linear_head_dim
+        hidden, total_heads = config.hidden_size, config.linear_num_heads
+        self.heads = split(total_heads, ctx.tp_size, "Kimi delta attention heads")
+        self.head_dim = config.linear_head_dim
         self.dim = self.heads * self.head_dim
+        total_dim = total_heads * self.head_dim
+        self.tp_rank = ctx.tp_rank
         self.conv_width, self.dtype = config.linear_conv_kernel_dim, ctx.dtype
         for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(self, name, ReplicatedLinear(hidden, self.dim, False, ctx,
-                                                 f"{prefix}.{name}"))
+            setattr(self, name, ColumnParallelLinear(hidden, total_dim, False, ctx,
+                                                     f"{prefix}.{name}"))
         self.conv1d = DepthwiseConvWeight(3 * self.dim, self.conv_width, ctx.dtype)
         # the forget gate: g = -exp(A_log[h]) softplus(f_b(f_a(x)) + dt_bias) per key channel
         self.f_a_proj = ReplicatedLinear(hidden, self.head_dim, False, ctx, f"{prefix}.f_a_proj")
-        self.f_b_proj = ReplicatedLinear(self.head_dim, self.dim, False, ctx,
-                                         f"{prefix}.f_b_proj")
+        self.f_b_proj = ColumnParallelLinear(self.head_dim, total_dim, False, ctx,
+                                             f"{prefix}.f_b_proj")
         # float32, as transformers keeps it
-        self.dt_bias = nn.Parameter(torch.zeros(self.dim, dtype=torch.float32),
-                                    requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(1, 1, self.heads, 1, dtype=ctx.dtype),
-                                  requires_grad=False)
-        self.b_proj = ReplicatedLinear(hidden, self.heads, False, ctx, f"{prefix}.b_proj")
+        self.dt_bias = sharded_param(total_dim, 0.0, ctx, dtype=torch.float32)
+        self.A_log = sharded_param(total_heads, 0.0, ctx)
+        self.b_proj = ColumnParallelLinear(hidden, total_heads, False, ctx, f"{prefix}.b_proj")
         self.g_a_proj = ReplicatedLinear(hidden, self.head_dim, False, ctx, f"{prefix}.g_a_proj")
-        self.g_b_proj = ReplicatedLinear(self.head_dim, self.dim, False, ctx,
-                                         f"{prefix}.g_b_proj")
+        self.g_b_proj = ColumnParallelLinear(self.head_dim, total_dim, False, ctx,
+                                             f"{prefix}.g_b_proj")
         self.o_norm = SigmoidGatedRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.o_proj = ReplicatedLinear(self.dim, hidden, False, ctx, f"{prefix}.o_proj")
+        self.o_proj = RowParallelLinear(total_dim, hidden, False, ctx, f"{prefix}.o_proj")
         self.conv_op = ctx.custom_op("causal_conv1d") or recurrent_ops.causal_conv1d
         self.conv_update_op = (ctx.custom_op("causal_conv1d_update")
                                or recurrent_ops.causal_conv1d_update)
@@ -74,10 +77,11 @@ class KimiDeltaAttention(StatefulLayer):
         self.recurrent_op = ctx.custom_op("fused_recurrent_kda") or kda_ops.fused_recurrent_kda
 
     def load_conv(self, part: str, loaded: torch.Tensor) -> None:
-        """The checkpoint's conv of part "q", "k" or "v" ([dim, 1, width]) into its third of
-        `conv1d`."""
+        """This rank's channels of the checkpoint's conv of part "q", "k" or "v"
+        ([dim, 1, width]) into its third of `conv1d`."""
         first = "qkv".index(part) * self.dim
-        self.conv1d.weight.data[first:first + self.dim].copy_(loaded.reshape(self.dim, -1))
+        rows = loaded.reshape(-1, self.conv_width).narrow(0, self.tp_rank * self.dim, self.dim)
+        self.conv1d.weight.data[first:first + self.dim].copy_(rows)
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias).view(

@@ -41,18 +41,21 @@ def shard_rows(parts: list[Part], tp_rank: int, tp_size: int, what: str = "") ->
 
 
 def load_rows(param: nn.Parameter, rows: torch.Tensor | None) -> None:
-    """Give `param` a loader that copies rows `rows` (None: all) of the checkpoint tensor."""
+    """Give `param` a loader that copies rows `rows` (None: all) of the checkpoint tensor, read
+    as rows of the parameter's trailing shape (a [1, 1, heads, 1] tensor as [heads])."""
     def loader(p: nn.Parameter, loaded: torch.Tensor) -> None:
         if rows is not None:
-            loaded = loaded.index_select(0, rows)
+            loaded = loaded.reshape(-1, *p.shape[1:]).index_select(0, rows)
         p.data.copy_(loaded.reshape(p.shape))
     param.weight_loader = loader
 
 
-def sharded_param(size: int, fill: float, ctx: BuildContext, *trailing: int) -> nn.Parameter:
-    """A per-head (or per-channel) parameter [size / tp, *trailing]: this rank's slice."""
+def sharded_param(size: int, fill: float, ctx: BuildContext, *trailing: int,
+                  dtype: torch.dtype | None = None) -> nn.Parameter:
+    """A per-head (or per-channel) parameter [size / tp, *trailing]: this rank's slice, in
+    `dtype` (default the model's)."""
     rows = shard_rows([(size, True)], ctx.tp_rank, ctx.tp_size, "per-head parameters")
-    param = nn.Parameter(torch.full((rows.numel(), *trailing), fill, dtype=ctx.dtype),
+    param = nn.Parameter(torch.full((rows.numel(), *trailing), fill, dtype=dtype or ctx.dtype),
                          requires_grad=False)
     load_rows(param, rows if ctx.tp_size > 1 else None)
     return param

@@ -42,6 +42,9 @@ PARALLEL = {
     "lfm2-moe-pp2": ("lfm2-moe", {}, 1, 2, {}),
     # KDA, MLA and the experts on stage 0, KDA and the experts on stage 1
     "kimi-linear-pp2": ("kimi-linear", {}, 1, 2, {}),
+    # one KDA head per rank (its conv channels, decay and gate rows), MLA's heads, the experts
+    # and the shared expert split by intermediate
+    "kimi-linear-tp2": ("kimi-linear", {}, 2, 1, {}),
     # no attention: neither stage keeps KV; in bfloat16 the float32 residual stream crosses
     # between the stages beside the hidden states (pipeline parallel changes no arithmetic,
     # so the tokens and logprobs equal one rank's in any dtype)

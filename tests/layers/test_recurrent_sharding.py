@@ -13,6 +13,7 @@ import torch
 from runtime.forward_context import forward_context
 from runtime.layers.build_context import BuildContext
 from runtime.layers.gated_delta_net import GatedDeltaNet
+from runtime.layers.kimi_delta_attention import KimiDeltaAttention
 from runtime.layers.mamba2_mixer import Mamba2Mixer
 from runtime.layers.mamba_mixer import MambaMixer
 from runtime.models.lfm2 import ShortConv
@@ -61,6 +62,12 @@ def _mamba2(groups: int, **falcon_h1):
     return build
 
 
+def _kda(ctx, heads: int = 4):
+    config = SimpleNamespace(linear_num_heads=heads, linear_head_dim=8, linear_conv_kernel_dim=4,
+                             hidden_act="silu", rms_norm_eps=1e-6, hidden_size=HIDDEN)
+    return KimiDeltaAttention(config, ctx, "kda")
+
+
 def _mamba(ctx):
     return MambaMixer(ctx, "m1", hidden_size=HIDDEN, intermediate_size=64, state_size=8,
                       conv_kernel=4, dt_rank=4, use_conv_bias=True, use_bias=True,
@@ -72,7 +79,7 @@ def _short_conv(ctx):
     return ShortConv(config, ctx, "conv")
 
 
-LAYERS = {"gated-delta-net": _gdn, "mamba2-split-groups": _mamba2(2),
+LAYERS = {"gated-delta-net": _gdn, "kimi-delta-attention": _kda, "mamba2-split-groups": _mamba2(2),
           "mamba2-one-group": _mamba2(1),
           # Falcon-H1's: the norm before the gate, muP multipliers on the input and each part
           "mamba2-falcon-h1": _mamba2(1, norm_before_gate=True, input_multiplier=0.7,
@@ -82,7 +89,8 @@ LAYERS = {"gated-delta-net": _gdn, "mamba2-split-groups": _mamba2(2),
 
 def _load(layer, whole) -> None:
     """Load `layer` from `whole`'s tensors as a checkpoint gives them (the gated delta-net's
-    fused input projection as its four checkpoint tensors)."""
+    fused input projection as its four checkpoint tensors, KDA's conv as its q, k and v
+    convs)."""
     params = dict(layer.named_parameters())
     for name, tensor in whole.named_parameters():
         param = params[name]
@@ -90,6 +98,9 @@ def _load(layer, whole) -> None:
             sizes = [rows.numel() for rows in whole.in_proj.shard_rows]
             for shard_id, part in enumerate(tensor.data.split(sizes)):
                 param.weight_loader(param, part, shard_id)
+        elif isinstance(whole, KimiDeltaAttention) and name == "conv1d.weight":
+            for part, conv in zip("qkv", tensor.data.chunk(3)):
+                layer.load_conv(part, conv.unsqueeze(1))
         else:
             getattr(param, "weight_loader", default_weight_loader)(param, tensor.data)
 
@@ -162,6 +173,8 @@ def test_two_ranks_equal_the_whole_layer(name):
                              use_conv_bias=True, use_bias=False, eps=1e-5, chunk_size=4,
                              time_step_limit=(0.0, float("inf"))),
      r"Mamba 2 heads \(3\) do not split over tensor-parallel size 2"),
+    (lambda ctx: _kda(ctx, heads=3),
+     r"Kimi delta attention heads \(3\) do not split over tensor-parallel size 2"),
 ])
 def test_shapes_that_do_not_split_are_refused(build, named):
     with pytest.raises(ValueError, match=named):
