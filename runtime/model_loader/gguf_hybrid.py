@@ -12,7 +12,6 @@ a router tensor). Falcon-H1's config and layer names are gguf_falcon_h1.py's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import gguf
@@ -26,6 +25,8 @@ from transformers import (
 )
 
 from runtime.model_loader.gguf_falcon_h1 import FALCON_H1_LAYER, FALCON_H1_TOP, falcon_h1_config
+from runtime.model_loader.gguf_qwen3next import qwen3next_config, qwen3next_tensor
+from runtime.model_loader.gguf_tensor import HybridTensor
 
 HYBRID_ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "granitehybrid": "GraniteMoeHybridForCausalLM",
                         "lfm2": "Lfm2ForCausalLM", "mamba": "MambaForCausalLM",
@@ -33,16 +34,6 @@ HYBRID_ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "granitehybrid": "Granite
                         "qwen3next": "Qwen3NextForCausalLM"}
 
 Keys, LLM, Attn, Rope, SSM = gguf.Keys, gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.SSM
-
-
-@dataclass(frozen=True)
-class HybridTensor:
-    """Where one GGUF tensor goes: `name`, reshaped by `reshape`, transformed by `transform`;
-    with `merge` (part, parts, dim), it is one of `parts` pieces concatenated along `dim`."""
-    name: str
-    reshape: str | None = None  # "conv": [C, K] -> [C, 1, K]; "flat": -> [n]
-    transform: str | None = None  # "a_log": A -> log(-A); "permute_q" / "permute_k": llama's rows
-    merge: tuple[int, int, int] | None = None
 
 
 def hybrid_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
@@ -56,7 +47,6 @@ def hybrid_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
         architectures=[HYBRID_ARCHITECTURES[arch]], **_token_ids(reader))
     names = {t.name for t in reader.tensors}
     if arch == "qwen3next":
-        from runtime.model_loader.gguf_qwen3next import qwen3next_config
         return qwen3next_config(fields, common)
     if arch == "mamba":
         if fields.get(SSM.DT_B_C_RMS, False):
@@ -130,7 +120,6 @@ def hybrid_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
 def hybrid_tensor(gguf_name: str, arch: str) -> HybridTensor | None:
     """Where GGUF tensor `gguf_name` of architecture `arch` goes; None if nowhere."""
     if arch == "qwen3next":
-        from runtime.model_loader.gguf_qwen3next import qwen3next_tensor
         return qwen3next_tensor(gguf_name)
     top = _TOP[arch].get(gguf_name)
     if top is not None:

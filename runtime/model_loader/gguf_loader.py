@@ -141,7 +141,7 @@ def iterate_gguf_weights(
 
 
 def _undo_transform(weight: np.ndarray, transform: str, hf_config: PretrainedConfig) -> np.ndarray:
-    """Invert what convert_hf_to_gguf.py did to a hybrid's tensor (gguf_hybrid.HybridTensor)."""
+    """Invert what convert_hf_to_gguf.py did to a hybrid's tensor (gguf_tensor.HybridTensor)."""
     if transform == "a_log":  # the converter stores A = -exp(A_log)
         return np.log(-weight)
     if transform == "minus_one":  # a zero-centred RMSNorm's weight, stored as 1 + w

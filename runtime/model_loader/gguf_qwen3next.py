@@ -16,7 +16,7 @@ from __future__ import annotations
 import gguf
 from transformers import PretrainedConfig, Qwen3NextConfig
 
-from runtime.model_loader.gguf_hybrid import HybridTensor
+from runtime.model_loader.gguf_tensor import HybridTensor
 
 LLM, Attn, Rope, SSM = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.SSM
 
