@@ -119,6 +119,20 @@ def _prefill_states(initial_state: torch.Tensor | None, has_initial_state: torch
     return initial_state.to(dtype, memory_format=torch.contiguous_format, copy=True), has
 
 
+def _start_states(initial_state: torch.Tensor | None, has_initial_state: torch.Tensor | None,
+                  shape: tuple[int, ...]) -> torch.Tensor:
+    """The float32 buffer a recurrence kernel runs on in place: a copy of the initial states,
+    zero for the rows that start fresh."""
+    state, has = _prefill_states(initial_state, has_initial_state, shape, torch.float32)
+    state[~has] = 0
+    return state
+
+
+def _final_states(state: torch.Tensor, initial_state: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's final states in the initial states' dtype (float32 without them)."""
+    return state.to(initial_state.dtype if initial_state is not None else torch.float32)
+
+
 def _conv_params(weight: torch.Tensor, bias: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The conv weight and bias as the kernel takes them: contiguous float32."""
@@ -179,16 +193,15 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             q, k, v, g, beta, query_start_loc, initial_state, has_initial_state, use_qk_l2norm,
             scale, chunk_size, checkpoint_rows, checkpoint_states)
     seqs = query_start_loc.numel() - 1
-    state, has = _prefill_states(initial_state, has_initial_state,
-                                 (seqs, v.size(1), k.size(-1), v.size(-1)), torch.float32)
-    state[~has] = 0
+    state = _start_states(initial_state, has_initial_state,
+                          (seqs, v.size(1), k.size(-1), v.size(-1)))
     out = torch.ops.runtime_cpu.gated_delta_rule(
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(),
         beta.float().contiguous(), query_start_loc.long().contiguous(), state,
         torch.arange(seqs), use_qk_l2norm, _gdn_scale(q, scale),
         None if checkpoint_rows is None else checkpoint_rows.long().contiguous(),
         checkpoint_states)
-    return out, state.to(initial_state.dtype if initial_state is not None else torch.float32)
+    return out, _final_states(state, initial_state)
 
 
 def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -218,16 +231,15 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         return portable_kda.chunk_kda(q, k, v, g, beta, query_start_loc, initial_state,
                                       has_initial_state, checkpoint_rows, checkpoint_states)
     seqs = query_start_loc.numel() - 1
-    state, has = _prefill_states(initial_state, has_initial_state,
-                                 (seqs, v.size(1), k.size(-1), v.size(-1)), torch.float32)
-    state[~has] = 0
+    state = _start_states(initial_state, has_initial_state,
+                          (seqs, v.size(1), k.size(-1), v.size(-1)))
     out = torch.ops.runtime_cpu.kimi_delta_rule(
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().exp().contiguous(),
         beta.float().contiguous(), query_start_loc.long().contiguous(), state,
         torch.arange(seqs), True, q.size(-1) ** -0.5,
         None if checkpoint_rows is None else checkpoint_rows.long().contiguous(),
         checkpoint_states)
-    return out, state.to(initial_state.dtype if initial_state is not None else torch.float32)
+    return out, _final_states(state, initial_state)
 
 
 def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -268,9 +280,7 @@ def mamba2_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
             x, dt, A, B, C, D, dt_bias, dt_softplus, query_start_loc, initial_state,
             has_initial_state, chunk_size, dt_limit, checkpoint_rows, checkpoint_states)
     seqs = query_start_loc.numel() - 1
-    state, has = _prefill_states(initial_state, has_initial_state,
-                                 (seqs, *x.shape[1:], B.size(-1)), torch.float32)
-    state[~has] = 0
+    state = _start_states(initial_state, has_initial_state, (seqs, *x.shape[1:], B.size(-1)))
     dt = portable_recurrent.mamba2_dt(dt, dt_bias, dt_softplus, dt_limit)
     A, D = _mamba2_params(A, D)
     y = torch.ops.runtime_cpu.mamba2_scan(
@@ -278,7 +288,7 @@ def mamba2_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
         query_start_loc.long().contiguous(), state, torch.arange(seqs),
         None if checkpoint_rows is None else checkpoint_rows.long().contiguous(),
         checkpoint_states)
-    return y, state.to(initial_state.dtype if initial_state is not None else torch.float32)
+    return y, _final_states(state, initial_state)
 
 
 def mamba2_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
@@ -314,16 +324,14 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
             x, dt, A, B, C, D, z, dt_bias, dt_softplus, query_start_loc, initial_state,
             has_initial_state, checkpoint_rows, checkpoint_states)
     seqs = query_start_loc.numel() - 1
-    state, has = _prefill_states(initial_state, has_initial_state, (seqs, *A.shape),
-                                 torch.float32)
-    state[~has] = 0
+    state = _start_states(initial_state, has_initial_state, (seqs, *A.shape))
     y = torch.ops.runtime_cpu.selective_scan(
         x.contiguous(), portable_recurrent.mamba_dt(dt, dt_bias, dt_softplus).contiguous(),
         A.float().contiguous(), B.contiguous(), C.contiguous(),
         query_start_loc.long().contiguous(), state, torch.arange(seqs),
         None if checkpoint_rows is None else checkpoint_rows.long().contiguous(),
         checkpoint_states)
-    final = state.to(initial_state.dtype if initial_state is not None else torch.float32)
+    final = _final_states(state, initial_state)
     return portable_recurrent.mamba_out(y, x, D, z), final
 
 
