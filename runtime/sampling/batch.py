@@ -44,6 +44,13 @@ class SamplingBatch:
     generators: dict[int, torch.Generator]  # row -> its own generator, for seeded random rows
     max_num_logprobs: int | None  # the most logprobs a row asks for; None: no row asks
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether some row's logits are masked, banned, biased or penalized before sampling."""
+        return any(x is not None for x in (
+            self.token_bitmask, self.banned_rows, self.bias, self.repetition_penalty,
+            self.presence_penalty, self.frequency_penalty))
+
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], generators: list[torch.Generator | None],

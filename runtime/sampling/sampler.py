@@ -49,6 +49,11 @@ class Sampler:
         """Sample one token per row of `logits` [B, V]. `in_place`: the caller gives `logits`
         up, so they may be masked in place (copying 64 x 49152 float32 logits costs more than
         masking them); otherwise they are not modified."""
+        if (batch.all_greedy and batch.max_num_logprobs is None and not batch.adjusts_logits
+                and not self.logits_processors):
+            # widening is exact, so the argmax of bf16 logits is that of their float32 copy,
+            # which costs a [B, V] write and read (3.3 ms at 64 x 49152)
+            return SamplerOutput(self.argmax(logits), None, None, None)
         in_place = in_place or logits.dtype != torch.float32  # .float() is then our own copy
         logits = logits.float()
         raw_logprobs = None

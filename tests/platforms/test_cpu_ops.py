@@ -61,10 +61,11 @@ def test_dense_kernel_matches_f_linear(rows, monkeypatch):
     torch.testing.assert_close(dense(x, None), x @ weight.T, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [1, 15, 16, 49152, 1000])
-def test_greedy_argmax_is_the_first_maximum(n):
+def test_greedy_argmax_is_the_first_maximum(n, dtype):
     torch.manual_seed(n)
-    x = torch.randn(7, n)
+    x = torch.randn(7, n).to(dtype)
     x[1] = 0.0  # all tied: the first
     x[2, n // 2:] = x[2].max() + 1  # tied maxima from the middle: the first of them
     x[3, -1] = float("nan")  # NaN above all
@@ -74,5 +75,5 @@ def test_greedy_argmax_is_the_first_maximum(n):
     got = ops.greedy_argmax(x)
     assert got.dtype == torch.int64
     assert got.tolist() == x.max(dim=-1).indices.tolist()
-    strided = torch.randn(4, 2 * n)[:, :n]  # rows not adjacent
+    strided = torch.randn(4, 2 * n).to(dtype)[:, :n]  # rows not adjacent
     assert ops.greedy_argmax(strided).tolist() == strided.max(dim=-1).indices.tolist()

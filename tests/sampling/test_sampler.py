@@ -107,6 +107,27 @@ def test_bfloat16_logits():
     assert torch.equal(out.sampled_token_ids, logits.float().argmax(-1))
 
 
+def test_plain_greedy_rows_take_the_argmax_of_the_logits_as_they_come():
+    """No float32 copy of bf16 logits when nothing adjusts them: widening is exact."""
+    seen = []
+
+    def argmax(x):
+        seen.append(x.dtype)
+        return x.max(dim=-1).indices
+
+    logits = torch.randn(4, 64).bfloat16()
+    plain = Sampler(greedy_argmax=argmax)(logits, build([SamplingParams(temperature=0)] * 4,
+                                                        vocab_size=64))
+    assert seen == [torch.bfloat16]
+    assert torch.equal(plain.sampled_token_ids, logits.float().argmax(-1))
+    biased = SamplingParams(temperature=0, logit_bias={3: 100.0})
+    out = Sampler(greedy_argmax=argmax)(logits, build([biased] * 4, vocab_size=64))
+    assert seen[-1] == torch.float32 and out.sampled_token_ids.tolist() == [3] * 4
+    asks = SamplingParams(temperature=0, logprobs=2)
+    assert Sampler(greedy_argmax=argmax)(logits, build([asks] * 4, vocab_size=64)).logprobs \
+        is not None and seen[-1] == torch.float32
+
+
 def test_unused_stages_are_skipped():
     batch = build([SamplingParams(), SamplingParams(temperature=0, top_k=3, repetition_penalty=1.0)])
     assert batch.top_k is None and batch.top_p is None and batch.min_p is None

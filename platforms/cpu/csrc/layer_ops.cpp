@@ -163,40 +163,45 @@ inline bool better(float a, int64_t ia, float b, int64_t ib) {
   return a > b || (a == b && ia < ib);
 }
 
-// The index of each row's first maximum (x [rows, n] float32, rows contiguous): 16 running
-// maxima per row, one per lane, merged at the end.
+// The index of each row's first maximum (x [rows, n] float32, bfloat16 or float16, rows
+// contiguous): 16 running maxima per row, one per lane, merged at the end. Widening to float32
+// is exact, so a bfloat16 row's answer is that of its float32 copy.
 at::Tensor greedy_argmax(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
-              "x must be a non-empty float32 [rows, n] with contiguous rows");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "x must be a non-empty [rows, n] with contiguous rows");
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
-  const float* base = x.data_ptr<float>();
   int64_t* dst = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = base + r * stride;
-      float best = row[0];
-      int64_t index = 0, j = 0;
-      if (n >= 16) {
-        v16f lane_best = load16(row);
-        v16i lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        v16i position = lane_index;
-        for (j = 16; j + 16 <= n; j += 16) {
-          position += 16;
-          const v16f v = load16(row + j);
-          const v16i take = (v > lane_best) | ((v != v) & (lane_best == lane_best));
-          lane_best = take ? v : lane_best;
-          lane_index = take ? position : lane_index;
+  RUNTIME_CPU_DISPATCH(x.scalar_type(), "greedy_argmax", [&] {
+    const scalar_t* base = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* row = base + r * stride;
+        float best = static_cast<float>(row[0]);
+        int64_t index = 0, j = 0;
+        if (n >= 16) {
+          v16f lane_best = load16(row);
+          v16i lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+          v16i position = lane_index;
+          for (j = 16; j + 16 <= n; j += 16) {
+            position += 16;
+            const v16f v = load16(row + j);
+            const v16i take = (v > lane_best) | ((v != v) & (lane_best == lane_best));
+            lane_best = take ? v : lane_best;
+            lane_index = take ? position : lane_index;
+          }
+          best = lane_best[0], index = lane_index[0];
+          for (int l = 1; l < 16; ++l)
+            if (better(lane_best[l], lane_index[l], best, index))
+              best = lane_best[l], index = lane_index[l];
         }
-        best = lane_best[0], index = lane_index[0];
-        for (int l = 1; l < 16; ++l)
-          if (better(lane_best[l], lane_index[l], best, index))
-            best = lane_best[l], index = lane_index[l];
+        for (; j < n; ++j) {
+          const float v = static_cast<float>(row[j]);
+          if (better(v, j, best, index)) best = v, index = j;
+        }
+        dst[r] = index;
       }
-      for (; j < n; ++j)
-        if (better(row[j], j, best, index)) best = row[j], index = j;
-      dst[r] = index;
-    }
+    });
   });
   return out;
 }
