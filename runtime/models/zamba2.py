@@ -12,11 +12,18 @@ layer's input, not to its residual: h + mixer(norm(h + linear(block(h, embeds)))
 The shared block's weights are stored once (`model.blocks.{k}`); each use has its own
 `Attention`, so each keeps its own KV cache layer. Transformers ties the uses of a block only
 with `tie_word_embeddings` (its weight tying hangs on that flag): without it every use keeps
-weights of its own, and here each use then gets a block of its own. Checkpoint names as transformers'
-(`layers.{i}.shared_transformer`, `linear`, `mamba_decoder`, `final_layernorm`); a block's
-adapters for its j-th use (`*_adapter_list.{j}`) are that hybrid layer's. Transformers
-clamps the step sizes to `time_step_min` from below in prefill and not in decode; so does
-this model.
+weights of its own, and here each use then gets a block of its own. Checkpoint names as
+transformers' (`layers.{i}.shared_transformer`, `linear`, `mamba_decoder`,
+`final_layernorm`); a block's adapters for its j-th use (`*_adapter_list.{j}`) are that
+hybrid layer's. Transformers clamps the step sizes to `time_step_min` from below in prefill
+and not in decode; so does this model.
+
+Tensor parallel splits the Mamba 2 layers by heads (`Mamba2Mixer`) and a shared block as
+Llama's attention and MLP: q/k/v by heads, `o_proj` and `down_proj` row-parallel, the MLP's
+gate and up column-parallel; each adapter's `down` is whole on every rank and its `up` gives
+this rank's rows of what it is added to. Pipeline parallel gives each stage its layers and a
+copy of each block they use; the original token embeddings travel to the next stage in the
+place of the residual, which Zamba 2 does not keep apart from the hidden states.
 """
 from __future__ import annotations
 
@@ -28,12 +35,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.distributed.pipeline import Intermediate
 from runtime.layers.attention import Attention
 from runtime.layers.build_context import BuildContext
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.layernorm import RMSNorm
-from runtime.layers.linear import QKVParallelLinear, ReplicatedLinear
+from runtime.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                   ReplicatedLinear, RowParallelLinear)
 from runtime.layers.mamba2_mixer import Mamba2Mixer
+from runtime.layers.recurrent_sharding import split
 from runtime.layers.rotary import get_rope, rotary_embedding
 from runtime.model_config import attention_heads
 from runtime.models.llama import default_weight_loader
@@ -41,6 +51,7 @@ from runtime.models.llama import default_weight_loader
 # the shared MLP's activation (transformers' ACT2FN name) on the gate
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
                 "silu": F.silu}
+_BLOCK = re.compile(r"model\.blocks\.(\d+)\.")
 _SHARED = re.compile(r"model\.layers\.(\d+)\.shared_transformer\.(.*)$")
 _ADAPTER = re.compile(r"(self_attn\.linear_([qkv])_adapter_list|feed_forward\."
                       r"gate_up_proj_adapter_list)\.(\d+)\.([01])\.weight$")
@@ -58,13 +69,15 @@ _BLOCK_NAMES = {"self_attn.q_proj.weight": ("qkv_proj.weight", "q"),
 
 
 class LowRankAdapter(nn.Module):
-    """up(down(x)): transformers' `nn.Sequential` of two bias-free linears (`0`, `1`)."""
+    """up(down(x)): transformers' `nn.Sequential` of two bias-free linears (`0`, `1`). `up`
+    gives this rank's rows of each of `out_sizes` (q, k or v heads; the gate and up halves),
+    as the projection it is added to holds them."""
 
-    def __init__(self, size: int, rank: int, out_size: int, ctx: BuildContext,
+    def __init__(self, size: int, rank: int, out_sizes: list[int], ctx: BuildContext,
                  prefix: str) -> None:
         super().__init__()
         self.down = ReplicatedLinear(size, rank, False, ctx, f"{prefix}.down")
-        self.up = ReplicatedLinear(rank, out_size, False, ctx, f"{prefix}.up")
+        self.up = MergedColumnParallelLinear(rank, out_sizes, False, ctx, f"{prefix}.up")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.up(self.down(x))
@@ -81,13 +94,14 @@ class Zamba2SharedBlock(nn.Module):
         self.input_layernorm = RMSNorm(wide, config.rms_norm_eps, ctx)
         self.qkv_proj = QKVParallelLinear(wide, self.head_size, num_heads, num_kv_heads, False,
                                           ctx, f"{prefix}.qkv_proj")
-        self.o_proj = ReplicatedLinear(num_heads * self.head_size, hidden, False, ctx,
-                                       f"{prefix}.o_proj")
+        self.o_proj = RowParallelLinear(num_heads * self.head_size, hidden, False, ctx,
+                                        f"{prefix}.o_proj")
         self.pre_ff_layernorm = RMSNorm(hidden, config.rms_norm_eps, ctx)
         inter, bias = config.intermediate_size, config.add_bias_linear
-        self.gate_up_proj = ReplicatedLinear(hidden, 2 * inter, bias, ctx,
-                                             f"{prefix}.gate_up_proj")
-        self.down_proj = ReplicatedLinear(inter, hidden, bias, ctx, f"{prefix}.down_proj")
+        split(inter, ctx.tp_size, "Zamba 2's shared MLP channels")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, ctx,
+                                                       f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(inter, hidden, bias, ctx, f"{prefix}.down_proj")
         self.act = _ACTIVATIONS[config.hidden_act]
         self.rotary_emb = (get_rope(self.head_size,
                                     ctx.max_model_len or config.max_position_embeddings,
@@ -96,10 +110,12 @@ class Zamba2SharedBlock(nn.Module):
 
 
 class Zamba2HybridLayer(nn.Module):
-    """A Mamba 2 layer, or with `block_id` set a hybrid layer: its shared block's use
-    (adapters, `linear`, its own `attn`) before the mixer."""
+    """A Mamba 2 layer, or with `block_id` set a hybrid layer: its use of that shared block
+    (`block`, whose heads it attends with: adapters, `linear`, its own `attn`) before the
+    mixer."""
 
-    def __init__(self, config, ctx: BuildContext, prefix: str, block_id: int | None) -> None:
+    def __init__(self, config, ctx: BuildContext, prefix: str, block_id: int | None,
+                 block: Zamba2SharedBlock | None) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.block_id = block_id
@@ -114,17 +130,19 @@ class Zamba2HybridLayer(nn.Module):
             time_step_limit=(config.time_step_min, float("inf")))
         if block_id is None:
             return
-        num_heads, num_kv_heads, head_size = attention_heads(config)
-        self.q_size, self.kv_size = num_heads * head_size, num_kv_heads * head_size
-        self.attn = Attention(num_heads, head_size, (head_size / 2) ** -0.5, num_kv_heads, ctx)
+        qkv, head_size = block.qkv_proj, block.head_size
+        self.q_size, self.kv_size = qkv.num_heads * head_size, qkv.num_kv_heads * head_size
+        self.attn = Attention(qkv.num_heads, head_size, (head_size / 2) ** -0.5,
+                              qkv.num_kv_heads, ctx)
         self.linear = ReplicatedLinear(hidden, hidden, False, ctx, f"{prefix}.linear")
         rank, wide = config.adapter_rank, 2 * hidden
         self.qkv_adapters = None
         if config.use_shared_attention_adapter:
             self.qkv_adapters = nn.ModuleDict({
-                part: LowRankAdapter(wide, rank, wide, ctx, f"{prefix}.{part}_adapter")
+                part: LowRankAdapter(wide, rank, [wide], ctx, f"{prefix}.{part}_adapter")
                 for part in "qkv"})
-        self.gate_up_adapter = LowRankAdapter(hidden, rank, 2 * config.intermediate_size, ctx,
+        inter = config.intermediate_size
+        self.gate_up_adapter = LowRankAdapter(hidden, rank, [inter, inter], ctx,
                                               f"{prefix}.gate_up_adapter")
 
     def run_block(self, block: Zamba2SharedBlock, positions: torch.Tensor,
@@ -151,10 +169,6 @@ class Zamba2HybridLayer(nn.Module):
 class Zamba2Model(nn.Module):
     def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
-        if ctx.pp.size > 1 or ctx.tp_size > 1:
-            raise ValueError("tensor and pipeline parallel are not supported for Zamba 2 yet "
-                             "(its shared blocks' attention output and adapters are not split "
-                             "across ranks)")
         if config.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"Zamba 2: MLP activation {config.hidden_act!r} is not supported; "
                              f"supported: {', '.join(_ACTIVATIONS)}")
@@ -162,23 +176,40 @@ class Zamba2Model(nn.Module):
                 config.num_key_value_heads != config.num_attention_heads:
             raise ValueError("Zamba 2: attention adapters with fewer KV heads than query heads "
                              "(transformers adds a full-width adapter to the keys and values)")
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+        # a pipeline stage builds its own layers and the blocks they use; the others stay
+        # placeholders, so that names keep their indices
+        self.start, self.end = ctx.pp.layers(config.num_hidden_layers)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+                             if ctx.pp.is_first else None)
         hybrid = list(config.hybrid_layer_ids)
         num_blocks = config.num_mem_blocks if config.tie_word_embeddings else len(hybrid)
-        self.blocks = nn.ModuleList(Zamba2SharedBlock(config, ctx, f"model.blocks.{k}")
-                                    for k in range(num_blocks))
         # layer index -> the block it runs
         self.block_of = {layer: use % num_blocks for use, layer in enumerate(hybrid)}
+        used = {self.block_of[i] for i in range(self.start, self.end) if i in self.block_of}
+        self.blocks = nn.ModuleList(
+            Zamba2SharedBlock(config, ctx, f"model.blocks.{k}") if k in used else nn.Identity()
+            for k in range(num_blocks))
         self.layers = nn.ModuleList(
-            Zamba2HybridLayer(config, ctx, f"model.layers.{i}", self.block_of.get(i))
+            Zamba2HybridLayer(config, ctx, f"model.layers.{i}", self.block_of.get(i),
+                              self.blocks[self.block_of[i]] if i in self.block_of else None)
+            if self.start <= i < self.end else nn.Identity()
             for i in range(config.num_hidden_layers))
-        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+        self.final_layernorm = (RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+                                if ctx.pp.is_last else None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        embeds = hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        """A stage after the first starts from the previous one's hidden states and original
+        token embeddings (`intermediate`); one before the last returns its own."""
+        if intermediate is None:
+            embeds = hidden = self.embed_tokens(input_ids)
+        else:
+            hidden, embeds = intermediate
+        for layer in self.layers[self.start:self.end]:
             block = None if layer.block_id is None else self.blocks[layer.block_id]
             hidden = layer(positions, hidden, embeds, block)
+        if self.final_layernorm is None:
+            return hidden, embeds
         return self.final_layernorm(hidden)
 
 
@@ -187,14 +218,16 @@ class Zamba2ForCausalLM(nn.Module):
 
     def __init__(self, config, ctx: BuildContext) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.pp = config, ctx.pp
         self.model = Zamba2Model(config, ctx)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
-        if config.tie_word_embeddings:
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
+                        if ctx.pp.is_last else None)
+        if config.tie_word_embeddings and ctx.pp.size == 1:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
@@ -222,24 +255,43 @@ class Zamba2ForCausalLM(nn.Module):
         ours, shard = _BLOCK_NAMES[rest]
         return f"model.blocks.{block_of[layer]}.{ours}", shard
 
+    def _on_this_stage(self, target: str) -> bool:
+        """Whether our parameter `target` is built on this pipeline stage: a block's where a
+        layer of the stage uses it, whichever layer's name the checkpoint stores it under."""
+        block = _BLOCK.match(target)
+        if block is not None:
+            return not isinstance(self.model.blocks[int(block.group(1))], nn.Identity)
+        return self.pp.owns(target, self.config.num_hidden_layers)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """A checkpoint may store a tied block again under each use: each copy lands on
-        the one block."""
+        the one block (on each stage that holds it). A merged column layer (the MLP's gate
+        and up, their adapter) takes the checkpoint's fused tensor part by part; with tied
+        embeddings a last stage after the first loads its LM head from the embeddings."""
         params = dict(self.named_parameters(remove_duplicate=False))
+        modules = dict(self.named_modules())
+        tied = self.config.tie_word_embeddings
         loaded: set[str] = set()
         for name, tensor in weights:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if name == "lm_head.weight" and tied:
                 continue
+            if name == "model.embed_tokens.weight" and tied and self.pp.size > 1 and \
+                    self.pp.is_last:
+                self.lm_head.weight.weight_loader(self.lm_head.weight, tensor)
+                loaded.add("lm_head.weight")
             target, shard = self._ours(name)
-            if target is None:
+            if target is None or not self._on_this_stage(target):
                 continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                  f"{type(self).__name__}")
-            param = params[target]
-            if shard is None:
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            else:
+            param, layer = params[target], modules[target.rpartition(".")[0]]
+            if shard is not None:
                 param.weight_loader(param, tensor, shard)
+            elif isinstance(layer, MergedColumnParallelLinear):
+                for i, part in enumerate(tensor.split(layer.output_sizes)):
+                    param.weight_loader(param, part, i)
+            else:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(target)
         return loaded

@@ -49,13 +49,24 @@ PARALLEL = {
     # between the stages beside the hidden states (pipeline parallel changes no arithmetic,
     # so the tokens and logprobs equal one rank's in any dtype)
     "mamba2-pp2-bf16": ("mamba2", {}, 1, 2, dict(dtype="bfloat16")),
+    # Zamba 2's shared blocks (block 0 used by layers 0 and 3, block 1 by layer 2): two of
+    # four attention heads and their q/k/v adapters' rows per rank, the MLP's gate and up
+    # halves and their adapters' by intermediate, the Mamba 2 groups split
+    "zamba2-tp2": ("zamba2", {}, 2, 1, {}),
+    # block 0 built on both stages (stage 1 loads it, and use 2's adapters, from layer 0's
+    # names), the token embeddings sent on with the hidden states
+    "zamba2-pp2": ("zamba2", {}, 1, 2, {}),
+    # untied: each use its own block; the MLP's and Mamba's biases (the row-parallel
+    # down_proj's added once), KV heads fewer than query heads, no q/k/v adapters
+    "zamba2-untied-tp2": ("zamba2", dict(tie_word_embeddings=False, add_bias_linear=True,
+                                         use_shared_attention_adapter=False,
+                                         num_key_value_heads=2), 2, 1, {}),
 }
 
 
 def _path(factory, model: str, overrides: dict) -> str:
     if model in NEW_CASES:
-        assert not overrides
-        return build(factory, model)
+        return build(factory, model, **overrides)
     arch, base = {**CASES, **MORE_CASES}[model]
     return factory(arch, **{**base, **overrides})
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import Zamba2Config
 
 from runtime.forward_context import forward_context
 from runtime.layers.build_context import BuildContext
@@ -18,6 +19,7 @@ from runtime.layers.mamba2_mixer import Mamba2Mixer
 from runtime.layers.mamba_mixer import MambaMixer
 from runtime.models.lfm2 import ShortConv
 from runtime.models.llama import default_weight_loader
+from runtime.models.zamba2 import Zamba2SharedBlock
 
 HIDDEN = 32
 TP = 2
@@ -175,6 +177,10 @@ def test_two_ranks_equal_the_whole_layer(name):
      r"Mamba 2 heads \(3\) do not split over tensor-parallel size 2"),
     (lambda ctx: _kda(ctx, heads=3),
      r"Kimi delta attention heads \(3\) do not split over tensor-parallel size 2"),
+    # the gate and up halves would split, each rank's share of both not
+    (lambda ctx: Zamba2SharedBlock(Zamba2Config(hidden_size=HIDDEN, num_attention_heads=4,
+                                                intermediate_size=33), ctx, "block"),
+     r"Zamba 2's shared MLP channels \(33\) do not split over tensor-parallel size 2"),
 ])
 def test_shapes_that_do_not_split_are_refused(build, named):
     with pytest.raises(ValueError, match=named):

@@ -49,13 +49,15 @@ CASES = {"lfm2-moe": ("Lfm2MoeForCausalLM", LFM2_MOE), "zamba2": ("Zamba2ForCaus
 PREEMPTION_BUDGET = {"lfm2-moe": "30KiB", "zamba2": "386KiB", "kimi-linear": "43520"}
 
 
-def build(factory, case: str) -> str:
-    """The case's model folder; the routers' biases (zeros when built) drawn at random, so
-    that they decide the routing."""
-    arch, overrides = CASES[case]
-    path = factory(arch, **overrides)
+def build(factory, case: str, **overrides) -> str:
+    """The case's model folder (its config changed by `overrides`); the biases built as zeros
+    drawn at random: the routers', so that they decide the routing, and the projections'
+    (Zamba 2's with `add_bias_linear`), so that they count."""
+    arch, base = CASES[case]
+    path = factory(arch, **{**base, **overrides})
     weights = load_file(f"{path}/model.safetensors")
-    biases = sorted(n for n in weights if n.endswith(("expert_bias", "e_score_correction_bias")))
+    biases = sorted(n for n in weights
+                    if n.endswith(("expert_bias", "e_score_correction_bias", "proj.bias")))
     if biases:
         gen = torch.Generator().manual_seed(0)
         for name in biases:
