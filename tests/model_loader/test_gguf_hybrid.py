@@ -165,8 +165,8 @@ def _converted(arch: str, model: torch.nn.Module, name: str, data: torch.Tensor,
     return [(f"{names.get_name(module)}.{suffix}", data)]
 
 
-def write_hybrid_gguf(path: str, arch: str, model: torch.nn.Module, qtype: gguf.GGMLQuantizationType,
-                      fuse_gate_up: bool = False) -> None:
+def write_hybrid_gguf(path: str, arch: str, model: torch.nn.Module,
+                      qtype: gguf.GGMLQuantizationType, fuse_gate_up: bool = False) -> None:
     """Write `model` as llama.cpp's converter does (with `--fuse-gate-up-exps` if
     `fuse_gate_up`): matrices in `qtype` (F16 where a row is no whole number of Q8_0 blocks),
     vectors, convs and A in F32. The model's weights are then replaced by what the file holds
@@ -494,7 +494,7 @@ def test_qwen_gguf_matches_transformers(arch, qtype, fuse_gate_up, tmp_path):
 
 # Nemotron-H: Mamba 2 (two groups), attention without rope, a squared-ReLU MLP; with experts
 # (nemotron_h_moe), squared-ReLU experts (top-2 of 8 in 2 groups, one group kept, scaled, a
-# shared expert) instead of the MLP
+# shared expert, in a latent space as Nemotron 3 Super's) instead of the MLP
 NEMOTRON_H_TINY = dict(
     TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
     mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
@@ -506,7 +506,7 @@ NEMOTRON_H = {
                                                          "full_attention"],
                            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                            moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
-                           routed_scaling_factor=1.5),
+                           routed_scaling_factor=1.5, moe_latent_size=32),
 }
 
 
@@ -544,6 +544,8 @@ def _nemotron_h_metadata(writer: gguf.GGUFWriter, c) -> None:
     writer.add_expert_weights_scale(c.routed_scaling_factor)
     writer.add_expert_group_count(c.n_group)
     writer.add_expert_group_used_count(c.topk_group)
+    if c.moe_latent_size is not None:
+        writer.add_moe_latent_size(c.moe_latent_size)
 
 
 def _nemotron_h_converted(c, arch: str, name: str, data: torch.Tensor
