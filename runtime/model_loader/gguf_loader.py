@@ -238,6 +238,9 @@ def _build_hybrid_model(reader: gguf.GGUFReader, arch: str, folder: str) -> None
     config.save_pretrained(folder)
     tensors = []
     for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        if parts[0] == "blk" and int(parts[1]) >= config.num_hidden_layers:
+            continue  # a multi-token prediction block (Qwen3.5's), past the decoder's layers
         target = hybrid_tensor(tensor.name, arch)
         if target is None:
             raise ValueError(f"GGUF tensor {tensor.name!r} ({arch}) matches no parameter of "

@@ -16,7 +16,8 @@ value heads of every delta-net tensor go from grouped by key head (value head g 
 j-th of key head g) to tiled (j * K + g), for ggml's broadcast; `untile_value_heads` puts
 them back. Its `in_proj_b` and `in_proj_a` come apart, as `ssm_beta` and `ssm_alpha`.
 A layer is gated attention where the file has its `attn_q`, a delta-net elsewhere. llama.cpp
-names no dense FFN of qwen3next, so every layer of such a file has experts.
+names no dense FFN of qwen3next, so every layer of such a file has experts. Qwen3.5's
+multi-token prediction blocks (`nextn_predict_layers`, after the decoder's) are left out.
 """
 from __future__ import annotations
 
@@ -102,10 +103,10 @@ def qwen_config(fields: Any, common: dict[str, Any], names: set[str], arch: str
     """The config of a `qwen3next`, `qwen35` or `qwen35moe` file; `fields` reads its metadata
     (gguf_hybrid's _Fields), `common` holds the keys every hybrid shares, `names` the file's
     tensor names."""
-    if fields.get(LLM.NEXTN_PREDICT_LAYERS, 0):
-        raise NotImplementedError(f"GGUF {arch} with multi-token prediction layers "
-                                  "(nextn_predict_layers) is not supported")
-    layers = common["num_hidden_layers"]
+    # the multi-token prediction blocks come after the decoder's (`block_count` holds both);
+    # they are not loaded (gguf_loader skips blocks past the config's layers)
+    layers = common["num_hidden_layers"] - fields.get(LLM.NEXTN_PREDICT_LAYERS, 0)
+    common = {**common, "num_hidden_layers": layers}
     head_dim = fields[Attn.KEY_LENGTH]
     value_heads = fields[SSM.TIME_STEP_RANK]
     # Qwen3.5's mrope sections (`rope.dimension_sections`) rotate text, whose three position

@@ -166,9 +166,11 @@ def _converted(arch: str, model: torch.nn.Module, name: str, data: torch.Tensor,
 
 
 def write_hybrid_gguf(path: str, arch: str, model: torch.nn.Module,
-                      qtype: gguf.GGMLQuantizationType, fuse_gate_up: bool = False) -> None:
+                      qtype: gguf.GGMLQuantizationType, fuse_gate_up: bool = False,
+                      mtp_block: bool = False) -> None:
     """Write `model` as llama.cpp's converter does (with `--fuse-gate-up-exps` if
-    `fuse_gate_up`): matrices in `qtype` (F16 where a row is no whole number of Q8_0 blocks),
+    `fuse_gate_up`; with `mtp_block`, one multi-token prediction block after the decoder's, as
+    Qwen3.5's converter writes it, its weights random: the reader must leave it out): matrices in `qtype` (F16 where a row is no whole number of Q8_0 blocks),
     vectors, convs and A in F32. The model's weights are then replaced by what the file holds
     (the converter moves whole rows only, or whole Q8_0 blocks of columns, so rounding each
     transformers row is rounding the file's), to be the reference for the file."""
@@ -176,6 +178,8 @@ def write_hybrid_gguf(path: str, arch: str, model: torch.nn.Module,
     _metadata(writer, arch, model)
     add_tiny_tokenizer(writer, VOCAB)
     writer.add_pad_token_id(0)
+    if mtp_block:
+        _add_mtp_block(writer, model.config)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
@@ -398,6 +402,20 @@ def _qwen_metadata(writer: gguf.GGUFWriter, c) -> None:
     writer.add_vocab_size(VOCAB)
 
 
+def _add_mtp_block(writer: gguf.GGUFWriter, c) -> None:
+    """Block `num_hidden_layers` as llama.cpp's qwen35 loader takes an MTP block: a gated
+    attention layer (here with a dense FFN) and the nextn tensors, counted in block_count."""
+    writer.add_block_count(c.num_hidden_layers + 1)  # overwrites the decoder's count
+    writer.add_nextn_predict_layers(1)
+    h, bid = c.hidden_size, c.num_hidden_layers
+    shapes = {"attn_norm": (h,), "post_attention_norm": (h,), "attn_q": (2 * h, h),
+              "attn_k": (h // 2, h), "attn_v": (h // 2, h), "attn_output": (h, h),
+              "ffn_gate": (h, h), "ffn_up": (h, h), "ffn_down": (h, h),
+              "nextn.eh_proj": (h, 2 * h), "nextn.enorm": (h,), "nextn.hnorm": (h,)}
+    for name, shape in shapes.items():
+        writer.add_tensor(f"blk.{bid}.{name}.weight", np.random.rand(*shape).astype(np.float32))
+
+
 def _tile(c, data: torch.Tensor, dim: int, width: int) -> torch.Tensor:
     """_LinearAttentionVReorderBase._reorder_v_heads: value heads grouped by key head
     [K, r, width] -> tiled [r, K, width] along `dim`."""
@@ -464,10 +482,11 @@ def _qwen_converted(c, arch: str, name: str, data: torch.Tensor, fuse_gate_up: b
     return [(f"{names.get_name(module)}.{suffix}", data)]
 
 
-@pytest.mark.parametrize("arch,qtype,fuse_gate_up", [
-    ("qwen3next", F16, False), ("qwen3next", Q8_0, True), ("qwen35", F16, False),
-    ("qwen35", Q8_0, False), ("qwen35moe", F16, True), ("qwen35moe", Q8_0, False)])
-def test_qwen_gguf_matches_transformers(arch, qtype, fuse_gate_up, tmp_path):
+@pytest.mark.parametrize("arch,qtype,fuse_gate_up,mtp_block", [
+    ("qwen3next", F16, False, False), ("qwen3next", Q8_0, True, False),
+    ("qwen35", F16, False, True), ("qwen35", Q8_0, False, False),
+    ("qwen35moe", F16, True, False), ("qwen35moe", Q8_0, False, False)])
+def test_qwen_gguf_matches_transformers(arch, qtype, fuse_gate_up, mtp_block, tmp_path):
     cls, config_cls, overrides = QWEN[arch]
     config = config_cls(**overrides)
     torch.manual_seed(0)
@@ -477,7 +496,7 @@ def test_qwen_gguf_matches_transformers(arch, qtype, fuse_gate_up, tmp_path):
             if name.endswith("norm.weight"):  # zero-centred norms start at 0: make them count
                 tensor.normal_(0, 0.3)
         path = str(tmp_path / f"tiny-{arch}.gguf")
-        write_hybrid_gguf(path, arch, model, qtype, fuse_gate_up)
+        write_hybrid_gguf(path, arch, model, qtype, fuse_gate_up, mtp_block)
     read = load_gguf_config(path)
     assert read.architectures == [cls.__name__]
     for key in overrides:
