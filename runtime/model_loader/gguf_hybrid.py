@@ -1,5 +1,5 @@
 """GGUF files of the state-space and hybrid architectures: their configs and tensor names
-(Qwen3-Next's in gguf_qwen3next.py).
+(Qwen3-Next's and Qwen3.5's in gguf_qwen3next.py).
 
 transformers reads no GGUF config of Mamba 2 or Granite 4.0-H, so each config here is rebuilt
 from llama.cpp's metadata keys. Each GGUF tensor maps to a checkpoint parameter of the
@@ -8,7 +8,8 @@ transformers model, with what convert_hf_to_gguf.py did to it undone: Mamba's A 
 reshaped, Granite's and Jamba's fused gate/up projections split in two (`merge` joins them
 again) and Granite's attention q/k rows permuted as for llama. Jamba's attention and expert
 layers, which its config places by offset and period, the file marks per layer (a KV head count,
-a router tensor). Falcon-H1's config and layer names are gguf_falcon_h1.py's.
+a router tensor). Falcon-H1's and Nemotron-H's configs and layer names are
+gguf_falcon_h1.py's and gguf_nemotron_h.py's.
 """
 from __future__ import annotations
 
@@ -25,13 +26,15 @@ from transformers import (
 )
 
 from runtime.model_loader.gguf_falcon_h1 import FALCON_H1_LAYER, FALCON_H1_TOP, falcon_h1_config
-from runtime.model_loader.gguf_qwen3next import qwen3next_config, qwen3next_tensor
+from runtime.model_loader.gguf_nemotron_h import NEMOTRON_H_LAYER, nemotron_h_config
+from runtime.model_loader.gguf_qwen3next import QWEN_ARCHITECTURES, qwen_config, qwen_tensor
 from runtime.model_loader.gguf_tensor import HybridTensor
 
 HYBRID_ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "granitehybrid": "GraniteMoeHybridForCausalLM",
                         "lfm2": "Lfm2ForCausalLM", "mamba": "MambaForCausalLM",
                         "jamba": "JambaForCausalLM", "falcon-h1": "FalconH1ForCausalLM",
-                        "qwen3next": "Qwen3NextForCausalLM"}
+                        "nemotron_h": "NemotronHForCausalLM",
+                        "nemotron_h_moe": "NemotronHForCausalLM", **QWEN_ARCHITECTURES}
 
 Keys, LLM, Attn, Rope, SSM = gguf.Keys, gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.SSM
 
@@ -46,8 +49,10 @@ def hybrid_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
         tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         architectures=[HYBRID_ARCHITECTURES[arch]], **_token_ids(reader))
     names = {t.name for t in reader.tensors}
-    if arch == "qwen3next":
-        return qwen3next_config(fields, common)
+    if arch in QWEN_ARCHITECTURES:
+        return qwen_config(fields, common, names, arch)
+    if arch in ("nemotron_h", "nemotron_h_moe"):
+        return nemotron_h_config(fields, common, names, lambda suffix: _any_layer(names, suffix))
     if arch == "mamba":
         if fields.get(SSM.DT_B_C_RMS, False):
             raise NotImplementedError("GGUF mamba with dt/B/C norms (Falcon Mamba) is not supported")
@@ -119,8 +124,8 @@ def hybrid_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
 
 def hybrid_tensor(gguf_name: str, arch: str) -> HybridTensor | None:
     """Where GGUF tensor `gguf_name` of architecture `arch` goes; None if nowhere."""
-    if arch == "qwen3next":
-        return qwen3next_tensor(gguf_name)
+    if arch in QWEN_ARCHITECTURES:
+        return qwen_tensor(gguf_name, arch)
     top = _TOP[arch].get(gguf_name)
     if top is not None:
         return HybridTensor(top)
@@ -237,10 +242,12 @@ _TOP = {
               "output_norm.weight": "model.final_layernorm.weight",
               "output.weight": "lm_head.weight"},
     "falcon-h1": FALCON_H1_TOP,
+    "nemotron_h": _BACKBONE_TOP, "nemotron_h_moe": _BACKBONE_TOP,
 }
 _LAYER_PREFIX = {"mamba": "backbone.layers", "mamba2": "backbone.layers",
                  "granitehybrid": "model.layers", "lfm2": "model.layers", "jamba": "model.layers",
-                 "falcon-h1": "model.layers"}
+                 "falcon-h1": "model.layers", "nemotron_h": "backbone.layers",
+                 "nemotron_h_moe": "backbone.layers"}
 _LAYER = {
     "mamba": {"attn_norm.weight": HybridTensor("norm.weight"), **_mixer("mixer", False)},
     "mamba2": {"attn_norm.weight": HybridTensor("norm.weight"), **_mixer("mixer", True)},
@@ -249,6 +256,8 @@ _LAYER = {
     "jamba": _jamba_layer(),
     "falcon-h1": {**_mixer("mamba", True),
                   **{key: HybridTensor(name) for key, name in FALCON_H1_LAYER.items()}},
+    "nemotron_h": {**_mixer("mixer", True), **NEMOTRON_H_LAYER},
+    "nemotron_h_moe": {**_mixer("mixer", True), **NEMOTRON_H_LAYER},
 }
 
 

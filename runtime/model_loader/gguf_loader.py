@@ -34,6 +34,7 @@ from runtime.layers.rotary import compute_inv_freq, rope_parameters
 from runtime.model_loader.gguf_cache import cached_part
 from runtime.model_loader.gguf_header import gguf_architecture
 from runtime.model_loader.gguf_hybrid import HYBRID_ARCHITECTURES, hybrid_config, hybrid_tensor
+from runtime.model_loader.gguf_qwen3next import FUSED_EXPERTS, untile_value_heads
 from runtime.progress import progress_bar
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe",
@@ -112,7 +113,9 @@ def iterate_gguf_weights(
         start = entry["offset"]
         raw = data[start:start + stored.itemsize * math.prod(entry["data_shape"])]
         raw = raw.view(stored).reshape(entry["data_shape"])
-        if _EXPERTS in entry["name"]:
+        # the fused gate/up experts go whole, as transformers 5 stacks them: the MoE loader
+        # takes them so
+        if _EXPERTS in entry["name"] and not entry["name"].endswith(FUSED_EXPERTS):
             yield from _split_experts(entry["name"], _dequantize(raw, gguf.GGMLQuantizationType(
                 entry["type"])).reshape(entry["shape"]), dtype)
             continue
@@ -141,7 +144,14 @@ def iterate_gguf_weights(
 
 
 def _undo_transform(weight: np.ndarray, transform: str, hf_config: PretrainedConfig) -> np.ndarray:
-    """Invert what convert_hf_to_gguf.py did to a hybrid's tensor (gguf_tensor.HybridTensor)."""
+    """Invert what convert_hf_to_gguf.py did to a hybrid's tensor (gguf_tensor.HybridTensor);
+    steps joined by "+" are undone in turn."""
+    if "+" in transform:
+        for step in transform.split("+"):
+            weight = _undo_transform(weight, step, hf_config)
+        return weight
+    if transform.startswith("v_heads_"):  # Qwen3.5's value heads, tiled
+        return untile_value_heads(weight, transform[len("v_heads_"):], hf_config)
     if transform == "a_log":  # the converter stores A = -exp(A_log)
         return np.log(-weight)
     if transform == "minus_one":  # a zero-centred RMSNorm's weight, stored as 1 + w
@@ -228,6 +238,9 @@ def _build_hybrid_model(reader: gguf.GGUFReader, arch: str, folder: str) -> None
     config.save_pretrained(folder)
     tensors = []
     for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        if parts[0] == "blk" and int(parts[1]) >= config.num_hidden_layers:
+            continue  # a multi-token prediction block (Qwen3.5's), past the decoder's layers
         target = hybrid_tensor(tensor.name, arch)
         if target is None:
             raise ValueError(f"GGUF tensor {tensor.name!r} ({arch}) matches no parameter of "

@@ -11,5 +11,7 @@ class HybridTensor:
     with `merge` (part, parts, dim), it is one of `parts` pieces concatenated along `dim`."""
     name: str
     reshape: str | None = None  # "conv": [C, K] -> [C, 1, K]; "flat": -> [n]
-    transform: str | None = None  # "a_log": A -> log(-A); "permute_q" / "permute_k": llama's rows
+    # "a_log": A -> log(-A); "permute_q" / "permute_k": llama's rows; "minus_one": 1 + w -> w;
+    # "v_heads_<part>": Qwen3.5's tiled value heads; several steps joined by "+"
+    transform: str | None = None
     merge: tuple[int, int, int] | None = None

@@ -134,21 +134,24 @@ FALLBACK_ROW = ("any other transformers causal LM the fallback runs exactly (lis
 
 
 def architecture_table() -> list[tuple[str, str, str]]:
-    """(architecture, implementation, GGUF `general.architecture` or "") for every registered
-    architecture, then the fallback's row."""
+    """(architecture, implementation, GGUF `general.architecture`s, comma-separated, or "")
+    for every registered architecture, then the fallback's row."""
     from runtime.model_loader.gguf_loader import HF_ARCHITECTURES
-    gguf_of = {hf: arch for arch, hf in HF_ARCHITECTURES.items()}
+    gguf_of: dict[str, list[str]] = {}
+    for arch, hf in HF_ARCHITECTURES.items():
+        gguf_of.setdefault(hf, []).append(arch)
     rows = []
     for name, entry in sorted(supported_architectures().items()):
         where = entry.partition(":")[0] if isinstance(entry, str) else entry.__module__
         kind = "native" if name in _BUILTIN and entry == _BUILTIN[name] else "plugin"
-        rows.append((name, f"{kind} (`{where}`)", gguf_of.get(name, "")))
+        rows.append((name, f"{kind} (`{where}`)", ", ".join(gguf_of.get(name, []))))
     return rows + [FALLBACK_ROW]
 
 
 def architecture_table_markdown() -> str:
     lines = ["| Architecture | Implementation | GGUF |", "| --- | --- | --- |"]
     for name, impl, gguf in architecture_table():
+        files = ", ".join(f"`{arch}`" for arch in gguf.split(", ")) if gguf else ""
         lines.append(f"| {name if name == FALLBACK_ROW[0] else f'`{name}`'} | {impl} | "
-                     f"{f'`{gguf}`' if gguf else ''} |")
+                     f"{files} |")
     return "\n".join(lines)

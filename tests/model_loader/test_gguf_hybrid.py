@@ -1,5 +1,5 @@
 """GGUF files of the state-space and hybrid architectures (mamba, mamba2, granitehybrid, lfm2,
-jamba, falcon-h1),
+jamba, falcon-h1, qwen3next, qwen35, qwen35moe, nemotron_h, nemotron_h_moe),
 written here as llama.cpp's convert_hf_to_gguf.py writes them, run with the same greedy tokens
 and logprobs as transformers on the weights the file holds."""
 from __future__ import annotations
@@ -56,8 +56,10 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, model: torch.nn.Module) -> Non
     """The keys convert_hf_to_gguf.py's MambaModel, Mamba2Model, GraniteHybridModel, LFM2Model
     and JambaModel write."""
     c = model.config
-    if arch == "qwen3next":
-        return _qwen3next_metadata(writer, c)
+    if arch in QWEN:
+        return _qwen_metadata(writer, c)
+    if arch in NEMOTRON_H:
+        return _nemotron_h_metadata(writer, c)
     writer.add_embedding_length(c.hidden_size)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_layer_norm_rms_eps(getattr(c, "layer_norm_epsilon", None) or
@@ -114,14 +116,19 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, model: torch.nn.Module) -> Non
     writer.add_rope_scaling_finetuned(False)
 
 
-def _converted(arch: str, model: torch.nn.Module, name: str, data: torch.Tensor
-               ) -> list[tuple[str, torch.Tensor]]:
+def _model_arch(arch: str) -> gguf.MODEL_ARCH:
+    return next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+
+
+def _converted(arch: str, model: torch.nn.Module, name: str, data: torch.Tensor,
+               fuse_gate_up: bool) -> list[tuple[str, torch.Tensor]]:
     """(GGUF name, tensor) as convert_hf_to_gguf.py makes them from one transformers tensor."""
     c = model.config
-    if arch == "qwen3next":
-        return _qwen3next_converted(c, name, data)
-    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
-                                     c.num_hidden_layers)
+    if arch in QWEN:
+        return _qwen_converted(c, arch, name, data, fuse_gate_up)
+    if arch in NEMOTRON_H:
+        return _nemotron_h_converted(c, arch, name, data)
+    names = gguf.get_tensor_name_map(_model_arch(arch), c.num_hidden_layers)
     module, suffix = name.rsplit(".", 1)
     layer = int(name.split(".")[2]) if ".layers." in name else None
 
@@ -158,22 +165,27 @@ def _converted(arch: str, model: torch.nn.Module, name: str, data: torch.Tensor
     return [(f"{names.get_name(module)}.{suffix}", data)]
 
 
-def write_hybrid_gguf(path: str, arch: str, model: torch.nn.Module, qtype: gguf.GGMLQuantizationType
-                      ) -> None:
-    """Write `model` as llama.cpp's converter does: matrices in `qtype` (F16 where a row is no
-    whole number of Q8_0 blocks), vectors, convs and A in F32. The model's weights are then
-    replaced by what the file holds (the converter moves whole rows only, so rounding each
+def write_hybrid_gguf(path: str, arch: str, model: torch.nn.Module,
+                      qtype: gguf.GGMLQuantizationType, fuse_gate_up: bool = False,
+                      mtp_block: bool = False) -> None:
+    """Write `model` as llama.cpp's converter does (with `--fuse-gate-up-exps` if
+    `fuse_gate_up`; with `mtp_block`, one multi-token prediction block after the decoder's, as
+    Qwen3.5's converter writes it, its weights random: the reader must leave it out): matrices in `qtype` (F16 where a row is no whole number of Q8_0 blocks),
+    vectors, convs and A in F32. The model's weights are then replaced by what the file holds
+    (the converter moves whole rows only, or whole Q8_0 blocks of columns, so rounding each
     transformers row is rounding the file's), to be the reference for the file."""
     writer = gguf.GGUFWriter(path, arch)
     _metadata(writer, arch, model)
     add_tiny_tokenizer(writer, VOCAB)
     writer.add_pad_token_id(0)
+    if mtp_block:
+        _add_mtp_block(writer, model.config)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         stored = None if tensor.ndim < 2 or "conv" in name or "A_log" in name else \
             qtype if qtype == Q8_0 and tensor.shape[-1] % 32 == 0 else F16
-        for gguf_name, data in _converted(arch, model, name, tensor):
+        for gguf_name, data in _converted(arch, model, name, tensor, fuse_gate_up):
             array = data.contiguous().numpy()
             if stored == Q8_0:
                 writer.add_tensor(gguf_name, gguf.quants.quantize(array, Q8_0), raw_dtype=Q8_0)
@@ -340,33 +352,46 @@ def test_falcon_h1_gguf_matches_transformers(qtype, tmp_path):
     assert_matches_hf(llm.generate(PROMPTS, params), references)
 
 
-# Qwen3-Next: delta-nets in layers 0-2 (two value heads per key head), gated attention in
-# layer 3 (partial rope), top-2 of 4 experts with a gated shared expert in every layer (llama.cpp
-# names no dense FFN of qwen3next)
-QWEN3NEXT = dict(
+# Qwen3-Next and Qwen3.5: delta-nets in layers 0-2 (two value heads per key head, a Q8_0
+# block of out_proj's columns per value head, as the converter's reordering of them moves whole
+# blocks), gated attention in layer 3 (partial rope); Qwen3-Next's and Qwen3.5-MoE's layers with
+# top-2 of 4 experts and a gated shared expert (llama.cpp names no dense FFN of qwen3next)
+QWEN_TINY = dict(
     TINY, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     max_position_embeddings=256, intermediate_size=64, linear_num_key_heads=2,
-    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-    linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-    shared_expert_intermediate_size=32, tie_word_embeddings=False)
+    linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+    linear_conv_kernel_dim=4, tie_word_embeddings=False)
+QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32)
+QWEN = {
+    "qwen3next": (transformers.Qwen3NextForCausalLM, transformers.Qwen3NextConfig,
+                  dict(QWEN_TINY, **QWEN_MOE)),
+    "qwen35": (transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig, QWEN_TINY),
+    "qwen35moe": (transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig,
+                  dict({k: v for k, v in QWEN_TINY.items() if k != "intermediate_size"},
+                       **QWEN_MOE)),
+}
 
 
-def _qwen3next_metadata(writer: gguf.GGUFWriter, c) -> None:
-    """The keys convert_hf_to_gguf.py's Qwen3NextModel (over Qwen2MoeModel) writes."""
+def _qwen_metadata(writer: gguf.GGUFWriter, c) -> None:
+    """The keys convert_hf_to_gguf.py's Qwen3NextModel (over Qwen2MoeModel) writes, and its
+    Qwen3_5 models over it."""
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_block_count(c.num_hidden_layers)
-    writer.add_feed_forward_length(c.intermediate_size)
+    if getattr(c, "intermediate_size", None):
+        writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
     writer.add_key_length(c.head_dim)
     writer.add_value_length(c.head_dim)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_expert_count(c.num_experts)
-    writer.add_expert_used_count(c.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
-    writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    if getattr(c, "num_experts", None):
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
     writer.add_ssm_state_size(c.linear_key_head_dim)
     writer.add_ssm_group_count(c.linear_num_key_heads)
@@ -377,9 +402,54 @@ def _qwen3next_metadata(writer: gguf.GGUFWriter, c) -> None:
     writer.add_vocab_size(VOCAB)
 
 
-def _qwen3next_converted(c, name: str, data: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def _add_mtp_block(writer: gguf.GGUFWriter, c) -> None:
+    """Block `num_hidden_layers` as llama.cpp's qwen35 loader takes an MTP block: a gated
+    attention layer (here with a dense FFN) and the nextn tensors, counted in block_count."""
+    writer.add_block_count(c.num_hidden_layers + 1)  # overwrites the decoder's count
+    writer.add_nextn_predict_layers(1)
+    h, bid = c.hidden_size, c.num_hidden_layers
+    shapes = {"attn_norm": (h,), "post_attention_norm": (h,), "attn_q": (2 * h, h),
+              "attn_k": (h // 2, h), "attn_v": (h // 2, h), "attn_output": (h, h),
+              "ffn_gate": (h, h), "ffn_up": (h, h), "ffn_down": (h, h),
+              "nextn.eh_proj": (h, 2 * h), "nextn.enorm": (h,), "nextn.hnorm": (h,)}
+    for name, shape in shapes.items():
+        writer.add_tensor(f"blk.{bid}.{name}.weight", np.random.rand(*shape).astype(np.float32))
+
+
+def _tile(c, data: torch.Tensor, dim: int, width: int) -> torch.Tensor:
+    """_LinearAttentionVReorderBase._reorder_v_heads: value heads grouped by key head
+    [K, r, width] -> tiled [r, K, width] along `dim`."""
+    k = c.linear_num_key_heads
+    moved = data.movedim(dim, 0)
+    grouped = moved.reshape(k, -1, width, *moved.shape[1:])
+    return grouped.transpose(0, 1).reshape(moved.shape).movedim(0, dim)
+
+
+def _qwen_tiled(c, name: str, data: torch.Tensor) -> torch.Tensor:
+    """What _LinearAttentionVReorderBase does to a Qwen3.5 tensor before Qwen3NextModel's
+    steps."""
+    if ".linear_attn." not in name:
+        return data
+    dv, qk = c.linear_value_head_dim, 2 * c.linear_num_key_heads * c.linear_key_head_dim
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        data = data.squeeze(1) if data.ndim == 3 else data
+        return torch.cat([data[:qk], _tile(c, data[qk:], 0, dv)])
+    if name.endswith("in_proj_z.weight"):
+        return _tile(c, data, 0, dv)
+    if name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+        return _tile(c, data, 0, 1)
+    if name.endswith("out_proj.weight"):
+        return _tile(c, data, 1, dv)
+    return data
+
+
+def _qwen_converted(c, arch: str, name: str, data: torch.Tensor, fuse_gate_up: bool
+                    ) -> list[tuple[str, torch.Tensor]]:
     """(GGUF name, tensor) as Qwen3NextModel.modify_tensors (over Qwen2MoeModel's, which
-    stacks the experts) makes them."""
+    stacks the experts, and ModelBase's, which fuses gate and up) makes them; for Qwen3.5
+    after its value heads are tiled."""
+    if arch != "qwen3next":
+        data = _qwen_tiled(c, name, data)
     if name.endswith(".A_log"):
         data = -torch.exp(data)
     elif name.endswith("conv1d.weight"):
@@ -399,37 +469,155 @@ def _qwen3next_converted(c, name: str, data: torch.Tensor) -> list[tuple[str, to
         return [(f"blk.{layer}.ssm_dt.bias", data)]
     if name.endswith("linear_attn.A_log"):
         return [(f"blk.{layer}.ssm_a", data)]
-    if name.endswith("experts.gate_up_proj"):  # transformers' fused [E, 2I, H], stacked apart
+    if name.endswith("experts.gate_up_proj"):  # transformers' fused [E, 2I, H]
+        if fuse_gate_up:  # split, then concatenated again along dim 1
+            return [(f"blk.{layer}.ffn_gate_up_exps.weight", data)]
         gate, up = data.chunk(2, dim=1)
         return [(f"blk.{layer}.ffn_gate_exps.weight", gate),
                 (f"blk.{layer}.ffn_up_exps.weight", up)]
     if name.endswith("experts.down_proj"):
         return [(f"blk.{layer}.ffn_down_exps.weight", data)]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, c.num_hidden_layers)
+    names = gguf.get_tensor_name_map(_model_arch(arch), c.num_hidden_layers)
     module, suffix = name.rsplit(".", 1)
     return [(f"{names.get_name(module)}.{suffix}", data)]
 
 
-@pytest.mark.parametrize("qtype", [F16, Q8_0])
-def test_qwen3next_gguf_matches_transformers(qtype, tmp_path):
-    config = transformers.Qwen3NextConfig(**QWEN3NEXT)
+@pytest.mark.parametrize("arch,qtype,fuse_gate_up,mtp_block", [
+    ("qwen3next", F16, False, False), ("qwen3next", Q8_0, True, False),
+    ("qwen35", F16, False, True), ("qwen35", Q8_0, False, False),
+    ("qwen35moe", F16, True, False), ("qwen35moe", Q8_0, False, False)])
+def test_qwen_gguf_matches_transformers(arch, qtype, fuse_gate_up, mtp_block, tmp_path):
+    cls, config_cls, overrides = QWEN[arch]
+    config = config_cls(**overrides)
     torch.manual_seed(0)
-    model = transformers.Qwen3NextForCausalLM(config).eval()
+    model = cls(config).eval()
     with torch.no_grad():
         for name, tensor in model.named_parameters():
             if name.endswith("norm.weight"):  # zero-centred norms start at 0: make them count
                 tensor.normal_(0, 0.3)
-        path = str(tmp_path / "tiny-qwen3next.gguf")
-        write_hybrid_gguf(path, "qwen3next", model, qtype)
+        path = str(tmp_path / f"tiny-{arch}.gguf")
+        write_hybrid_gguf(path, arch, model, qtype, fuse_gate_up, mtp_block)
     read = load_gguf_config(path)
-    assert read.architectures == ["Qwen3NextForCausalLM"]
-    for key in QWEN3NEXT:
+    assert read.architectures == [cls.__name__]
+    for key in overrides:
         if key != "initializer_range":
             assert getattr(read, key) == getattr(config, key), key
     assert read.layer_types == config.layer_types
     assert read.rope_parameters["partial_rotary_factor"] == pytest.approx(0.25)
     references = [hf_greedy(model, p, 8) for p in PROMPTS]
     llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4, max_model_len=256)
-    assert llm.engine.model_config.architecture == "Qwen3NextForCausalLM"
+    assert llm.engine.model_config.architecture == cls.__name__
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    assert_matches_hf(llm.generate(PROMPTS, params), references)
+
+
+# Nemotron-H: Mamba 2 (two groups), attention without rope, a squared-ReLU MLP; with experts
+# (nemotron_h_moe), squared-ReLU experts (top-2 of 8 in 2 groups, one group kept, scaled, a
+# shared expert, in a latent space as Nemotron 3 Super's) instead of the MLP
+NEMOTRON_H_TINY = dict(
+    TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+    mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
+    tie_word_embeddings=False)
+NEMOTRON_H = {
+    "nemotron_h": dict(NEMOTRON_H_TINY, layer_types=["linear_attention", "full_attention",
+                                                     "mlp"]),
+    "nemotron_h_moe": dict(NEMOTRON_H_TINY, layer_types=["linear_attention", "moe",
+                                                         "full_attention"],
+                           n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                           moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
+                           routed_scaling_factor=1.5, moe_latent_size=32),
+}
+
+
+def _nemotron_h_metadata(writer: gguf.GGUFWriter, c) -> None:
+    """The keys NemotronHModel (over GraniteHybridModel) writes."""
+    layers = c.num_hidden_layers
+    writer.add_block_count(layers)
+    writer.add_context_length(2**20)  # no rope
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv([c.num_key_value_heads if t == "full_attention" else 0
+                              for t in c.layer_types])
+    writer.add_layer_norm_eps(c.layer_norm_epsilon)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_vocab_size(VOCAB)
+    writer.add_ssm_conv_kernel(c.conv_kernel)
+    writer.add_ssm_state_size(c.ssm_state_size)
+    writer.add_ssm_group_count(c.n_groups)
+    writer.add_ssm_inner_size(c.mamba_num_heads * c.mamba_head_dim)
+    writer.add_ssm_time_step_rank(c.mamba_num_heads)
+    writer.add_rope_scaling_finetuned(False)
+    if "moe" not in c.layer_types:
+        writer.add_feed_forward_length([c.intermediate_size if t == "mlp" else 0
+                                        for t in c.layer_types])
+        return
+    writer.add_feed_forward_length([c.moe_intermediate_size if t == "moe" else 0
+                                    for t in c.layer_types])
+    writer.add_expert_count(c.n_routed_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(c.moe_shared_expert_intermediate_size)
+    writer.add_expert_shared_count(c.n_shared_experts)
+    writer.add_expert_weights_norm(c.norm_topk_prob)
+    writer.add_expert_weights_scale(c.routed_scaling_factor)
+    writer.add_expert_group_count(c.n_group)
+    writer.add_expert_group_used_count(c.topk_group)
+    if c.moe_latent_size is not None:
+        writer.add_moe_latent_size(c.moe_latent_size)
+
+
+def _nemotron_h_converted(c, arch: str, name: str, data: torch.Tensor
+                          ) -> list[tuple[str, torch.Tensor]]:
+    """(GGUF name, tensor) as NemotronHModel.modify_tensors (Mamba2Model's steps for the
+    mixer, LlamaModel's q/k permutation for attention) makes them from a checkpoint tensor
+    (`backbone.`, as saved)."""
+    if name.startswith("model."):
+        name = "backbone." + name.removeprefix("model.")
+    names = gguf.get_tensor_name_map(_model_arch(arch), c.num_hidden_layers)
+    module, suffix = name.rsplit(".", 1)
+    layer = name.split(".")[2] if ".layers." in name else None
+    if suffix in ("up_proj", "down_proj"):  # stacked experts [E, out, in]
+        return [(f"blk.{layer}.ffn_{suffix[:-5]}_exps.weight", data)]
+    if suffix == "e_score_correction_bias":
+        return [(f"blk.{layer}.exp_probs_b.bias", data)]
+    if suffix in ("A_log", "D"):
+        data = -torch.exp(data) if suffix == "A_log" else data
+        return [(names.get_name(name), data.reshape(-1, 1))]
+    if suffix == "dt_bias":
+        return [(f"{names.get_name(module + '.dt')}.bias", data)]
+    if module.endswith("conv1d") and suffix == "weight":
+        data = data.squeeze(1)
+    elif module.endswith("mixer.norm"):
+        data = data.reshape(c.n_groups, -1)
+    elif module.endswith("q_proj"):
+        data = torch.from_numpy(llama_cpp_permute(data.numpy(), c.num_attention_heads,
+                                                  c.num_attention_heads))
+    elif module.endswith("k_proj"):
+        data = torch.from_numpy(llama_cpp_permute(data.numpy(), c.num_attention_heads,
+                                                  c.num_key_value_heads))
+    return [(f"{names.get_name(module)}.{suffix}", data)]
+
+
+@pytest.mark.parametrize("arch,qtype", [("nemotron_h", F16), ("nemotron_h", Q8_0),
+                                        ("nemotron_h_moe", Q8_0)])
+def test_nemotron_h_gguf_matches_transformers(arch, qtype, tmp_path):
+    overrides = NEMOTRON_H[arch]
+    config = transformers.NemotronHConfig(**overrides)
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(config).eval()
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    with torch.no_grad():
+        write_hybrid_gguf(path, arch, model, qtype)
+    read = load_gguf_config(path)
+    assert read.architectures == ["NemotronHForCausalLM"]
+    for key in overrides:
+        if key not in ("initializer_range", "max_position_embeddings"):
+            expected = getattr(config, key)
+            assert getattr(read, key) == (pytest.approx(expected) if isinstance(expected, float)
+                                          else expected), key
+    references = [hf_greedy(model, p, 8) for p in PROMPTS]
+    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4)
+    assert llm.engine.model_config.architecture == "NemotronHForCausalLM"
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     assert_matches_hf(llm.generate(PROMPTS, params), references)

@@ -53,14 +53,14 @@ def test_unsupported_gguf_is_refused_from_the_header(tmp_path, monkeypatch, caps
         raise AssertionError("the file was parsed instead of refused from its header")
 
     monkeypatch.setattr(gguf, "GGUFReader", no_parsing)
-    path = str(tmp_path / "tiny-nemotron-h.gguf")
-    _gguf_without_tensors(path, "nemotron_h")
-    with pytest.raises(ValueError, match="GGUF architecture 'nemotron_h' is not supported; "
+    path = str(tmp_path / "tiny-rwkv7.gguf")
+    _gguf_without_tensors(path, "rwkv7")
+    with pytest.raises(ValueError, match="GGUF architecture 'rwkv7' is not supported; "
                                          "supported: llama, qwen2, qwen3, phi3, gemma2"):
         LLM(path, dtype="float32")
     assert main(["generate", "--model", path, "hi"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: GGUF architecture 'nemotron_h'") and "\n" not in err, err
+    assert err.startswith("error: GGUF architecture 'rwkv7'") and "\n" not in err, err
     assert not cache.exists() or not os.listdir(cache), "a refused file left entries in the cache"
 
 
