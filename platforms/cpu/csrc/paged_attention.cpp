@@ -1,8 +1,8 @@
 // Paged attention for decode steps on the CPU: one query token per sequence, reading K and V
-// straight from the paged cache (no gather), in one pass over each context's blocks (online
-// softmax). Work is split over (sequence, KV head) pairs, one run of them per thread balanced by
-// blocks read, with at::parallel_for, so it follows torch.set_num_threads. Accumulation is in
-// float32 for every cache dtype.
+// straight from the paged cache (no gather), one pass of scores, softmax, weighted sum of V.
+// Work is split over (sequence, KV head) pairs, one run of them per thread balanced by blocks
+// read, with at::parallel_for, so it follows torch.set_num_threads. Accumulation is in float32
+// for every cache dtype.
 //
 // The cache is in the query's dtype, or in FP8 (e4m3fn or e5m2) holding K / k_scale and
 // V / v_scale: FP8 rows are widened to float32 eight at a time in registers, k_scale is folded
@@ -167,6 +167,39 @@ inline v16f dot16_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t s
 }
 #endif
 
+// acc[g] (HEAD floats each) += the sum over r < count of w[g * w_stride + r] x V row r, for TILE
+// heads of a group: each row is loaded once for them all. TILE is a template argument so that
+// the accumulators stay in registers (a tile size known only at run time left them on the
+// stack, a load and a store around each FMA: half of a bf16 call at SmolLM2's shapes).
+template <int TILE, int HEAD, typename V, typename C>
+inline void weighted_rows(float* acc, const float* w, int64_t w_stride, const C* v,
+                          int64_t v_stride, int64_t count) {
+  constexpr int64_t width = sizeof(V) / sizeof(float), lanes = HEAD / width;
+  V regs[TILE][lanes];
+  for (int64_t g = 0; g < TILE; ++g)
+    for (int64_t j = 0; j < lanes; ++j) regs[g][j] = load_vec<V>(acc + g * HEAD + width * j);
+  for (int64_t r = 0; r < count; ++r, v += v_stride) {
+    V row[lanes];
+    for (int64_t j = 0; j < lanes; ++j) row[j] = load_vec<V>(v + width * j);
+    for (int64_t g = 0; g < TILE; ++g) {
+      const float weight = w[g * w_stride + r];
+      for (int64_t j = 0; j < lanes; ++j) regs[g][j] += weight * row[j];
+    }
+  }
+  for (int64_t g = 0; g < TILE; ++g)
+    for (int64_t j = 0; j < lanes; ++j) store_vec(acc + g * HEAD + width * j, regs[g][j]);
+}
+
+// weighted_rows for a run-time tile of 1 .. TILE heads.
+template <int TILE, int HEAD, typename V, typename C>
+inline void weighted_rows_upto(int64_t tile, float* acc, const float* w, int64_t w_stride,
+                               const C* v, int64_t v_stride, int64_t count) {
+  if constexpr (TILE > 1)
+    if (tile < TILE)
+      return weighted_rows_upto<TILE - 1, HEAD, V, C>(tile, acc, w, w_stride, v, v_stride, count);
+  weighted_rows<TILE, HEAD, V, C>(acc, w, w_stride, v, v_stride, count);
+}
+
 // The (sequence, KV head) items of each of `parts` parts, as bounds[p] .. bounds[p + 1]: cut
 // where the running count of blocks read crosses an equal share, so that ragged contexts load
 // the threads evenly (equal item counts left one thread idle for up to a third of a call at
@@ -193,43 +226,8 @@ std::vector<int64_t> split_items(const int32_t* lens, int64_t num_seqs, int64_t 
   return bounds;
 }
 
-// One block's `count` scores of one head into its running softmax: `max` rises to the block's
-// maximum, row[t] <- exp(row[t] - max) and `sum` takes them in. Returns the factor that brings
-// what was summed before to the new maximum (the caller rescales its output rows by it).
-inline float softmax_block(float* row, int64_t count, float& max, float& sum) {
-  vecf mx = vecf{} + max;
-  int64_t t = 0;
-  for (; t + kLanes <= count; t += kLanes) {
-    const vecf x = loadv(row + t);
-    mx = mx > x ? mx : x;
-  }
-  float m = max;
-  for (int64_t j = 0; j < kLanes; ++j) m = std::max(m, mx[j]);
-  for (; t < count; ++t) m = std::max(m, row[t]);
-  const float factor = std::exp(max - m);  // 0 at the first block (max = -inf)
-  vecf sum_v = {};
-  t = 0;
-  for (; t + kLanes <= count; t += kLanes) {
-    const vecf e = expv(loadv(row + t) - m);
-    storev(row + t, e);
-    sum_v += e;
-  }
-  float block_sum = 0.f;
-  for (int64_t j = 0; j < kLanes; ++j) block_sum += sum_v[j];
-  for (; t < count; ++t) block_sum += row[t] = std::exp(row[t] - m);
-  max = m;
-  sum = sum * factor + block_sum;
-  return factor;
-}
-
-// HEAD > 0 fixes the head size at compile time, so the loops unroll and a tile of output rows
-// stays in registers through a block; HEAD == 0 reads it at run time.
-//
-// One pass over each item's blocks (online softmax): a block's scores for the whole group of
-// query heads, then its V rows weighted into the group's output rows, which are rescaled when
-// the running maximum rises. The K and V rows of the block two ahead are prefetched, across
-// the end of an item into the next one's first blocks: at 128-256-token contexts an item has
-// 8-16 blocks, and the first two of each, read cold, were a quarter of all the reads.
+// HEAD > 0 fixes the head size at compile time, so the loops unroll and the output rows
+// stay in registers through a block; HEAD == 0 reads it at run time.
 template <typename T, typename C, int HEAD>
 void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -257,135 +255,102 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   const std::vector<int64_t> bounds =
       split_items(len_ptr, num_seqs, num_kv_heads, block_size, sliding_window, parts);
-  // The first position a sequence attends to, and its length.
-  auto span = [&](int64_t s) {
-    const int64_t len = len_ptr[s];
-    return std::pair<int64_t, int64_t>(
-        sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0, len);
-  };
-  auto prefetch_block = [&](int64_t item, int64_t b) {
-    const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
-    const int64_t block = bt_ptr[s * bt_stride + b];
-    prefetch_rows(k_ptr + block * kb_stride + kvh * kh_stride, block_size, kt_stride, head_size);
-    prefetch_rows(v_ptr + block * vb_stride + kvh * vh_stride, block_size, vt_stride, head_size);
-  };
-  const int64_t row_pad = (block_size + 15) / 16 * 16;  // a head's scores of one block
-  const float no_sink = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    std::vector<float> q(group * head_size), acc(group * head_size), scores(group * row_pad),
-        sums(group), maxes(group), factors(group);
-    for (int64_t part = part_begin; part < part_end; ++part) {
-      for (int64_t item = bounds[part]; item < bounds[part + 1]; ++item) {
-        const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
-        const auto [first, len] = span(s);
-        const int32_t* table = bt_ptr + s * bt_stride;
-        if (len == first) {  // an empty shard of a context (decode context parallel)
-          for (int64_t g = 0; g < group; ++g) {
-            T* dst = o_ptr + s * os_stride + (kvh * group + g) * oh_stride;
-            for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(0.f);
-            if (lse) lse[s * num_heads + kvh * group + g] = -std::numeric_limits<float>::infinity();
-          }
-          continue;
-        }
-        const T* q_head = q_ptr + s * qs_stride + kvh * group * qh_stride;  // the group's first
+    std::vector<float> q(group * head_size), acc(group * head_size), scores, sums(group),
+        maxes(group);
+    for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
+      const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t len = len_ptr[s];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t n = len - first;
+      const int32_t* table = bt_ptr + s * bt_stride;
+      if (n == 0) {  // an empty shard of a context (decode context parallel)
         for (int64_t g = 0; g < group; ++g) {
-          const T* src = q_head + g * qh_stride;
-          for (int64_t d = 0; d < head_size; ++d)
-            q[g * head_size + d] = static_cast<float>(src[d]) * q_scale;
+          T* dst = o_ptr + s * os_stride + (kvh * group + g) * oh_stride;
+          for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(0.f);
+          if (lse) lse[s * num_heads + kvh * group + g] = -std::numeric_limits<float>::infinity();
         }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        std::fill(sums.begin(), sums.end(), 0.f);
-        std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
-        const int64_t block_end = (len - 1) / block_size + 1;
-        for (int64_t b = first / block_size; b < block_end; ++b) {
-          if (b + 2 < block_end) {
-            prefetch_block(item, b + 2);
-          } else if (item + 1 < bounds[part + 1]) {  // the next item's first blocks
-            const auto [next_first, next_len] = span((item + 1) / num_kv_heads);
-            const int64_t next = next_first / block_size + b + 2 - block_end;
-            if (next_len > next_first && next * block_size < next_len)
-              prefetch_block(item + 1, next);
-          }
-          const int64_t lo = std::max(first, b * block_size);
-          const int64_t count = std::min(len, (b + 1) * block_size) - lo;
-          const C* k = k_ptr + table[b] * kb_stride + kvh * kh_stride +
-                       (lo - b * block_size) * kt_stride;
-          int64_t t = 0;
-  #if defined(__AVX512BF16__)
-          if constexpr (HEAD > 0 && HEAD % 32 == 0 && std::is_same_v<C, c10::BFloat16> &&
-                        std::is_same_v<T, c10::BFloat16>) {
-            const v16f scale16 = v16f{} + q_scale;
-            for (; t + 16 <= count; t += 16, k += 16 * kt_stride)
-              for (int64_t g = 0; g < group; ++g)
-                store16(scores.data() + g * row_pad + t,
-                        scale16 * dot16_bf16<HEAD>(q_head + g * qh_stride, k, kt_stride));
-          }
-  #endif
-          if constexpr (HEAD > 0 && HEAD % 16 == 0 && std::is_same_v<CacheVec<C>, v16f>) {
-            for (; t + 16 <= count; t += 16, k += 16 * kt_stride)
-              for (int64_t g = 0; g < group; ++g)
-                store16(scores.data() + g * row_pad + t,
-                        dot16<HEAD>(q.data() + g * head_size, k, kt_stride));
-          }
-          for (; t < count; ++t, k += kt_stride)
+        continue;
+      }
+      const T* q_head = q_ptr + s * qs_stride + kvh * group * qh_stride;  // the group's first
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q_head + g * qh_stride;
+        for (int64_t d = 0; d < head_size; ++d)
+          q[g * head_size + d] = static_cast<float>(src[d]) * q_scale;
+      }
+      scores.resize(group * n);
+      // Scores block by block: no division per token, and a block's rows are adjacent.
+      for (int64_t b = first / block_size; b * block_size < len; ++b) {
+        const int64_t lo = std::max(first, b * block_size);
+        const int64_t hi = std::min(len, (b + 1) * block_size);
+        if ((b + 2) * block_size < len)
+          prefetch_rows(k_ptr + table[b + 2] * kb_stride + kvh * kh_stride, block_size,
+                        kt_stride, head_size);
+        const C* k = k_ptr + table[b] * kb_stride + kvh * kh_stride +
+                     (lo - b * block_size) * kt_stride;
+        int64_t t = lo;
+#if defined(__AVX512BF16__)
+        if constexpr (HEAD > 0 && HEAD % 32 == 0 && std::is_same_v<C, c10::BFloat16> &&
+                      std::is_same_v<T, c10::BFloat16>) {
+          const v16f scale16 = v16f{} + q_scale;
+          for (; t + 16 <= hi; t += 16, k += 16 * kt_stride)
             for (int64_t g = 0; g < group; ++g)
-              scores[g * row_pad + t] = dot(q.data() + g * head_size, k, head_size);
+              store16(scores.data() + g * n + (t - first),
+                      scale16 * dot16_bf16<HEAD>(q_head + g * qh_stride, k, kt_stride));
+        }
+#endif
+        if constexpr (HEAD > 0 && HEAD % 16 == 0 && std::is_same_v<CacheVec<C>, v16f>) {
+          for (; t + 16 <= hi; t += 16, k += 16 * kt_stride)
+            for (int64_t g = 0; g < group; ++g)
+              store16(scores.data() + g * n + (t - first),
+                      dot16<HEAD>(q.data() + g * head_size, k, kt_stride));
+        }
+        for (; t < hi; ++t, k += kt_stride)
           for (int64_t g = 0; g < group; ++g)
-            factors[g] = softmax_block(scores.data() + g * row_pad, count, maxes[g], sums[g]);
+            scores[g * n + (t - first)] = dot(q.data() + g * head_size, k, head_size);
+      }
+      const float no_sink = -std::numeric_limits<float>::infinity();
+      for (int64_t g = 0; g < group; ++g)
+        sums[g] = softmax_numerator(scores.data() + g * n, n,
+                                    sinks ? sinks[kvh * group + g] : no_sink,
+                                    lse ? &maxes[g] : nullptr);
+      if (lse)
+        for (int64_t g = 0; g < group; ++g)
+          lse[s * num_heads + kvh * group + g] = maxes[g] + std::log(sums[g]);
+      // The weighted sums of V rows, block by block: with the head size known, up to kTile
+      // heads of the group at a time (weighted_rows), so that each V row is read from memory
+      // once per tile, not once per head.
+      using V = CacheVec<C>;
+      constexpr int64_t lanes = HEAD > 0 ? HEAD / (sizeof(V) / sizeof(float)) : 1;
+      constexpr int kTile = HEAD > 0 ? std::max<int>(1, 16 / lanes) : 1;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t g0 = 0; g0 < group; g0 += kTile) {
+        const int64_t tile = std::min<int64_t>(kTile, group - g0);
+        float* a = acc.data() + g0 * head_size;
+        for (int64_t b = first / block_size; b * block_size < len; ++b) {
+          const int64_t lo = std::max(first, b * block_size);
+          const int64_t hi = std::min(len, (b + 1) * block_size);
+          if ((b + 2) * block_size < len)
+            prefetch_rows(v_ptr + table[b + 2] * vb_stride + kvh * vh_stride, block_size,
+                          vt_stride, head_size);
           const C* v = v_ptr + table[b] * vb_stride + kvh * vh_stride +
                        (lo - b * block_size) * vt_stride;
-          // With the head size known, up to kTile output rows in registers, so that each V row
-          // is loaded once per tile, not once per head.
-          using V = CacheVec<C>;
-          constexpr int64_t width = sizeof(V) / sizeof(float);
-          constexpr int64_t lanes = HEAD > 0 ? HEAD / width : 1;
-          constexpr int64_t kTile = HEAD > 0 ? std::max<int64_t>(1, 16 / lanes) : 1;
+          const float* w = scores.data() + g0 * n + (lo - first);
           if constexpr (HEAD > 0) {
-            for (int64_t g0 = 0; g0 < group; g0 += kTile) {
-              const int64_t tile = std::min(kTile, group - g0);
-              V regs[kTile][lanes];
-              for (int64_t g = 0; g < tile; ++g)
-                for (int64_t j = 0; j < lanes; ++j)
-                  regs[g][j] = factors[g0 + g] * load_vec<V>(acc.data() + (g0 + g) * HEAD +
-                                                             width * j);
-              const C* row_ptr = v;
-              for (int64_t r = 0; r < count; ++r, row_ptr += vt_stride) {
-                V row[lanes];
-                for (int64_t j = 0; j < lanes; ++j) row[j] = load_vec<V>(row_ptr + width * j);
-                for (int64_t g = 0; g < tile; ++g) {
-                  const float w = scores[(g0 + g) * row_pad + r];
-                  for (int64_t j = 0; j < lanes; ++j) regs[g][j] += w * row[j];
-                }
-              }
-              for (int64_t g = 0; g < tile; ++g)
-                for (int64_t j = 0; j < lanes; ++j)
-                  store_vec(acc.data() + (g0 + g) * HEAD + width * j, regs[g][j]);
-            }
+            weighted_rows_upto<kTile, HEAD, V, C>(tile, a, w, n, v, vt_stride, hi - lo);
           } else {
-            for (int64_t g = 0; g < group; ++g) {
-              float* a = acc.data() + g * head_size;
-              for (int64_t d = 0; d < head_size; d += 8) store8(a + d, factors[g] * load8(a + d));
-              const C* row_ptr = v;
-              for (int64_t r = 0; r < count; ++r, row_ptr += vt_stride) {
-                const float w = scores[g * row_pad + r];
-                for (int64_t d = 0; d < head_size; d += 8)
-                  store8(a + d, load8(a + d) + w * load8(row_ptr + d));
-              }
-            }
+            for (int64_t r = 0; r < hi - lo; ++r, v += vt_stride)
+              for (int64_t d = 0; d < head_size; d += 8)
+                store8(a + d, load8(a + d) + w[r] * load8(v + d));
           }
         }
-        for (int64_t g = 0; g < group; ++g) {
-          // A sink joins the denominator; the maximum rises to it if it is larger.
-          const float sink = sinks ? sinks[kvh * group + g] : no_sink;
-          const float top = std::max(maxes[g], sink);
-          const float denom = sums[g] * std::exp(maxes[g] - top) + std::exp(sink - top);
-          if (lse) lse[s * num_heads + kvh * group + g] = top + std::log(denom);
-          const float inv = static_cast<float>(v_scale) * std::exp(maxes[g] - top) / denom;
-          T* dst = o_ptr + s * os_stride + (kvh * group + g) * oh_stride;
-          const float* a = acc.data() + g * head_size;
-          for (int64_t d = 0; d < head_size; d += 8) store8(dst + d, inv * load8(a + d));
-        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = o_ptr + s * os_stride + (kvh * group + g) * oh_stride;
+        const float inv = static_cast<float>(v_scale) / sums[g];
+        for (int64_t d = 0; d < head_size; ++d)
+          dst[d] = static_cast<T>(acc[g * head_size + d] * inv);
       }
     }
   });
