@@ -204,8 +204,8 @@ inline void weighted_rows_upto(int64_t tile, float* acc, const float* w, int64_t
 
 // The (sequence, KV head) items of each of `parts` parts, as bounds[p] .. bounds[p + 1]: cut
 // where the running count of blocks read crosses an equal share, so that ragged contexts load
-// the threads evenly (equal item counts left one thread idle for up to a third of a call at
-// batch 4). An item costs one block more than it reads: its set-up and its output.
+// the threads evenly (with equal item counts, the thread whose sequences happen to be the long
+// ones finishes last). An item costs one block more than it reads: its set-up and its output.
 std::vector<int64_t> split_items(const int32_t* lens, int64_t num_seqs, int64_t num_kv_heads,
                                  int64_t block_size, int64_t sliding_window, int64_t parts) {
   std::vector<int64_t> cost(num_seqs + 1, 0);
