@@ -172,7 +172,8 @@ inline v16f dot16_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t s
 // acc[g] (HEAD floats each) += the sum over r < count of w[g * w_stride + r] x V row r, for TILE
 // heads of a group: each row is loaded once for them all. TILE is a template argument so that
 // the accumulators stay in registers (a tile size known only at run time left them on the
-// stack, a load and a store around each FMA: half of a bf16 call at SmolLM2's shapes).
+// stack, a load and a store around each FMA: bf16, batch 64 x 128 tokens, cache hot, one
+// thread, 664 -> 516 us per call).
 template <int TILE, int HEAD, typename V, typename C>
 inline void weighted_rows(float* acc, const float* w, int64_t w_stride, const C* v,
                           int64_t v_stride, int64_t count) {
