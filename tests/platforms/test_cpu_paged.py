@@ -35,6 +35,29 @@ def test_matches_the_portable_backend(dtype, tol, heads, window, head_size):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2),
+                                       (torch.float16, 2e-3)])
+@pytest.mark.parametrize("heads,head_size", [((9, 3), 64), ((16, 4), 64), ((9, 3), 128),
+                                             ((12, 3), 128), ((3, 1), 32)])
+@pytest.mark.parametrize("window", [None, 40])
+def test_ragged_decodes_split_over_threads(threads, dtype, tol, heads, head_size, window):
+    """Decodes alone, of 1 token to 13 blocks, over 2 and 3 threads: the runs of (sequence, KV
+    head) items the threads take, cut by blocks read, cover every item once. GQA groups of 3
+    and 4 take the V pass's register tiles of each size (4 heads of 64 at once, 2 and then 1 or
+    2 of 128), and head size 32 the run-time path."""
+    lens = [1, 200, 17, 16, 97, 3, 150, 64, 33]
+    batch = make_batch([1] * len(lens), lens, 16, *heads, head_size, dtype, seed=7)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, _ = run_backend(CpuPagedAttention, batch, window)
+    finally:
+        torch.set_num_threads(before)
+    want, _ = run_backend(TorchPagedAttention, batch, window)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2),
                                        (torch.float16, 2e-3)])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3)])
