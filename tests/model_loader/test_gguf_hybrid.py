@@ -165,6 +165,17 @@ def _converted(arch: str, model: torch.nn.Module, name: str, data: torch.Tensor,
     return [(f"{names.get_name(module)}.{suffix}", data)]
 
 
+def assert_file_serves_as_hf(path: str, model: torch.nn.Module, architecture: str,
+                             **engine) -> None:
+    """The engine loads the GGUF file `path` as `architecture` and gives `model`'s (the
+    transformers model on the file's weights) greedy tokens and logprobs for PROMPTS."""
+    references = [hf_greedy(model, p, 8) for p in PROMPTS]
+    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4, **engine)
+    assert llm.engine.model_config.architecture == architecture
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    assert_matches_hf(llm.generate(PROMPTS, params), references)
+
+
 def write_hybrid_gguf(path: str, arch: str, model: torch.nn.Module,
                       qtype: gguf.GGMLQuantizationType, fuse_gate_up: bool = False,
                       mtp_block: bool = False) -> None:
@@ -218,13 +229,9 @@ def test_hybrid_gguf_matches_transformers(arch, qtype, tmp_path):
             expected = getattr(config, key)  # floats come back as the file's float32
             assert getattr(read, key) == (pytest.approx(expected) if isinstance(expected, float)
                                           else expected), key
-    references = [hf_greedy(model, p, 8) for p in PROMPTS]
     # no max_model_len: the files of Mamba and Granite 4.0-H claim a context of 2**20, which
     # the engine lowers to what the KV cache holds
-    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4)
-    assert llm.engine.model_config.architecture == cls.__name__
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-    assert_matches_hf(llm.generate(PROMPTS, params), references)
+    assert_file_serves_as_hf(path, model, cls.__name__)
 
 
 def test_hybrid_gguf_refuses_raw_blocks(tmp_path):
@@ -345,11 +352,7 @@ def test_falcon_h1_gguf_matches_transformers(qtype, tmp_path):
             expected = getattr(config, key)
         assert getattr(read, key) == (pytest.approx(expected) if isinstance(expected, float)
                                       else expected), key
-    references = [hf_greedy(model, p, 8) for p in PROMPTS]
-    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4)
-    assert llm.engine.model_config.architecture == "FalconH1ForCausalLM"
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-    assert_matches_hf(llm.generate(PROMPTS, params), references)
+    assert_file_serves_as_hf(path, model, "FalconH1ForCausalLM")
 
 
 # Qwen3-Next and Qwen3.5: delta-nets in layers 0-2 (two value heads per key head, a Q8_0
@@ -504,11 +507,7 @@ def test_qwen_gguf_matches_transformers(arch, qtype, fuse_gate_up, mtp_block, tm
             assert getattr(read, key) == getattr(config, key), key
     assert read.layer_types == config.layer_types
     assert read.rope_parameters["partial_rotary_factor"] == pytest.approx(0.25)
-    references = [hf_greedy(model, p, 8) for p in PROMPTS]
-    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4, max_model_len=256)
-    assert llm.engine.model_config.architecture == cls.__name__
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-    assert_matches_hf(llm.generate(PROMPTS, params), references)
+    assert_file_serves_as_hf(path, model, cls.__name__, max_model_len=256)
 
 
 # Nemotron-H: Mamba 2 (two groups), attention without rope, a squared-ReLU MLP; with experts
@@ -616,8 +615,4 @@ def test_nemotron_h_gguf_matches_transformers(arch, qtype, tmp_path):
             expected = getattr(config, key)
             assert getattr(read, key) == (pytest.approx(expected) if isinstance(expected, float)
                                           else expected), key
-    references = [hf_greedy(model, p, 8) for p in PROMPTS]
-    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4)
-    assert llm.engine.model_config.architecture == "NemotronHForCausalLM"
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-    assert_matches_hf(llm.generate(PROMPTS, params), references)
+    assert_file_serves_as_hf(path, model, "NemotronHForCausalLM")
