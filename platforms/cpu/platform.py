@@ -155,6 +155,12 @@ class CpuPlatform(Platform):
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.info.native_bf16 else torch.float32
 
+    def set_device(self, device: torch.device) -> None:
+        """The host's memory is the device: the heap keeps the pages a step frees, for the
+        next step's activations (`platforms/cpu/heap.py`)."""
+        from runtime.platforms.cpu.heap import keep_freed_pages
+        keep_freed_pages()
+
     def kv_cache_memory_bytes(self, requested: int | None, model_bytes: int) -> int:
         # The weights already sit in RAM, so MemAvailable has accounted for `model_bytes`.
         return kv_cache_budget(requested, available_memory_bytes())

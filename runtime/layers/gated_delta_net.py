@@ -129,8 +129,7 @@ class GatedDeltaNet(StatefulLayer):
                                          has, "silu")
             conv_state[rows] = conv_final
             q, k, v = self._heads(x)
-            kept = None if at is None else torch.empty(
-                (at.numel(), *ssm_state.shape[1:]), dtype=torch.float32, device=hidden.device)
+            kept = self.checkpoint_states(at)
             out[nd:], ssm_final = self.chunk_op(q, k, v, g[nd:], beta[nd:], starts,
                                                 ssm_state[rows], has, use_qk_l2norm=True,
                                                 checkpoint_rows=at, checkpoint_states=kept)

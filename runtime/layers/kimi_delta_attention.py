@@ -116,8 +116,7 @@ class KimiDeltaAttention(StatefulLayer):
             x, conv_final = self.conv_op(qkv[nd:], self.conv1d.weight, None, starts, initial,
                                          has, "silu")
             conv_state[rows] = conv_final
-            kept = None if at is None else torch.empty(
-                (at.numel(), *kda_state.shape[1:]), dtype=torch.float32, device=hidden.device)
+            kept = self.checkpoint_states(at)
             out[nd:], final = self.chunk_op(*self._heads(x), g[nd:], beta[nd:], starts,
                                             kda_state[rows], has, checkpoint_rows=at,
                                             checkpoint_states=kept)

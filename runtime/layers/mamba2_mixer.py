@@ -173,8 +173,7 @@ class Mamba2Mixer(StatefulLayer):
                                          initial, has, "silu")
             conv_state[rows] = conv_final
             x, B, C = self._split(x)
-            kept = None if at is None else torch.empty(
-                (at.numel(), *ssm_state.shape[1:]), dtype=torch.float32, device=hidden.device)
+            kept = self.checkpoint_states(at)
             y[nd:], ssm_final = self.scan_op(x, dt[nd:], A, B, C, self.D, self.dt_bias, True,
                                              starts, ssm_state[rows], has, self.chunk_size,
                                              self.dt_limit, checkpoint_rows=at,

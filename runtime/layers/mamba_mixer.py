@@ -97,8 +97,7 @@ class MambaMixer(StatefulLayer):
             self.checkpoint_decodes(md)
         if nd < t:
             at, entries = self.prefill_checkpoints(md)
-            kept = None if at is None else torch.empty(
-                (at.numel(), *ssm_state.shape[1:]), dtype=torch.float32, device=hidden.device)
+            kept = self.checkpoint_states(at)
             y[nd:], ssm_final = self.scan_op(xc[nd:], dt[nd:], A, B[nd:], C[nd:], self.D,
                                              gate[nd:], self.dt_proj.bias, True, starts,
                                              ssm_state[rows], has, checkpoint_rows=at,

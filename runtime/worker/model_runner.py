@@ -77,8 +77,7 @@ class ModelRunner:
                           num_state_slots: int = 0, num_checkpoints: int = 0) -> None:
         """Give every attention layer its cache (and the draft model's, addressed by the same
         block ids), and every recurrent layer its `num_state_slots` state slots and
-        `num_checkpoints` checkpoint entries in host memory, untouched until a step reaches
-        them."""
+        `num_checkpoints` checkpoint entries in host memory."""
         self.kv_cache.allocate(num_blocks, self.block_size, dtype, self.device)
         self.state_cache.allocate(num_state_slots, self.device, num_checkpoints)
         if self.proposer is not None:
