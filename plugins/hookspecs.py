@@ -145,6 +145,9 @@ def runtime_custom_op(platform: Platform, name: str) -> Callable | None:
     - "gelu_tanh_and_mul": (x) -> gelu_tanh(x[..., :d]) * x[..., d:] (Gemma's MLP)
     - "gelu": (x) -> F.gelu(x) (erf form; BERT's MLP), and "add_layer_norm": (x, residual,
       weight, bias, eps) -> F.layer_norm(x + residual, ...) (BERT's output blocks)
+    - "gated_rms_norm": (x, gate, weight, eps, group_size, norm_before_gate) -> x [T, D]
+      normed over each group of channels and gated by silu(gate), the recurrent layers' output
+      norm (portable version and its rounding in `runtime.plugins.ops`)
     - "lora_shrink": (x, a, batch) -> [slices, T, rank], and "lora_expand": (y, buf, b, batch,
       offsets) -> y with each token's LoRA delta added in place: the two halves of multi-LoRA,
       per token slot (portable versions and `LoRABatch` in `runtime.plugins.lora_ops`)

@@ -38,6 +38,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   group_size: int, norm_before_gate: bool) -> torch.Tensor:
+    """The recurrent layers' gated RMSNorm over each `group_size` channels of x [T, D]:
+    without `norm_before_gate`, weight * norm(x * silu(gate)) (transformers'
+    `MambaRMSNormGated`); with it, weight * norm(x) * silu(gate) (the gated delta-nets'
+    `RMSNormGated`). `weight` is [D], or [group_size] for every group alike. Arithmetic in
+    float32; the norm is rounded to x's dtype before the weight product, as both round it, and
+    the weight product before the gate."""
+    t = x.size(0)
+    h = x.float() if norm_before_gate else x.float() * F.silu(gate.float())
+    h = h.view(t, -1, group_size)
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    h = weight.view(-1, group_size) * h
+    if norm_before_gate:
+        h = (h * F.silu(gate.float()).view(h.shape)).to(x.dtype)
+    return h.view(t, -1)
+
+
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                      cos_sin_cache: torch.Tensor, head_size: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:

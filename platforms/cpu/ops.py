@@ -17,6 +17,7 @@ from runtime.plugins import lora_ops as portable_lora
 from runtime.plugins import recurrent_ops as portable_recurrent
 from runtime.plugins.lora_ops import LoRABatch
 from runtime.plugins.ops import add_rms_norm as portable_add_rms_norm
+from runtime.plugins.ops import gated_rms_norm as portable_gated_rms_norm
 from runtime.plugins.ops import greedy_argmax as portable_greedy_argmax
 from runtime.plugins.ops import rms_norm as portable_rms_norm
 from runtime.plugins.ops import rotary_embedding as portable_rotary_embedding
@@ -38,6 +39,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     if not (_fits(x, 16) and residual.is_contiguous()):
         return portable_add_rms_norm(x, residual, weight, eps)
     return torch.ops.runtime_cpu.add_rms_norm(x, residual, weight, eps)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   group_size: int, norm_before_gate: bool) -> torch.Tensor:
+    """One pass per row where the portable op takes eight to eleven torch ops, each over a
+    float32 copy of the rows."""
+    if (x.dim() != 2 or gate.shape != x.shape or x.stride(-1) != 1 or gate.stride(-1) != 1
+            or group_size % 16 or x.size(-1) % group_size or gate.dtype != x.dtype
+            or weight.dtype != x.dtype):
+        return portable_gated_rms_norm(x, gate, weight, eps, group_size, norm_before_gate)
+    return torch.ops.runtime_cpu.gated_rms_norm(x, gate, weight, eps, group_size,
+                                                norm_before_gate)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -398,6 +411,7 @@ def linear(weight: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor | None]
 
 # The ops that need the built kernels (`linear` is torch's own oneDNN and needs no build).
 OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul,
+       "gated_rms_norm": gated_rms_norm,
        "rotary_embedding": rotary_embedding, "lora_shrink": lora_shrink, "lora_expand": lora_expand,
        "gelu": gelu, "add_layer_norm": add_layer_norm, "causal_conv1d": causal_conv1d,
        "causal_conv1d_update": causal_conv1d_update,

@@ -14,6 +14,7 @@ from runtime.layers.recurrent_sharding import (ShardedColumnLinear, load_rows, s
                                                sharded_param, split)
 from runtime.layers.recurrent_state import StatefulLayer, conv_states_at
 from runtime.plugins import recurrent_ops
+from runtime.plugins.ops import gated_rms_norm
 
 
 class DepthwiseConvWeight(nn.Module):
@@ -35,17 +36,19 @@ class DepthwiseConvWeight(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm over each head, then times silu(gate), as transformers' `RMSNormGated`."""
+    """RMSNorm over each head, then times silu(gate), as transformers' `RMSNormGated`: the
+    `gated_rms_norm` op over [T, heads, head size], one weight for every head."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, op=None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.op = op or gated_rms_norm
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+        t, size = x.size(0), self.weight.numel()
+        return self.op(x.reshape(t, -1), gate.reshape(t, -1), self.weight, self.eps, size,
+                       True).view(x.shape)
 
 
 class GatedDeltaNet(StatefulLayer):
@@ -84,7 +87,8 @@ class GatedDeltaNet(StatefulLayer):
             rows=shard_rows(qkv, ctx.tp_rank, tp, what) if tp > 1 else None)
         self.dt_bias = sharded_param(num_v, 1.0, ctx)
         self.A_log = sharded_param(num_v, 0.0, ctx)
-        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, ctx.dtype)
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, ctx.dtype,
+                                 ctx.custom_op("gated_rms_norm"))
         self.out_proj = RowParallelLinear(value_dim, config.hidden_size, False, ctx,
                                           f"{prefix}.out_proj")
         self.conv_op = ctx.custom_op("causal_conv1d") or recurrent_ops.causal_conv1d

@@ -17,25 +17,31 @@ from runtime.layers.recurrent_sharding import (ShardedColumnLinear, load_rows, s
                                                sharded_param, split)
 from runtime.layers.recurrent_state import StatefulLayer, conv_states_at
 from runtime.plugins import recurrent_ops
+from runtime.plugins.ops import gated_rms_norm
 
 
 class GroupedGatedRMSNorm(nn.Module):
     """x * silu(gate), then RMSNorm over each of `groups` equal slices, as transformers'
-    `MambaRMSNormGated` (norm after the gate); with `norm_before_gate` the norm first, then
-    the gate, as Falcon-H1's `FalconH1RMSNormGated` (its weight applied in float32).
+    `MambaRMSNormGated` (norm after the gate): the `gated_rms_norm` op. With
+    `norm_before_gate` the norm first, then the gate, as Falcon-H1's `FalconH1RMSNormGated`
+    (its weight applied in float32, which the op does not do: computed here).
 
     Under tensor parallel each rank holds `size` channels of whole groups; with `tp_group`
     (one group split over the ranks, as vLLM's `Mixer2RMSNormGated`) the group's sum of
     squares is all-reduced and divided by its full width, `size` times the group's size."""
 
     def __init__(self, size: int, groups: int, eps: float, dtype: torch.dtype,
-                 norm_before_gate: bool = False, tp_group=None, tp_size: int = 1) -> None:
+                 norm_before_gate: bool = False, tp_group=None, tp_size: int = 1,
+                 op=None) -> None:
         super().__init__()
         self.groups, self.eps, self.norm_before_gate = groups, eps, norm_before_gate
         self.tp_group, self.group_width = tp_group, size // groups * tp_size
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.op = op or gated_rms_norm
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is None and not self.norm_before_gate:
+            return self.op(x, gate, self.weight, self.eps, x.size(-1) // self.groups, False)
         h = x.float() if self.norm_before_gate else x.float() * F.silu(gate.float())
         h = h.view(x.size(0), self.groups, -1)
         if self.tp_group is None:
@@ -101,7 +107,8 @@ class Mamba2Mixer(StatefulLayer):
             spans_ranks = tp > 1 and not groups_split
             self.norm = GroupedGatedRMSNorm(
                 self.intermediate_size, self.n_groups, eps, ctx.dtype, norm_before_gate,
-                ctx.tp_group if spans_ranks else None, tp if spans_ranks else 1)
+                ctx.tp_group if spans_ranks else None, tp if spans_ranks else 1,
+                ctx.custom_op("gated_rms_norm"))
             load_rows(self.norm.weight, shard_rows([(intermediate_size, True)], rank, tp)
                       if tp > 1 else None)
         self.out_proj = RowParallelLinear(

@@ -4,7 +4,7 @@ import torch
 
 from runtime.platforms.cpu import kernels, ops
 from runtime.platforms.cpu.platform import CpuPlatform
-from runtime.plugins.ops import add_rms_norm, rms_norm, silu_and_mul
+from runtime.plugins.ops import add_rms_norm, gated_rms_norm, rms_norm, silu_and_mul
 from runtime.layers.rotary import rotary_embedding
 
 BUILD_ERROR = kernels.load(CpuPlatform().info.model_name)
@@ -40,6 +40,39 @@ def test_norms_and_activation(dtype):
     torch.testing.assert_close(ops.silu_and_mul(g), silu_and_mul(g), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("norm_before_gate, group, shared", [
+    (False, 128, False), (False, 512, False),  # Mamba 2's groups (one group: the whole row)
+    (True, 64, True), (True, 128, True)])      # a delta-net's heads, one weight for all
+def test_gated_rms_norm_on_a_gate_sliced_from_a_projection(dtype, norm_before_gate, group,
+                                                           shared):
+    rows, width = 7, 512
+    projected = (torch.randn(rows, 2 * width + 40) * 3).to(dtype)
+    gate = projected[:, :width]  # rows 2 * width + 40 apart, as the in_proj split gives it
+    x = torch.randn(rows, width).to(dtype)
+    w = torch.randn(group if shared else width).to(dtype)
+    assert gate.stride(0) != width
+    got = ops.gated_rms_norm(x, gate, w, 1e-6, group, norm_before_gate)
+    want = gated_rms_norm(x, gate, w, 1e-6, group, norm_before_gate)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_gated_rms_norm_portable_op_rounds_as_the_layers_reference():
+    """transformers' MambaRMSNormGated (norm after the gate, over groups) and RMSNormGated
+    (per head, norm before the gate), written out in bf16."""
+    x, g = torch.randn(5, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    w = torch.randn(64).bfloat16()
+    h = (x.float() * torch.nn.functional.silu(g.float())).view(5, 2, 32)
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).view(5, 64)
+    assert torch.equal(gated_rms_norm(x, g, w, 1e-6, 32, False), w * h.bfloat16())
+    wh = w[:16]
+    xf = x.float().view(5, 4, 16)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    want = (wh * xf.bfloat16() * torch.nn.functional.silu(g.float().view(5, 4, 16))).bfloat16()
+    assert torch.equal(gated_rms_norm(x, g, wh, 1e-6, 16, True), want.view(5, 64))
+
+
 def test_shapes_the_kernels_do_not_take_use_the_portable_ops():
     x, w = torch.randn(3, 4, 20), torch.randn(20)  # 20 is not a multiple of 8
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6))
@@ -48,6 +81,9 @@ def test_shapes_the_kernels_do_not_take_use_the_portable_ops():
                                rms_norm(strided, w[:1].expand(32).contiguous(), 1e-6))
     g = torch.randn(3, 24)  # halves of 12
     torch.testing.assert_close(ops.silu_and_mul(g), silu_and_mul(g))
+    x, w = torch.randn(3, 40), torch.randn(40)  # groups of 20
+    torch.testing.assert_close(ops.gated_rms_norm(x, g[:, :1].expand(3, 40), w, 1e-6, 20, True),
+                               gated_rms_norm(x, g[:, :1].expand(3, 40), w, 1e-6, 20, True))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 64, 256, 300])  # MKL, oneDNN, oneDNN, oneDNN, MKL

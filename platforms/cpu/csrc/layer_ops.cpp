@@ -1,5 +1,5 @@
-// Fused element-wise layer ops for the CPU: RMSNorm (with the residual add), SiLU-and-mul and
-// the rotary embedding.
+// Fused element-wise layer ops for the CPU: RMSNorm (with the residual add), the recurrent
+// layers' gated RMSNorm, SiLU-and-mul and the rotary embedding.
 // Each row is one pass over memory instead of the five to eight torch ops of the portable
 // versions, 16 lanes at a time on AVX-512 (one register), 8 elsewhere. Every intermediate is
 // rounded to the model dtype where the portable op (and transformers) rounds it, in registers,
@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <tuple>
+#include <vector>
 
 #include "simd.h"
 
@@ -78,6 +79,69 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                             weight.data_ptr<scalar_t>(), x.numel() / hidden, hidden, eps);
   });
   return {out, sum};
+}
+
+// The recurrent layers' gated RMSNorm, per row of x and gate [T, D] (rows `x_stride` and
+// `gate_stride` apart) and per group of `group` channels: without `before`,
+// weight * round(norm(x * silu(gate))); with it, round(weight * round(norm(x))) * silu(gate).
+// `weight` is [hidden], or one [group] for every group (`shared_weight`).
+template <typename T>
+void gated_rms_norm_rows(T* out, const T* x, const T* gate, const T* weight, int64_t rows,
+                         int64_t x_stride, int64_t gate_stride, int64_t hidden, int64_t group,
+                         bool shared_weight, bool before, float eps) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(group);
+    float* h = scratch.data();
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      const T* gr = gate + r * gate_stride;
+      T* outr = out + r * hidden;
+      for (int64_t g0 = 0; g0 < hidden; g0 += group) {
+        vecf sq = {};
+        for (int64_t j = 0; j < group; j += kLanes) {
+          vecf v = loadv(xr + g0 + j);
+          if (!before) {
+            const vecf g = loadv(gr + g0 + j);
+            v = v * (g / (1.f + expv(vecf{} - g)));
+          }
+          storev(h + j, v);
+          sq += v * v;
+        }
+        const float inv = 1.f / std::sqrt(hsum(sq) / static_cast<float>(group) + eps);
+        for (int64_t j = 0; j < group; j += kLanes) {
+          const vecf w = loadv(weight + (shared_weight ? 0 : g0) + j);
+          const vecf n = roundv<T>(loadv(h + j) * inv);
+          if (before) {
+            const vecf g = loadv(gr + g0 + j);
+            storev(outr + g0 + j, roundv<T>(w * n) * (g / (1.f + expv(vecf{} - g))));
+          } else {
+            storev(outr + g0 + j, w * n);
+          }
+        }
+      }
+    }
+  });
+}
+
+at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight,
+                          double eps, int64_t group_size, bool norm_before_gate) {
+  TORCH_CHECK(x.dim() == 2 && gate.sizes() == x.sizes() && x.stride(1) == 1 &&
+                  gate.stride(1) == 1 && weight.is_contiguous() &&
+                  (weight.numel() == x.size(1) || weight.numel() == group_size),
+              "x and gate must be [T, D] with contiguous rows, weight [D] or [group_size]");
+  TORCH_CHECK(gate.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "x, gate and weight must share one dtype");
+  TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && x.size(1) % group_size == 0,
+              "the group size must be a multiple of 16 that divides D");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  RUNTIME_CPU_DISPATCH(x.scalar_type(), "gated_rms_norm", [&] {
+    gated_rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
+                                  gate.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                                  x.size(0), x.stride(0), gate.stride(0), x.size(1), group_size,
+                                  weight.numel() == group_size, norm_before_gate,
+                                  static_cast<float>(eps));
+  });
+  return out;
 }
 
 // x = [gate | up] per row -> round(silu(gate)) * up.
@@ -212,6 +276,8 @@ TORCH_LIBRARY_FRAGMENT(runtime_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps, int group_size, "
+        "bool norm_before_gate) -> Tensor");
   m.def("greedy_argmax(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
         "Tensor cos_sin_cache, int head_size) -> ()");
@@ -221,6 +287,7 @@ TORCH_LIBRARY_IMPL(runtime_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gated_rms_norm", &gated_rms_norm);
   m.impl("greedy_argmax", &greedy_argmax);
   m.impl("rotary_embedding", &rotary_embedding);
 }
