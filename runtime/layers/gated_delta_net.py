@@ -3,6 +3,8 @@ convolution over the q, k, v projections, then the gated delta rule, whose [Hv, 
 sequence lives in the recurrent state cache beside the paged KV cache."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,7 +41,8 @@ class GatedRMSNorm(nn.Module):
     """RMSNorm over each head, then times silu(gate), as transformers' `RMSNormGated`: the
     `gated_rms_norm` op over [T, heads, head size], one weight for every head."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, op=None) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype,
+                 op: Callable[..., torch.Tensor] | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)

@@ -5,6 +5,8 @@ output projection. Mamba 2 itself, Bamba, Granite 4.0-H, Nemotron-H and Falcon-H
 (Falcon-H1 with its muP multipliers on the input and the projection, and its own norm)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,7 +34,7 @@ class GroupedGatedRMSNorm(nn.Module):
 
     def __init__(self, size: int, groups: int, eps: float, dtype: torch.dtype,
                  norm_before_gate: bool = False, tp_group=None, tp_size: int = 1,
-                 op=None) -> None:
+                 op: Callable[..., torch.Tensor] | None = None) -> None:
         super().__init__()
         self.groups, self.eps, self.norm_before_gate = groups, eps, norm_before_gate
         self.tp_group, self.group_width = tp_group, size // groups * tp_size

@@ -72,12 +72,12 @@ class StatefulLayer(nn.Module):
             return None, None
         return rows[n:] - md.num_decode_tokens, md.checkpoint_ids[n:]
 
-    def checkpoint_states(self, rows: torch.Tensor | None, index: int = 1) -> torch.Tensor | None:
-        """The buffer a prefill kernel fills with state tensor `index` after each of `rows`
-        (None: no checkpoints this step)."""
+    def checkpoint_states(self, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """The buffer a prefill kernel fills with the layer's second state tensor (its SSM or
+        delta-rule state) after each of `rows` (None: no checkpoints this step)."""
         if rows is None:
             return None
-        state = self.states[index]
+        state = self.states[1]
         return self.checkpoint_buffer.take((rows.numel(), *state.shape[1:]), state.device)
 
     def store(self, index: int, entries: torch.Tensor | None, states: torch.Tensor) -> None:
