@@ -31,13 +31,21 @@ def user_set(param: int, environ: dict[str, str]) -> bool:
     return variable in environ or any(t.startswith(tunable + "=") for t in tunables)
 
 
-def keep_freed_pages() -> dict[str, int]:
-    """Raise glibc's mmap and trim thresholds in this process, except a knob the environment
-    sets itself. Returns the knobs set ({} where libc is not glibc)."""
+def glibc() -> ctypes.CDLL | None:
+    """This process's glibc, None under another libc (musl's own malloc is left alone)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.gnu_get_libc_version
-    except (OSError, AttributeError):  # musl or another libc: its own malloc, left alone
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def keep_freed_pages() -> dict[str, int]:
+    """Raise glibc's mmap and trim thresholds in this process, except a knob the environment
+    sets itself. Returns the knobs set ({} where libc is not glibc)."""
+    libc = glibc()
+    if libc is None:
         return {}
     chosen = {}
     for name, param, value in (("mmap_threshold", M_MMAP_THRESHOLD, MMAP_THRESHOLD),
@@ -45,5 +53,14 @@ def keep_freed_pages() -> dict[str, int]:
         if not user_set(param, os.environ) and libc.mallopt(param, value) == 1:
             chosen[name] = value
     if chosen:
-        logger.info("glibc malloc keeps freed pages: %s", ", ".join(f"{k}={v}" for k, v in chosen.items()))
+        logger.info("glibc malloc keeps freed pages: %s",
+                    ", ".join(f"{k}={v}" for k, v in chosen.items()))
     return chosen
+
+
+def give_back_freed_pages() -> None:
+    """Hand the heap's free pages back to the kernel now (`malloc_trim`), whatever the trim
+    threshold keeps."""
+    libc = glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

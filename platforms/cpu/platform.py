@@ -3,7 +3,6 @@ its own answers: the native-kernel attention backend and fused ops (when the ker
 eager forward pass, gloo collectives and torch's native int8/int4 kernels."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import platform as pyplatform
@@ -166,13 +165,9 @@ class CpuPlatform(Platform):
         return kv_cache_budget(requested, available_memory_bytes())
 
     def empty_cache(self) -> None:
-        """glibc keeps freed heap pages (a freed tensor below its mmap threshold, which rises
-        to 32 MiB as large blocks are freed): malloc_trim hands them back to the OS."""
-        try:
-            libc = ctypes.CDLL("libc.so.6")
-        except OSError:  # not glibc: no malloc_trim to call
-            return
-        libc.malloc_trim(0)
+        """The heap keeps the pages tensors free (`set_device`): hand them back to the OS."""
+        from runtime.platforms.cpu.heap import give_back_freed_pages
+        give_back_freed_pages()
 
     def set_threads(self, num_threads: int | None, host_rank: int, host_ranks: int) -> None:
         """Bind the rank's OpenMP threads one per core, as `RUNTIME_CPU_OMP_THREADS_BIND` says
