@@ -102,7 +102,7 @@ void gated_rms_norm_rows(T* out, const T* x, const T* gate, const T* weight, int
           vecf v = loadv(xr + g0 + j);
           if (!before) {
             const vecf g = loadv(gr + g0 + j);
-            v = v * (g / (1.f + expv(vecf{} - g)));
+            v = v * siluv(g);
           }
           storev(h + j, v);
           sq += v * v;
@@ -113,7 +113,7 @@ void gated_rms_norm_rows(T* out, const T* x, const T* gate, const T* weight, int
           const vecf n = roundv<T>(loadv(h + j) * inv);
           if (before) {
             const vecf g = loadv(gr + g0 + j);
-            storev(outr + g0 + j, roundv<T>(w * n) * (g / (1.f + expv(vecf{} - g))));
+            storev(outr + g0 + j, roundv<T>(w * n) * siluv(g));
           } else {
             storev(outr + g0 + j, w * n);
           }
@@ -160,7 +160,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
         const scalar_t* gate = src + r * 2 * d;
         for (int64_t j = 0; j < d; j += kLanes) {
           vecf g = loadv(gate + j);
-          vecf act = roundv<scalar_t>(g / (1.f + expv(vecf{} - g)));
+          vecf act = roundv<scalar_t>(siluv(g));
           storev(dst + r * d + j, act * loadv(gate + d + j));
         }
       }

@@ -192,7 +192,7 @@ void causal_conv1d_kernel(const T* x, const float* weight, const float* bias,
         win[hist] = loadv(x + t * dim + c0);
         vecf y = b;
         for (int64_t i = 0; i < width; ++i) y += w[i] * win[i];
-        if (silu) y = y / (1.f + expv(vecf{} - y));
+        if (silu) y = siluv(y);
         storev(out + t * dim + c0, y);
         for (int64_t i = 0; i < hist; ++i) win[i] = win[i + 1];
       }

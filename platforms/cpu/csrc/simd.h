@@ -246,6 +246,7 @@ using veci = v8i;
 constexpr int64_t kLanes = sizeof(vecf) / sizeof(float);
 
 inline vecf expv(vecf x) { return exp_poly<vecf, veci>(x); }
+inline vecf siluv(vecf x) { return x / (1.f + expv(vecf{} - x)); }
 
 template <typename T>
 inline vecf loadv(const T* p) {
