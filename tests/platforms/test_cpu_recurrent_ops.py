@@ -110,8 +110,9 @@ def test_mamba2_state_update(dtype):
     _close(state, want_state, torch.float32)
 
 
-def _mamba2(dtype, tokens, groups, heads=4, p=24, n=32):
-    """p 24: a full and a partial block of 16 state rows per head."""
+def _mamba2(dtype, tokens, groups, heads=4, p=22, n=32):
+    """p 22: a full and a partial block of 16 state rows per head, the partial one not a whole
+    number of the kernel's register tiles."""
     x, dt = torch.randn(tokens, heads, p).to(dtype), torch.randn(tokens, heads).to(dtype)
     B, C = (torch.randn(tokens, groups, n).to(dtype) for _ in range(2))
     return x, dt, -torch.rand(heads) - 0.5, B, C, torch.randn(heads), torch.randn(heads)
@@ -120,11 +121,12 @@ def _mamba2(dtype, tokens, groups, heads=4, p=24, n=32):
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("initial", [True, False])
-def test_mamba2_chunk_scan(dtype, groups, initial):
-    x, dt, A, B, C, D, dt_bias = _mamba2(dtype, sum(SCAN_LENS), groups)
-    states = torch.randn(4, 4, 24, 32) if initial else None
+@pytest.mark.parametrize("n", [32, 64, 128, 256])  # 64-256: the prefill's register tiles
+def test_mamba2_chunk_scan(dtype, groups, initial, n):
+    x, dt, A, B, C, D, dt_bias = _mamba2(dtype, sum(SCAN_LENS), groups, n=n)
+    states = torch.randn(4, 4, 22, n) if initial else None
     has = torch.tensor([True, False, True, True]) if initial else None
-    kept, want_kept = torch.zeros(len(SCAN_ROWS), 4, 24, 32), torch.zeros(len(SCAN_ROWS), 4, 24, 32)
+    kept, want_kept = (torch.zeros(len(SCAN_ROWS), 4, 22, n) for _ in range(2))
     limit = (0.0, 2.0) if groups == 2 else (0.0, float("inf"))
     want = portable.mamba2_chunk_scan(x, dt, A, B, C, D, dt_bias, True, SCAN_LOC, states, has,
                                       64, limit, SCAN_ROWS, want_kept)

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -326,46 +327,152 @@ at::Tensor selective_scan(const at::Tensor& x, const at::Tensor& dt, const at::T
 
 // Mamba 2 over a varlen batch (decode: one token per sequence), per head with state h [P, N]
 // (N contiguous, float32): h = exp(dt A) h + dt x B^T; y = h C + D x. dt arrives final (bias,
-// softplus and clamp done). Token by token, not the chunked quadratic form: each work item
-// owns a block of rows of one head's state, which stays in L1 across its sequence's tokens.
-// After each of the sorted `checkpoints` rows, the item's rows are also copied into that row's
-// entry of `kept` [C, H, P, N].
+// softplus and clamp done). Token by token, not the chunked quadratic form. Each work item owns
+// a block of kRows rows of one head's state for one sequence. After each of the sorted
+// `checkpoints` rows, the item's rows are also copied into that row's entry of `kept`
+// [C, H, P, N].
+constexpr int64_t kRows = 16;     // of the state, per work item
+constexpr int64_t kSegment = 16;  // tokens a prefill item takes at a time
+constexpr int64_t kStateRegs = kLanes == 16 ? 16 : 8;  // registers a row tile may hold
+
+// A tile of R state rows, NV vectors each, through `len` tokens with the state in registers:
+// per token one load of B and C serves all R rows, and the state is read and written once per
+// segment, not once per token. x and out point at the tile's first row of the segment's first
+// token, `stride` apart from token to token; Bf and Cf hold the segment's B and C in float32.
+template <int NV, int R, typename T>
+void mamba2_tile(const float* Bf, const float* Cf, const float* dts, const float* decays,
+                 int64_t len, const T* x, T* out, int64_t stride, float d_skip, float* H,
+                 float* kept) {
+  constexpr int64_t n = NV * kLanes;
+  vecf h[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) h[r][v] = loadv(H + r * n + v * kLanes);
+  for (int64_t k = 0; k < len; ++k) {
+    const float decay = decays[k];
+    float xs[R], u[R];
+    for (int r = 0; r < R; ++r) {
+      xs[r] = static_cast<float>(x[k * stride + r]);
+      u[r] = dts[k] * xs[r];
+    }
+    vecf acc[R] = {};
+    for (int v = 0; v < NV; ++v) {
+      const vecf b = loadv(Bf + k * n + v * kLanes), c = loadv(Cf + k * n + v * kLanes);
+      for (int r = 0; r < R; ++r) {
+        h[r][v] = h[r][v] * decay + b * u[r];
+        acc[r] += h[r][v] * c;
+      }
+    }
+    for (int r = 0; r < R; ++r) out[k * stride + r] = static_cast<T>(hsum(acc[r]) + d_skip * xs[r]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) {
+      storev(H + r * n + v * kLanes, h[r][v]);
+      if (kept != nullptr) stream_storev(kept + r * n + v * kLanes, h[r][v]);
+    }
+}
+
+// One prefill item: rows [r0, r1) of head h's state H through tokens [t0, t1), in segments of
+// kSegment tokens that also end after each checkpoint row.
+template <int NV, typename T>
+void mamba2_prefill_rows(const T* x, const float* dt, float a, const T* B, const T* C,
+                         float d_skip, int64_t t0, int64_t t1, int64_t r0, int64_t r1,
+                         int64_t h, int64_t heads, int64_t p, int64_t grp, int64_t groups,
+                         float* H, const int64_t* checkpoints, int64_t num_checkpoints,
+                         int64_t c, float* kept, T* out) {
+  constexpr int64_t n = NV * kLanes;
+  constexpr int R = kStateRegs / NV > 0 ? kStateRegs / NV : 1;
+  alignas(64) float Bf[kSegment * n], Cf[kSegment * n];
+  float dts[kSegment], decays[kSegment];
+  for (int64_t t = t0; t < t1;) {
+    int64_t end = std::min(t1, t + kSegment);
+    const bool checkpointed = c < num_checkpoints && checkpoints[c] < end;
+    if (checkpointed) end = checkpoints[c] + 1;
+    const int64_t len = end - t;
+    for (int64_t k = 0; k < len; ++k) {
+      for (int64_t j = 0; j < n; j += kLanes) {
+        storev(Bf + k * n + j, loadv(B + ((t + k) * groups + grp) * n + j));
+        storev(Cf + k * n + j, loadv(C + ((t + k) * groups + grp) * n + j));
+      }
+      dts[k] = dt[(t + k) * heads + h];
+      decays[k] = std::exp(dts[k] * a);
+    }
+    float* kept_rows = checkpointed ? kept + (c * heads + h) * p * n : nullptr;
+    const int64_t stride = heads * p;
+    const T* xt = x + t * stride + h * p;
+    T* yt = out + t * stride + h * p;
+    int64_t i = r0;
+    for (; i + R <= r1; i += R)
+      mamba2_tile<NV, R>(Bf, Cf, dts, decays, len, xt + i, yt + i, stride, d_skip, H + i * n,
+                         kept_rows ? kept_rows + i * n : nullptr);
+    for (; i < r1; ++i)
+      mamba2_tile<NV, 1>(Bf, Cf, dts, decays, len, xt + i, yt + i, stride, d_skip, H + i * n,
+                         kept_rows ? kept_rows + i * n : nullptr);
+    c += checkpointed;
+    t = end;
+  }
+}
+
+// One decode item (or a prefill item whose state size has no tile): token by token, each row's
+// state streamed through once per token.
+template <typename T>
+void mamba2_rows_by_token(const T* x, const float* dt, float a, const T* B, const T* C,
+                          float d_skip, int64_t t0, int64_t t1, int64_t r0, int64_t r1,
+                          int64_t h, int64_t heads, int64_t p, int64_t grp, int64_t groups,
+                          int64_t n, float* H, const int64_t* checkpoints,
+                          int64_t num_checkpoints, int64_t c, float* kept, T* out) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const float d = dt[t * heads + h], decay = std::exp(d * a);
+    const T* Bt = B + (t * groups + grp) * n;
+    const T* Ct = C + (t * groups + grp) * n;
+    const T* xt = x + (t * heads + h) * p;
+    T* yt = out + (t * heads + h) * p;
+    for (int64_t i = r0; i < r1; ++i) {
+      const float xi = static_cast<float>(xt[i]);
+      vecf acc = {};
+      for (int64_t j = 0; j < n; j += kLanes) {
+        const vecf row = loadv(H + i * n + j) * decay + loadv(Bt + j) * (d * xi);
+        storev(H + i * n + j, row);
+        acc += row * loadv(Ct + j);
+      }
+      yt[i] = static_cast<T>(hsum(acc) + d_skip * xi);
+    }
+    if (c < num_checkpoints && checkpoints[c] == t) {
+      std::copy(H + r0 * n, H + r1 * n, kept + ((c * heads + h) * p + r0) * n);
+      ++c;
+    }
+  }
+}
+
 template <typename T>
 void mamba2_scan_kernel(const T* x, const float* dt, const float* A, const T* B, const T* C,
                         const float* D, const int64_t* loc, const int64_t* rows, float* state,
                         T* out, int64_t seqs, int64_t heads, int64_t p, int64_t groups,
                         int64_t n, const int64_t* checkpoints, int64_t num_checkpoints,
                         float* kept) {
-  constexpr int64_t kRows = 16;  // of the state, per work item
   const int64_t per_group = heads / groups, blocks = (p + kRows - 1) / kRows;
   at::parallel_for(0, seqs * heads * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / (heads * blocks), h = item / blocks % heads;
       const int64_t r0 = item % blocks * kRows, r1 = std::min(p, r0 + kRows);
-      const int64_t grp = h / per_group;
+      const int64_t grp = h / per_group, t0 = loc[s], t1 = loc[s + 1];
       float* H = state + (rows[s] * heads + h) * p * n;
-      int64_t c = std::lower_bound(checkpoints, checkpoints + num_checkpoints, loc[s]) -
-                  checkpoints;
-      for (int64_t t = loc[s]; t < loc[s + 1]; ++t) {
-        const float d = dt[t * heads + h], decay = std::exp(d * A[h]);
-        const T* Bt = B + (t * groups + grp) * n;
-        const T* Ct = C + (t * groups + grp) * n;
-        const T* xt = x + (t * heads + h) * p;
-        T* yt = out + (t * heads + h) * p;
-        for (int64_t i = r0; i < r1; ++i) {
-          const float xi = static_cast<float>(xt[i]);
-          vecf acc = {};
-          for (int64_t j = 0; j < n; j += kLanes) {
-            const vecf row = loadv(H + i * n + j) * decay + loadv(Bt + j) * (d * xi);
-            storev(H + i * n + j, row);
-            acc += row * loadv(Ct + j);
-          }
-          yt[i] = static_cast<T>(hsum(acc) + (D != nullptr ? D[h] * xi : 0.f));
-        }
-        if (c < num_checkpoints && checkpoints[c] == t) {
-          std::copy(H + r0 * n, H + r1 * n, kept + ((c * heads + h) * p + r0) * n);
-          ++c;
-        }
+      const int64_t c = std::lower_bound(checkpoints, checkpoints + num_checkpoints, t0) -
+                        checkpoints;
+      const float d_skip = D != nullptr ? D[h] : 0.f;
+      auto tiled = [&](auto nv) {
+        mamba2_prefill_rows<decltype(nv)::value>(x, dt, A[h], B, C, d_skip, t0, t1, r0, r1, h,
+                                                 heads, p, grp, groups, H, checkpoints,
+                                                 num_checkpoints, c, kept, out);
+      };
+      if (t1 - t0 > 1 && n == 4 * kLanes) {
+        tiled(std::integral_constant<int, 4>{});
+      } else if (t1 - t0 > 1 && n == 8 * kLanes) {
+        tiled(std::integral_constant<int, 8>{});
+      } else if (t1 - t0 > 1 && n == 16 * kLanes && kLanes == 16) {
+        tiled(std::integral_constant<int, 16>{});
+      } else {
+        mamba2_rows_by_token(x, dt, A[h], B, C, d_skip, t0, t1, r0, r1, h, heads, p, grp,
+                             groups, n, H, checkpoints, num_checkpoints, c, kept, out);
       }
     }
   });

@@ -4,7 +4,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -256,6 +256,23 @@ inline vecf loadv(const T* p) {
 template <typename T>
 inline void storev(T* p, vecf v) {
   if constexpr (kLanes == 16) store16(p, v); else store8(p, v);
+}
+
+// A store that bypasses the caches (no read for ownership) where p is aligned, for data the
+// kernel will not read back, such as prefix-cache checkpoints.
+inline void stream_storev(float* p, vecf v) {
+#if defined(__AVX512F__)
+  if (reinterpret_cast<uintptr_t>(p) % 64 == 0) {
+    _mm512_stream_ps(p, reinterpret_cast<__m512>(v));
+    return;
+  }
+#elif defined(__AVX__)
+  if (reinterpret_cast<uintptr_t>(p) % 32 == 0) {
+    _mm256_stream_ps(p, reinterpret_cast<__m256>(v));
+    return;
+  }
+#endif
+  storev(p, v);
 }
 
 // x rounded to T and back, in registers: the value a torch op in dtype T would have produced.
