@@ -24,8 +24,11 @@ SCAN_LOC = torch.tensor([0, *torch.tensor(SCAN_LENS).cumsum(0).tolist()])
 SCAN_ROWS = torch.tensor([0, 3, 5, 20, 42, 100, 255, 342])
 
 
-def _close(got, want, dtype):
-    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+def _close(got, want, dtype, scale=1.0):
+    """`scale`: the size of the terms a result sums, where cancellation leaves small results
+    with float32 rounding of that size."""
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * scale,
+                               rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", list(TOL))
@@ -121,7 +124,8 @@ def _mamba2(dtype, tokens, groups, heads=4, p=22, n=32):
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("initial", [True, False])
-@pytest.mark.parametrize("n", [32, 64, 128, 256])  # 64-256: the prefill's register tiles
+# 32-256: the prefill's register tiles, a row in one tile or (AVX2, 128 and 256) in several
+@pytest.mark.parametrize("n", [32, 64, 128, 256])
 def test_mamba2_chunk_scan(dtype, groups, initial, n):
     x, dt, A, B, C, D, dt_bias = _mamba2(dtype, sum(SCAN_LENS), groups, n=n)
     states = torch.randn(4, 4, 22, n) if initial else None
@@ -132,7 +136,7 @@ def test_mamba2_chunk_scan(dtype, groups, initial, n):
                                       64, limit, SCAN_ROWS, want_kept)
     got = ops.mamba2_chunk_scan(x, dt, A, B, C, D, dt_bias, True, SCAN_LOC, states, has, 64,
                                 limit, SCAN_ROWS, kept)
-    _close(got[0], want[0], dtype)
+    _close(got[0], want[0], dtype, scale=float(want[0].abs().max()))
     _close(got[1], want[1], torch.float32)
     _close(kept, want_kept, torch.float32)
 

@@ -334,54 +334,83 @@ at::Tensor selective_scan(const at::Tensor& x, const at::Tensor& dt, const at::T
 constexpr int64_t kRows = 16;     // of the state, per work item
 constexpr int64_t kSegment = 16;  // tokens a prefill item takes at a time
 constexpr int64_t kStateRegs = kLanes == 16 ? 16 : 8;  // registers a row tile may hold
+constexpr int64_t kMaxTiledState = 256;                // the largest N a prefill item tiles
 
-// A tile of R state rows, NV vectors each, through `len` tokens with the state in registers:
-// per token one load of B and C serves all R rows, and the state is read and written once per
-// segment, not once per token. x and out point at the tile's first row of the segment's first
-// token, `stride` apart from token to token; Bf and Cf hold the segment's B and C in float32.
-template <int NV, int R, typename T>
+// A tile of R state rows through `len` tokens, over NV vectors of columns from j0 (of N = n),
+// with the state in registers: per token one load of B and C serves all R rows, and the state
+// is read and written once per segment, not once per token. A row wider than one tile takes
+// several, `first` to `last`, which carry each token's partial products of h C in `partial`
+// [len, R]. x and out point at the tile's first row of the segment's first token, `stride`
+// apart from token to token; Bf and Cf hold the segment's B and C in float32, [len, n].
+template <int NV, int R, bool first, bool last, typename T>
 void mamba2_tile(const float* Bf, const float* Cf, const float* dts, const float* decays,
-                 int64_t len, const T* x, T* out, int64_t stride, float d_skip, float* H,
-                 float* kept) {
-  constexpr int64_t n = NV * kLanes;
+                 int64_t len, int64_t n, int64_t j0, vecf* partial,
+                 const T* x, T* out, int64_t stride, float d_skip, float* H, float* kept) {
   vecf h[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) h[r][v] = loadv(H + r * n + v * kLanes);
+    for (int v = 0; v < NV; ++v) h[r][v] = loadv(H + r * n + j0 + v * kLanes);
   for (int64_t k = 0; k < len; ++k) {
     const float decay = decays[k];
     float xs[R], u[R];
+    vecf acc[R];
     for (int r = 0; r < R; ++r) {
       xs[r] = static_cast<float>(x[k * stride + r]);
       u[r] = dts[k] * xs[r];
+      if constexpr (first) acc[r] = vecf{}; else acc[r] = partial[k * R + r];
     }
-    vecf acc[R] = {};
     for (int v = 0; v < NV; ++v) {
-      const vecf b = loadv(Bf + k * n + v * kLanes), c = loadv(Cf + k * n + v * kLanes);
+      const vecf b = loadv(Bf + k * n + j0 + v * kLanes);
+      const vecf c = loadv(Cf + k * n + j0 + v * kLanes);
       for (int r = 0; r < R; ++r) {
         h[r][v] = h[r][v] * decay + b * u[r];
         acc[r] += h[r][v] * c;
       }
     }
-    for (int r = 0; r < R; ++r) out[k * stride + r] = static_cast<T>(hsum(acc[r]) + d_skip * xs[r]);
+    for (int r = 0; r < R; ++r) {
+      if constexpr (last)
+        out[k * stride + r] = static_cast<T>(hsum(acc[r]) + d_skip * xs[r]);
+      else
+        partial[k * R + r] = acc[r];
+    }
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) {
-      storev(H + r * n + v * kLanes, h[r][v]);
-      if (kept != nullptr) stream_storev(kept + r * n + v * kLanes, h[r][v]);
+      storev(H + r * n + j0 + v * kLanes, h[r][v]);
+      if (kept != nullptr) stream_storev(kept + r * n + j0 + v * kLanes, h[r][v]);
     }
 }
 
+// R rows of the state, all n columns, in tiles of NV vectors.
+template <int NV, int R, typename T>
+void mamba2_row_tiles(const float* Bf, const float* Cf, const float* dts, const float* decays,
+                      int64_t len, int64_t n, const T* x, T* out, int64_t stride, float d_skip,
+                      float* H, float* kept) {
+  constexpr int64_t width = NV * kLanes;
+  if (n == width) {
+    mamba2_tile<NV, R, true, true>(Bf, Cf, dts, decays, len, n, 0, nullptr, x, out, stride,
+                                   d_skip, H, kept);
+    return;
+  }
+  vecf partial[kSegment * R];
+  mamba2_tile<NV, R, true, false>(Bf, Cf, dts, decays, len, n, 0, partial, x, out, stride,
+                                  d_skip, H, kept);
+  for (int64_t j0 = width; j0 + width < n; j0 += width)
+    mamba2_tile<NV, R, false, false>(Bf, Cf, dts, decays, len, n, j0, partial, x, out, stride,
+                                     d_skip, H, kept);
+  mamba2_tile<NV, R, false, true>(Bf, Cf, dts, decays, len, n, n - width, partial, x, out,
+                                  stride, d_skip, H, kept);
+}
+
 // One prefill item: rows [r0, r1) of head h's state H through tokens [t0, t1), in segments of
-// kSegment tokens that also end after each checkpoint row.
+// kSegment tokens that also end after each checkpoint row. n is a multiple of NV vectors.
 template <int NV, typename T>
 void mamba2_prefill_rows(const T* x, const float* dt, float a, const T* B, const T* C,
                          float d_skip, int64_t t0, int64_t t1, int64_t r0, int64_t r1,
                          int64_t h, int64_t heads, int64_t p, int64_t grp, int64_t groups,
-                         float* H, const int64_t* checkpoints, int64_t num_checkpoints,
-                         int64_t c, float* kept, T* out) {
-  constexpr int64_t n = NV * kLanes;
+                         int64_t n, float* H, const int64_t* checkpoints,
+                         int64_t num_checkpoints, int64_t c, float* kept, T* out) {
   constexpr int R = kStateRegs / NV > 0 ? kStateRegs / NV : 1;
-  alignas(64) float Bf[kSegment * n], Cf[kSegment * n];
+  alignas(64) float Bf[kSegment * kMaxTiledState], Cf[kSegment * kMaxTiledState];
   float dts[kSegment], decays[kSegment];
   for (int64_t t = t0; t < t1;) {
     int64_t end = std::min(t1, t + kSegment);
@@ -402,18 +431,16 @@ void mamba2_prefill_rows(const T* x, const float* dt, float a, const T* B, const
     T* yt = out + t * stride + h * p;
     int64_t i = r0;
     for (; i + R <= r1; i += R)
-      mamba2_tile<NV, R>(Bf, Cf, dts, decays, len, xt + i, yt + i, stride, d_skip, H + i * n,
-                         kept_rows ? kept_rows + i * n : nullptr);
+      mamba2_row_tiles<NV, R>(Bf, Cf, dts, decays, len, n, xt + i, yt + i, stride, d_skip,
+                              H + i * n, kept_rows ? kept_rows + i * n : nullptr);
     for (; i < r1; ++i)
-      mamba2_tile<NV, 1>(Bf, Cf, dts, decays, len, xt + i, yt + i, stride, d_skip, H + i * n,
-                         kept_rows ? kept_rows + i * n : nullptr);
+      mamba2_row_tiles<NV, 1>(Bf, Cf, dts, decays, len, n, xt + i, yt + i, stride, d_skip,
+                              H + i * n, kept_rows ? kept_rows + i * n : nullptr);
     c += checkpointed;
     t = end;
   }
 }
 
-// One decode item (or a prefill item whose state size has no tile): token by token, each row's
-// state streamed through once per token.
 template <typename T>
 void mamba2_rows_by_token(const T* x, const float* dt, float a, const T* B, const T* C,
                           float d_skip, int64_t t0, int64_t t1, int64_t r0, int64_t r1,
@@ -461,15 +488,17 @@ void mamba2_scan_kernel(const T* x, const float* dt, const float* A, const T* B,
       const float d_skip = D != nullptr ? D[h] : 0.f;
       auto tiled = [&](auto nv) {
         mamba2_prefill_rows<decltype(nv)::value>(x, dt, A[h], B, C, d_skip, t0, t1, r0, r1, h,
-                                                 heads, p, grp, groups, H, checkpoints,
+                                                 heads, p, grp, groups, n, H, checkpoints,
                                                  num_checkpoints, c, kept, out);
       };
-      if (t1 - t0 > 1 && n == 4 * kLanes) {
-        tiled(std::integral_constant<int, 4>{});
-      } else if (t1 - t0 > 1 && n == 8 * kLanes) {
+      // The widest tile that divides a row, up to the registers a tile may hold.
+      const bool prefill = t1 - t0 > 1 && n <= kMaxTiledState;
+      if (prefill && n % (kStateRegs * kLanes) == 0) {
+        tiled(std::integral_constant<int, kStateRegs>{});
+      } else if (prefill && n % (8 * kLanes) == 0) {
         tiled(std::integral_constant<int, 8>{});
-      } else if (t1 - t0 > 1 && n == 16 * kLanes && kLanes == 16) {
-        tiled(std::integral_constant<int, 16>{});
+      } else if (prefill && n % (4 * kLanes) == 0) {
+        tiled(std::integral_constant<int, 4>{});
       } else {
         mamba2_rows_by_token(x, dt, A[h], B, C, d_skip, t0, t1, r0, r1, h, heads, p, grp,
                              groups, n, H, checkpoints, num_checkpoints, c, kept, out);
