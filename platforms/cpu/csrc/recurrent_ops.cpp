@@ -441,6 +441,8 @@ void mamba2_prefill_rows(const T* x, const float* dt, float a, const T* B, const
   }
 }
 
+// One decode item (or a prefill item whose state size has no tile): token by token, each row's
+// state streamed through once per token.
 template <typename T>
 void mamba2_rows_by_token(const T* x, const float* dt, float a, const T* B, const T* C,
                           float d_skip, int64_t t0, int64_t t1, int64_t r0, int64_t r1,
