@@ -64,11 +64,13 @@ class FlopModel:
 def matmul_peak(dtype: Any, size: int, reps: int = 3) -> float:
     """FLOP/s of the best of `reps` size x size products (after one warm-up), torch's matmul
     or oneDNN's with a pre-packed weight, whichever is faster here (MKL's sgemm takes no AVX-512
-    path on AMD CPUs, where the packed product, which the engine uses, is 2x faster)."""
+    path on AMD CPUs, where the packed product, which the engine uses, is 2x faster). oneDNN
+    packs bfloat16 only on AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT CPUs."""
     import torch
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     products = [lambda: torch.matmul(a, b)]
-    if torch.backends.mkldnn.is_available():
+    packs = dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if torch.backends.mkldnn.is_available() and packs:
         packed = torch.ops.mkldnn._reorder_linear_weight(b, size)
         products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none",
                                                                    [], ""))

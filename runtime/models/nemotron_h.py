@@ -7,9 +7,9 @@ projection). Checkpoint names: `backbone.embeddings`,
 `backbone.layers.{i}.norm` and `.mixer`, `backbone.norm_f`, `lm_head`.
 
 The experts are ungated, which the fused MoE op does not run: they run one expert at a time,
-as transformers runs them. Transformers clamps the Mamba 2 step sizes to
-`time_step_min` from below in prefill (and not in decode), whatever `time_step_limit` says;
-so does this model."""
+as transformers runs them. The Mamba 2 step sizes are clamped to `time_step_limit` in prefill
+(and not in decode), as in every Mamba 2 mixer; transformers before 5.25 clamped them to
+`time_step_min` from below instead."""
 from __future__ import annotations
 
 import re
@@ -144,7 +144,7 @@ class NemotronHBlock(nn.Module):
                 intermediate_size=config.mamba_num_heads * config.mamba_head_dim,
                 use_conv_bias=config.use_conv_bias, use_bias=config.use_bias,
                 eps=config.layer_norm_epsilon, chunk_size=config.chunk_size,
-                time_step_limit=(config.time_step_min, float("inf")))
+                time_step_limit=config.time_step_limit)
         elif self.layer_type == "full_attention":
             self.mixer = NoRopeAttention(config, layer_idx, ctx, f"{prefix}.mixer")
         elif self.layer_type == "mlp":

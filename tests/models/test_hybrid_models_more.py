@@ -69,12 +69,12 @@ def _assert_chunked_parity(path: str, arch: str) -> None:
 
 
 def test_nemotron_h_clamps_prefill_steps_only(tiny_model_factory):
-    """Transformers clamps Nemotron-H's step sizes to time_step_min in prefill and not in
-    decode; time_step_min is raised here so that the clamp bites. The experts here run in a
+    """Transformers clamps Nemotron-H's step sizes to time_step_limit in prefill and not in
+    decode; its lower end is raised here so that the clamp bites. The experts here run in a
     latent space, their top-k weights not renormalised."""
     arch = "NemotronHForCausalLM"
-    path = tiny_model_factory(arch, **NEMOTRON_H, time_step_min=0.05, moe_latent_size=32,
-                              norm_topk_prob=False)
+    path = tiny_model_factory(arch, **NEMOTRON_H, time_step_limit=(0.05, float("inf")),
+                              moe_latent_size=32, norm_topk_prob=False)
     _assert_chunked_parity(path, arch)
 
 
