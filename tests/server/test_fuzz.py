@@ -16,7 +16,7 @@ from schemathesis import GenerationMode
 
 from tests.server.conftest import TINY_ARGS, Server
 
-EXAMPLES_PER_MODE = 120  # per operation, schema-valid and schema-invalid each
+EXAMPLES_PER_MODE = 60  # per operation, schema-valid and schema-invalid each
 # A short context and queue keep each generating request small (the fuzzer sends thousands).
 FUZZ_ARGS = ["--max-model-len", "48", "--max-queue-len", "8", "--max-num-seqs", "8"]
 
