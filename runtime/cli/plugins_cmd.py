@@ -10,14 +10,13 @@ from runtime.attention_backends.base import KV_CACHE_DTYPES, kv_cache_torch_dtyp
 from runtime.plugins.answers import PlatformAnswers
 from runtime.plugins.interfaces import ModelInfo, Platform
 from runtime.plugins.manager import discovered_plugins
+from runtime.plugins.ops import OP_NAMES
 from runtime.plugins.selection import (PlatformError, explain_attention_backends, explain_platforms,
                                        select_platform)
 
 # The model shape used to ask which attention backend the active platform would choose.
 SAMPLE_HEAD_SIZE = 64
 SAMPLE_HEADS = 8
-CUSTOM_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "linear",
-              "greedy_argmax")
 
 
 def add_plugins_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -104,7 +103,7 @@ def hook_answer_rows(answers: PlatformAnswers) -> list[dict[str, Any]]:
     quantization method): what `answers` has recorded, plus the hooks it asks here. Hooks a
     single-rank report cannot ask (`runtime_communicator` builds a process group) list who
     implements them, in call order."""
-    for name in CUSTOM_OPS:
+    for name in OP_NAMES:
         _asked(lambda: answers.custom_op(name))
     _asked(answers.logits_processors)
     _asked(answers.registered_models)
@@ -121,7 +120,7 @@ def hook_answer_rows(answers: PlatformAnswers) -> list[dict[str, Any]]:
 def custom_op_answers(platform: Platform) -> list[dict[str, Any]]:
     """Who answers `runtime_custom_op` for each op name (composites as the model builds them)."""
     answers = PlatformAnswers(platform)
-    for name in CUSTOM_OPS:
+    for name in OP_NAMES:
         _asked(lambda: answers.custom_op(name))
     return [{"hook": r.hook, "op": r.about, "answer": r.answer, "answered_by": r.answered_by}
             for r in answers.records.values()]

@@ -68,3 +68,27 @@ def test_every_hook_says_who_answered(capsys):
     assert who["runtime_communicator"] == "cpu platform"  # who implements it: one rank asks none
     assert who["runtime_register_models"] is None and who["runtime_logits_processors"] is None
     assert who["runtime_register_kv_connectors"] is None
+
+
+def test_every_named_op_is_reported(capsys):
+    """Each op name the layers ask `runtime_custom_op` for, and only those, is in OP_NAMES and
+    the hook's contract, and the report has a row for each (the CPU kernels answer the
+    recurrent layers' ops, the fused experts stay portable)."""
+    import re
+    from pathlib import Path
+
+    from runtime.plugins import hookspecs
+    from runtime.plugins.ops import OP_NAMES
+    root = Path(__file__).parents[2] / "runtime"
+    asked = {m for path in root.rglob("*.py")
+             for m in re.findall(r'custom_op\("(\w+)"\)', path.read_text(encoding="utf-8"))}
+    assert asked == set(OP_NAMES)
+    contract = hookspecs.runtime_custom_op.__doc__
+    assert [n for n in OP_NAMES if f'"{n}"' not in contract] == []
+    assert plugins_command(_args("--json")) == 0
+    rows = [a for a in json.loads(capsys.readouterr().out)["active"]["answers"]
+            if a["hook"] == "runtime_custom_op"]
+    assert [r["op"] for r in rows] == list(OP_NAMES)
+    who = {r["op"]: r["answered_by"] for r in rows}
+    assert who["mamba2_chunk_scan"] == who["gated_rms_norm"] == "cpu platform"
+    assert who["fused_moe"] is None
