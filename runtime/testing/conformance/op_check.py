@@ -9,10 +9,11 @@ import torch
 
 from runtime.plugins.answers import PlatformAnswers
 from runtime.plugins.interfaces import Platform
-from runtime.plugins.ops import COMPOSITES, add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
+from runtime.plugins.ops import (COMPOSITES, add_rms_norm, gated_rms_norm, rms_norm,
+                                 rotary_embedding, silu_and_mul)
 
 PORTABLE = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul,
-            "rotary_embedding": rotary_embedding}
+            "rotary_embedding": rotary_embedding, "gated_rms_norm": gated_rms_norm}
 EPS = 1e-5  # not the usual 1e-6, so a hard-coded eps shows
 # rtol per dtype, about two units in the last place; atol is rtol times the case's largest value
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -9}
@@ -76,6 +77,24 @@ def cases(name: str, dtype: torch.dtype, device) -> dict[str, tuple]:
                 "one token": rope(1, 64, False),
                 "query and key sliced out of one qkv tensor (not contiguous)": rope(7, 64, True),
                 "partial rotary (32 of 64 dims)": rope(5, 32, False)}
+    if name == "gated_rms_norm":
+        def gated(x: torch.Tensor, group: int, before: bool, shared: bool = False,
+                  sliced: bool = False) -> tuple:
+            t, width = x.shape
+            projected = rows(randn(t, 2 * width + 40) * 3)  # the gate, as in_proj's split gives it
+            gate = projected[:, :width] if sliced else projected[:, :width].contiguous()
+            weight = rows(randn(group if shared else width) + 1)
+            return rows(x), gate, weight, EPS, group, before
+        return {"norm after the gate, 4 groups of 32 [7, 128]": gated(randn(7, 128), 32, False),
+                "norm before the gate, 4 heads of 64 sharing one weight [64]":
+                    gated(randn(7, 256), 64, True, shared=True),
+                "zero rows (padding)": gated(torch.zeros(3, 128), 32, False),
+                "tiny rows (|x| ~ 1e-4: the mean square is below eps)":
+                    gated(randn(5, 128) * 1e-4, 32, True),
+                f"huge rows (|x| ~ {big / 10:g})": gated(randn(5, 128) * big / 10, 32, False),
+                "a gate sliced out of the input projection (row stride 296, not 128)":
+                    gated(randn(7, 128), 32, False, sliced=True),
+                "an odd group size (3 groups of 20)": gated(randn(5, 60), 20, True)}
     raise KeyError(name)
 
 
