@@ -84,7 +84,9 @@ def test_ctrl_c_during_generation_exits_cleanly(tiny_llama):
     proc = subprocess.Popen(
         [sys.executable, "-m", "runtime.cli.main", "--log-level", "INFO", "generate", "Tell me",
          "--model", tiny_llama, *TINY_ARGS, "--max-tokens", "1000", "--temperature", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO,
+        # a suite launched in the background inherits SIGINT ignored; the user's terminal does not
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     log = b""
     deadline = time.monotonic() + 240
     while b"KV cache:" not in log and time.monotonic() < deadline:  # the engine is up

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 
@@ -55,7 +56,9 @@ def test_an_interrupted_pytest_still_reports(tmp_path):
         "def test_never(): pass\n")
     run = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
                           str(tmp_path / "test_cut.py")], capture_output=True, text=True,
-                         cwd=tmp_path, timeout=120)
+                         cwd=tmp_path, timeout=120,
+                         # a suite launched in the background inherits SIGINT ignored
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert run.returncode == 2  # interrupted
     assert note(run.stdout, tmp_path).startswith("1 failed, 1 passed")
 
