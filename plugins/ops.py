@@ -117,13 +117,3 @@ def greedy_argmax(x: torch.Tensor) -> torch.Tensor:
     `argmax(dim=-1)`, which on the CPU was 3.7x slower than `max` on one core (15 ms against
     4 ms for 64 x 49152 float32 logits)."""
     return x.max(dim=-1).indices
-
-
-# Every name `runtime_custom_op` is asked for, in the order the hook's contract lists them (the
-# recurrent layers' portable ops are in `recurrent_ops` and `kda_ops`, LoRA's in `lora_ops`)
-OP_NAMES = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "linear", "fused_moe",
-            "gelu_tanh_and_mul", "gelu", "add_layer_norm", "gated_rms_norm", "lora_shrink",
-            "lora_expand", "causal_conv1d", "causal_conv1d_update", "selective_scan",
-            "selective_state_update", "mamba2_chunk_scan", "mamba2_state_update",
-            "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda",
-            "fused_recurrent_kda", "greedy_argmax")

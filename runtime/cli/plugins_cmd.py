@@ -7,16 +7,20 @@ from dataclasses import asdict
 from typing import Any
 
 from runtime.attention_backends.base import KV_CACHE_DTYPES, kv_cache_torch_dtype
+from runtime.plugins import kda_ops, recurrent_ops
 from runtime.plugins.answers import PlatformAnswers
 from runtime.plugins.interfaces import ModelInfo, Platform
 from runtime.plugins.manager import discovered_plugins
-from runtime.plugins.ops import OP_NAMES
 from runtime.plugins.selection import (PlatformError, explain_attention_backends, explain_platforms,
                                        select_platform)
 
 # The model shape used to ask which attention backend the active platform would choose.
 SAMPLE_HEAD_SIZE = 64
 SAMPLE_HEADS = 8
+# Every name `runtime_custom_op` is asked for, in the order the hook's contract lists them
+OP_NAMES = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "linear", "fused_moe",
+            "gelu_tanh_and_mul", "gelu", "add_layer_norm", "gated_rms_norm", "lora_shrink",
+            "lora_expand", *recurrent_ops.OPS, *kda_ops.OPS, "greedy_argmax")
 
 
 def add_plugins_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from runtime.cli.plugins_cmd import add_plugins_parser, plugins_command
+from runtime.cli.plugins_cmd import OP_NAMES, add_plugins_parser, plugins_command
 
 
 def _args(*argv):
@@ -78,7 +78,6 @@ def test_every_named_op_is_reported(capsys):
     from pathlib import Path
 
     from runtime.plugins import hookspecs
-    from runtime.plugins.ops import OP_NAMES
     root = Path(__file__).parents[2] / "runtime"
     asked = {m for path in root.rglob("*.py")
              for m in re.findall(r'custom_op\("(\w+)"\)', path.read_text(encoding="utf-8"))}
