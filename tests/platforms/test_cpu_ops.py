@@ -98,7 +98,7 @@ def test_dense_kernel_matches_f_linear(rows, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n", [1, 15, 16, 49152, 1000])
+@pytest.mark.parametrize("n", [1, 8, 15, 16, 17, 31, 32, 33, 49152, 1000])
 def test_greedy_argmax_is_the_first_maximum(n, dtype):
     torch.manual_seed(n)
     x = torch.randn(7, n).to(dtype)
