@@ -1,11 +1,13 @@
 """Which float32 dense products run on oneDNN with a pre-packed weight, and which on torch's own
-product (MKL's sgemm on x86, which re-packs the weight every call), chosen by timing both on
-this host once per thread count and torch build, cached under the cache root.
+product (MKL's sgemm on x86, which re-packs the weight every call), chosen per weight shape by
+timing both on this host once per shape, thread count and torch build, cached under the cache
+root.
 
 No fixed rule holds across hosts: on a 2-core AVX2 EPYC the packed product won only for 8-256
 rows on two threads; on a 2-core AVX-512 EPYC without AMX (MKL takes no AVX-512 path on AMD) it
 won 2-5x at every row count from 4 to 2048, on one thread and on two; on an AMX Xeon MKL's sgemm
-is strong on long prefill chunks.
+is strong on long prefill chunks; and on one host the winner differs between shapes (the 2-core
+AVX2 EPYC: packed for SmolLM2's 576 x 960 at 2048 rows, MKL for its 1536 x 576).
 """
 from __future__ import annotations
 
@@ -25,7 +27,11 @@ logger = logging.getLogger(__name__)
 
 # Row counts timed; a product of r rows takes the choice of the largest bucket <= r.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-REFERENCE_SHAPE = (1024, 2048)  # (in_features, out_features): a mid-sized projection
+# (in_features, out_features): a mid-sized projection, whose choice the weights too small to
+# be worth a measurement of their own take.
+REFERENCE_SHAPE = (1024, 2048)
+MIN_MEASURED_ELEMENTS = 1 << 18  # a weight this large (1 MiB in float32) is timed itself
+MAX_TIMED_FLOP = 2e9  # larger buckets (a few tens of ms a call) take the largest timed one's
 SECONDS_PER_TIMING = 0.004
 
 
@@ -73,22 +79,33 @@ def _seconds(fn) -> float:
     return best
 
 
-def measure_packed_buckets() -> list[int]:
-    """Time both products on the reference shape at each bucket on the current thread count;
-    the buckets where the packed one is faster."""
-    k, n = REFERENCE_SHAPE
+def measure_packed_buckets(shape: tuple[int, int]) -> list[int]:
+    """Time both products of a weight of `shape` (in_features, out_features) at each bucket on
+    the current thread count; the buckets where the packed one is faster. A bucket over
+    MAX_TIMED_FLOP takes the choice of the largest one under it."""
+    k, n = shape
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(n, k, generator=generator)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-    buckets = []
+    buckets, packed_wins = [], False
     for rows in ROW_BUCKETS:
-        x = torch.randn(rows, k, generator=generator)
-        mkl = _seconds(lambda: F.linear(x, weight))
-        onednn = _seconds(
-            lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-        if onednn < mkl:
+        if rows == 1 or 2 * rows * k * n <= MAX_TIMED_FLOP:
+            x = torch.randn(rows, k, generator=generator)
+            mkl = _seconds(lambda: F.linear(x, weight))
+            onednn = _seconds(
+                lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+            packed_wins = onednn < mkl
+        if packed_wins:
             buckets.append(rows)
     return buckets
+
+
+def measured_shape(in_features: int, out_features: int) -> tuple[int, int]:
+    """The shape whose timing decides for a weight of this shape: its own, or the reference
+    shape's for a small one."""
+    if in_features * out_features >= MIN_MEASURED_ELEMENTS:
+        return in_features, out_features
+    return REFERENCE_SHAPE
 
 
 def host_key(threads: int) -> str:
@@ -105,24 +122,32 @@ def host_key(threads: int) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
+def fp32_packed_rows(threads: int, in_features: int, out_features: int) -> PackedRows:
+    """The float32 row counts at which a weight of this shape runs packed on `threads`
+    threads."""
+    return _packed_rows(threads, measured_shape(in_features, out_features))
+
+
 @lru_cache(maxsize=None)
-def fp32_packed_rows(threads: int) -> PackedRows:
-    """The float32 row counts to run packed on `threads` threads: read from the cache, else
-    measured (about a second) and cached. Logged either way."""
-    path = cache_dir("cpu_linear", f"fp32-{host_key(threads)}.json")
+def _packed_rows(threads: int, shape: tuple[int, int]) -> PackedRows:
+    """`shape`'s choice on `threads` threads: read from the cache, else measured (under a
+    second) and cached. Logged either way."""
+    k, n = shape
+    path = cache_dir("cpu_linear", f"fp32-{host_key(threads)}-{k}x{n}.json")
     source = "cached"
     try:
         buckets = json.loads(path.read_text())["packed_buckets"]
     except (OSError, ValueError, KeyError):
         begin = time.perf_counter()
-        buckets = measure_packed_buckets()
+        buckets = measure_packed_buckets(shape)
         source = f"measured in {time.perf_counter() - begin:.1f} s"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"threads": threads, "packed_buckets": buckets}))
+        tmp.write_text(json.dumps({"threads": threads, "shape": [k, n],
+                                   "packed_buckets": buckets}))
         os.replace(tmp, path)
     choice = PackedRows(buckets)
-    logger.info("float32 dense products on %d thread(s): oneDNN with packed weights for %s "
-                "rows, torch's product for the rest (%s on this host: %s)", threads,
+    logger.info("float32 dense products of %d x %d on %d thread(s): oneDNN with packed weights "
+                "for %s rows, torch's product for the rest (%s on this host: %s)", k, n, threads,
                 choice.describe(), source, path)
     return choice

@@ -374,17 +374,19 @@ HALF_ROWS = range(1, 1 << 62)
 ONEDNN_ENV = "RUNTIME_CPU_ONEDNN_LINEAR"  # "0": torch's product everywhere; "1": packed everywhere
 
 
-def onednn_rows(dtype: torch.dtype) -> range | PackedRows | None:
-    """The row counts a packed `dtype` weight is used for on this host, None for none; float32's
-    are measured on this host (`linear_choice.py`) at the thread count set before the model
-    loads."""
+def onednn_rows(weight: torch.Tensor) -> range | PackedRows | None:
+    """The row counts a packed copy of `weight` is used for on this host, None for none;
+    float32's are measured on this host for its shape (`linear_choice.py`) at the thread count
+    set before the model loads."""
+    dtype = weight.dtype
     setting = os.environ.get(ONEDNN_ENV)
     if setting == "0" or not torch.backends.mkldnn.is_available():
         return None
     if dtype == torch.float32:
         if setting == "1":
             return HALF_ROWS
-        measured = fp32_packed_rows(torch.get_num_threads())
+        out_features, in_features = weight.shape
+        measured = fp32_packed_rows(torch.get_num_threads(), in_features, out_features)
         return measured if measured.packed_buckets else None
     if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return HALF_ROWS
@@ -396,9 +398,9 @@ def onednn_rows(dtype: torch.dtype) -> range | PackedRows | None:
 def linear(weight: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
     """A dense layer's kernel: a oneDNN-packed copy of `weight` (the packed form costs the
     weight's size again in memory) for the row counts `onednn_rows` gives (fp32: those where it
-    measured faster on this host; bf16/fp16 where the ISA computes them: every input), torch's
+    measured faster on this host for this shape; bf16/fp16 where the ISA computes them: every input), torch's
     product for the rest."""
-    rows = onednn_rows(weight.dtype)
+    rows = onednn_rows(weight)
     if rows is None:
         return lambda x, bias: F.linear(x, weight, bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
