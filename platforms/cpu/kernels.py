@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "threads.cpp",
            CSRC / "lora.cpp", CSRC / "encoder_ops.cpp", CSRC / "recurrent_ops.cpp",
-           CSRC / "mla_attention.cpp"]
+           CSRC / "mla_attention.cpp", CSRC / "dense.cpp"]
 HEADERS = [CSRC / "simd.h"]
 LIBRARY = "runtime_cpu_kernels"
 # The host's own ISA; on x86 GCC would otherwise keep znver/AVX2 code at 128-bit vectors.

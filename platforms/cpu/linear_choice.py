@@ -1,14 +1,15 @@
-"""Which float32 dense products run on oneDNN with a pre-packed weight, and which on torch's own
-product (MKL's sgemm on x86, which re-packs the weight every call), chosen per weight shape by
-timing both on this host once per shape, thread count and torch build, cached under the cache
-root.
+"""Which product each float32 dense layer runs, chosen per weight shape and row count by timing
+the candidates on this host once per shape, thread count, torch build and kernel source, cached
+under the cache root. The candidates: torch's own product (MKL's sgemm on x86, which re-packs the
+weight every call), oneDNN's with a weight packed once, and the CPU kernels' `dense`
+(csrc/dense.cpp: register tiles over a weight packed once) where they are built.
 
-No fixed rule holds across hosts: on a 2-core AVX2 EPYC the packed product won only for 8-256
-rows on two threads; on a 2-core AVX-512 EPYC without AMX (MKL takes no AVX-512 path on AMD) it
-won 2-5x at every row count from 4 to 2048, on one thread and on two; on an AMX Xeon MKL's sgemm
-is strong on long prefill chunks; and on one host the winner at a row count differs between
-shapes (the AVX2 EPYC at 2048 rows: MKL 6-15 % faster on three of SmolLM2's projections, 7 %
-slower on its 576 x 960 qkv).
+No fixed rule holds across hosts: on a 2-core AVX2 EPYC oneDNN's packed product won only for
+8-256 rows on two threads and `dense` beat both from 4 rows up; on a 2-core AVX-512 EPYC without
+AMX (MKL takes no AVX-512 path on AMD) oneDNN won 2-5x at every row count from 4 to 2048; on an
+AMX Xeon MKL's sgemm is strong on long prefill chunks; and on one host the winner at a row count
+differs between shapes (the AVX2 EPYC at 2048 rows: MKL 6-15 % faster than oneDNN on three of
+SmolLM2's projections, 7 % slower on its 576 x 960 qkv).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import logging
 import os
 import time
 from functools import lru_cache
+from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,34 +37,37 @@ REFERENCE_SHAPE = (1024, 2048)
 MIN_MEASURED_ELEMENTS = 1 << 18  # a weight this large (1 MiB in float32) is timed itself
 MAX_TIMED_FLOP = 2e9  # larger buckets (a few tens of ms a call) take the largest timed one's
 SECONDS_PER_TIMING = 0.004
+PRODUCTS = ("torch", "onednn", "dense")
+DENSE_SOURCE = Path(__file__).parent / "csrc" / "dense.cpp"
 
 
-class PackedRows:
-    """The row counts whose product runs packed: `rows in choice`."""
+class ProductChoice:
+    """The product each row count runs: `choice.product(rows)`, one of PRODUCTS."""
 
-    def __init__(self, packed_buckets: list[int]) -> None:
-        self.packed_buckets = sorted(packed_buckets)
+    def __init__(self, by_bucket: dict[int, str]) -> None:
+        self.by_bucket = {b: by_bucket[b] for b in ROW_BUCKETS}
 
-    def __contains__(self, rows: int) -> bool:
-        bucket = max((b for b in ROW_BUCKETS if b <= rows), default=ROW_BUCKETS[0])
-        return bucket in self.packed_buckets
+    @classmethod
+    def everywhere(cls, product: str) -> ProductChoice:
+        return cls({b: product for b in ROW_BUCKETS})
+
+    def product(self, rows: int) -> str:
+        return self.by_bucket[max((b for b in ROW_BUCKETS if b <= rows), default=ROW_BUCKETS[0])]
+
+    def products(self) -> set[str]:
+        return set(self.by_bucket.values())
 
     def describe(self) -> str:
-        """`4-2048+` style: the bucket ranges that run packed."""
-        if not self.packed_buckets:
-            return "none"
-        spans, start, last = [], None, None
+        """`dense for 1-1023 rows, onednn for 1024+` style."""
+        spans: list[list] = []
         for bucket in ROW_BUCKETS:
-            if bucket in self.packed_buckets:
-                start = bucket if start is None else start
-                last = bucket
-            elif start is not None:
-                spans.append((start, last))
-                start = None
-        if start is not None:
-            spans.append((start, None))
+            if spans and spans[-1][0] == self.by_bucket[bucket]:
+                spans[-1][2] = bucket
+            else:
+                spans.append([self.by_bucket[bucket], bucket, bucket])
         upper = {b: ROW_BUCKETS[i + 1] - 1 for i, b in enumerate(ROW_BUCKETS[:-1])}
-        return ", ".join(f"{lo}+" if hi is None else f"{lo}-{upper[hi]}" for lo, hi in spans)
+        return ", ".join(f"{name} for {lo}+" if hi == ROW_BUCKETS[-1] else
+                         f"{name} for {lo}-{upper[hi]}" for name, lo, hi in spans) + " rows"
 
 
 def _seconds(fn) -> float:
@@ -80,25 +86,45 @@ def _seconds(fn) -> float:
     return best
 
 
-def measure_packed_buckets(shape: tuple[int, int]) -> list[int]:
-    """Time both products of a weight of `shape` (in_features, out_features) at each bucket on
-    the current thread count; the buckets where the packed one is faster. A bucket over
-    MAX_TIMED_FLOP takes the choice of the largest one under it."""
+def candidates() -> tuple[str, ...]:
+    """The products this process can run: torch's always, oneDNN's where torch has it, `dense`
+    where the CPU kernels are loaded."""
+    found = ["torch"]
+    if torch.backends.mkldnn.is_available():
+        found.append("onednn")
+    if hasattr(torch.ops.runtime_cpu, "dense"):
+        found.append("dense")
+    return tuple(found)
+
+
+def prepare(product: str, weight: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor | None],
+                                                            torch.Tensor]:
+    """`product`'s kernel for `weight` (out_features x in_features): its packed copy made now,
+    applied to contiguous 2-D inputs."""
+    if product == "onednn":
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        return lambda x, bias: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if product == "dense":
+        packed, out_features = torch.ops.runtime_cpu.pack_dense_weight(weight), weight.size(0)
+        return lambda x, bias: torch.ops.runtime_cpu.dense(x, packed, out_features, bias)
+    return lambda x, bias: F.linear(x, weight, bias)
+
+
+def measure_products(shape: tuple[int, int], products: tuple[str, ...]) -> dict[int, str]:
+    """Time each of `products` on a weight of `shape` (in_features, out_features) at each bucket
+    on the current thread count; the fastest per bucket. A bucket over MAX_TIMED_FLOP takes the
+    choice of the largest one under it."""
     k, n = shape
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(n, k, generator=generator)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-    buckets, packed_wins = [], False
+    kernels = {name: prepare(name, weight) for name in products}
+    chosen, fastest = {}, products[0]
     for rows in ROW_BUCKETS:
         if rows == 1 or 2 * rows * k * n <= MAX_TIMED_FLOP:
             x = torch.randn(rows, k, generator=generator)
-            mkl = _seconds(lambda: F.linear(x, weight))
-            onednn = _seconds(
-                lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-            packed_wins = onednn < mkl
-        if packed_wins:
-            buckets.append(rows)
-    return buckets
+            fastest = min(products, key=lambda name: _seconds(lambda: kernels[name](x, None)))
+        chosen[rows] = fastest
+    return chosen
 
 
 def measured_shape(in_features: int, out_features: int) -> tuple[int, int]:
@@ -109,46 +135,49 @@ def measured_shape(in_features: int, out_features: int) -> tuple[int, int]:
     return REFERENCE_SHAPE
 
 
-def host_key(threads: int) -> str:
+def host_key(threads: int, products: tuple[str, ...]) -> str:
     """What the choice depends on: the CPU (its first entry in /proc/cpuinfo: model and
-    flags), torch's build, the ISA oneDNN may use, the thread count."""
+    flags), torch's build, the ISA oneDNN may use, the thread count, the candidates and the
+    `dense` kernel's source."""
     try:
         with open("/proc/cpuinfo") as f:
             cpu = f.read().split("\n\n", 1)[0]
     except OSError:
         cpu = ""
     described = [line for line in cpu.splitlines() if line.startswith(("model name", "flags"))]
+    dense_source = hashlib.sha1(DENSE_SOURCE.read_bytes()).hexdigest() if "dense" in products \
+        else ""
     text = "|".join([*described, torch.backends.cpu.get_cpu_capability(), torch.__version__,
-                     os.environ.get("ONEDNN_MAX_CPU_ISA", ""), str(threads)])
+                     os.environ.get("ONEDNN_MAX_CPU_ISA", ""), str(threads), *products,
+                     dense_source])
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def fp32_packed_rows(threads: int, in_features: int, out_features: int) -> PackedRows:
-    """The float32 row counts at which a weight of this shape runs packed on `threads`
+def fp32_products(threads: int, in_features: int, out_features: int) -> ProductChoice:
+    """The product a float32 weight of this shape runs at each row count on `threads`
     threads."""
-    return _packed_rows(threads, measured_shape(in_features, out_features))
+    return _products(threads, measured_shape(in_features, out_features), candidates())
 
 
 @lru_cache(maxsize=None)
-def _packed_rows(threads: int, shape: tuple[int, int]) -> PackedRows:
-    """`shape`'s choice on `threads` threads: read from the cache, else measured (about a
-    second) and cached. Logged either way."""
+def _products(threads: int, shape: tuple[int, int], products: tuple[str, ...]) -> ProductChoice:
+    """`shape`'s choice among `products` on `threads` threads: read from the cache, else
+    measured (about a second) and cached. Logged either way."""
     k, n = shape
-    path = cache_dir("cpu_linear", f"fp32-{host_key(threads)}-{k}x{n}.json")
+    path = cache_dir("cpu_linear", f"fp32-{host_key(threads, products)}-{k}x{n}.json")
     source = "cached"
     try:
-        buckets = json.loads(path.read_text())["packed_buckets"]
-    except (OSError, ValueError, KeyError):
+        chosen = {int(b): name for b, name in json.loads(path.read_text())["products"].items()}
+        choice = ProductChoice(chosen)
+    except (OSError, ValueError, KeyError, AttributeError):
         begin = time.perf_counter()
-        buckets = measure_packed_buckets(shape)
+        choice = ProductChoice(measure_products(shape, products))
         source = f"measured in {time.perf_counter() - begin:.1f} s"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"threads": threads, "shape": [k, n],
-                                   "packed_buckets": buckets}))
+                                   "products": choice.by_bucket}))
         os.replace(tmp, path)
-    choice = PackedRows(buckets)
-    logger.info("float32 dense products of %d x %d on %d thread(s): oneDNN with packed weights "
-                "for %s rows, torch's product for the rest (%s on this host: %s)", k, n, threads,
-                choice.describe(), source, path)
+    logger.info("float32 dense products of %d x %d on %d thread(s): %s (%s on this host: %s)",
+                k, n, threads, choice.describe(), source, path)
     return choice

@@ -2,7 +2,8 @@
 `csrc/encoder_ops.cpp`, with the portable
 ones as fallback for shapes the kernels do not take (a last dimension that is not a multiple of
 16 or a rotary dimension not a multiple of 32, strided views such as Qwen3's per-head q/k norms),
-and the dense `linear` kernel (oneDNN with pre-packed weights where it is the faster product)."""
+and the dense `linear` kernel (per weight shape and row count the fastest of torch's product,
+oneDNN's and `csrc/dense.cpp`'s over pre-packed weights)."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from runtime.platforms.cpu.linear_choice import PackedRows, fp32_packed_rows
+from runtime.platforms.cpu.linear_choice import (PRODUCTS, ProductChoice, candidates,
+                                                  fp32_products, prepare)
 from runtime.plugins import kda_ops as portable_kda
 from runtime.plugins import lora_ops as portable_lora
 from runtime.plugins import recurrent_ops as portable_recurrent
@@ -370,49 +372,48 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
 # In bf16 (fp16) torch's own product is oneDNN already, re-ordering the weight every call; the
 # packed copy saves that at every row count and thread count. Measured on a 2-core AVX512-BF16
 # EPYC, SmolLM2-135M's shapes: 1 thread, rows 1-256 gain 1.1-2.4x, 512-2048 rows 1.0-1.1x.
-HALF_ROWS = range(1, 1 << 62)
-ONEDNN_ENV = "RUNTIME_CPU_ONEDNN_LINEAR"  # "0": torch's product everywhere; "1": packed everywhere
+LINEAR_ENV = "RUNTIME_CPU_LINEAR"  # one of PRODUCTS for every float32 row count, untimed
 
 
-def onednn_rows(weight: torch.Tensor) -> range | PackedRows | None:
-    """The row counts a packed copy of `weight` is used for on this host, None for none;
-    float32's are measured on this host for its shape (`linear_choice.py`) at the thread count
-    set before the model loads."""
+def dense_products(weight: torch.Tensor) -> ProductChoice:
+    """The product `weight`'s layer runs at each row count on this host: float32's measured on
+    this host for its shape (`linear_choice.py`) at the thread count set before the model loads,
+    or the one `RUNTIME_CPU_LINEAR` names; bf16/fp16 packed for oneDNN where the ISA computes
+    that dtype."""
     dtype = weight.dtype
-    setting = os.environ.get(ONEDNN_ENV)
-    if setting == "0" or not torch.backends.mkldnn.is_available():
-        return None
     if dtype == torch.float32:
-        if setting == "1":
-            return HALF_ROWS
+        forced = os.environ.get(LINEAR_ENV)
+        if forced:
+            if forced not in candidates():
+                raise ValueError(f"{LINEAR_ENV}={forced!r}: this host runs "
+                                 f"{', '.join(candidates())} (of {', '.join(PRODUCTS)})")
+            return ProductChoice.everywhere(forced)
         out_features, in_features = weight.shape
-        measured = fp32_packed_rows(torch.get_num_threads(), in_features, out_features)
-        return measured if measured.packed_buckets else None
-    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return HALF_ROWS
-    if dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported():
-        return HALF_ROWS
-    return None
+        return fp32_products(torch.get_num_threads(), in_features, out_features)
+    onednn = torch.backends.mkldnn.is_available() and (
+        (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        or (dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported()))
+    return ProductChoice.everywhere("onednn" if onednn else "torch")
 
 
 def linear(weight: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-    """A dense layer's kernel: a oneDNN-packed copy of `weight` (the packed form costs the
-    weight's size again in memory) for the row counts `onednn_rows` gives (fp32: those where it
-    measured faster on this host for this shape; bf16/fp16 where the ISA computes them: every input), torch's
-    product for the rest."""
-    rows = onednn_rows(weight)
-    if rows is None:
+    """A dense layer's kernel: at each row count the product `dense_products` gives, with the
+    packed copies those need made now (each costs the weight's size again in memory); torch's
+    product for inputs that are not contiguous and 2-D."""
+    choice = dense_products(weight)
+    kernels = {name: prepare(name, weight) for name in choice.products() - {"torch"}}
+    if not kernels:
         return lambda x, bias: F.linear(x, weight, bias)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
 
     def apply(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dim() != 2 or x.size(0) not in rows or not x.is_contiguous():
+        kernel = kernels.get(choice.product(x.size(0))) if x.dim() == 2 else None
+        if kernel is None or not x.is_contiguous():
             return F.linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return kernel(x, bias)
     return apply
 
 
-# The ops that need the built kernels (`linear` is torch's own oneDNN and needs no build).
+# The ops that need the built kernels (`linear` runs without them, on torch's and oneDNN's products).
 OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul,
        "gated_rms_norm": gated_rms_norm,
        "rotary_embedding": rotary_embedding, "lora_shrink": lora_shrink, "lora_expand": lora_expand,

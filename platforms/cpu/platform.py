@@ -289,10 +289,12 @@ class CpuPlatform(Platform):
 
     def custom_op(self, name: str) -> Callable | None:
         """Fused rms_norm, add_rms_norm, silu_and_mul and rotary_embedding from the CPU kernels,
-        when they built, and dense layers through oneDNN for decode-sized inputs."""
+        when they built, and dense layers through the fastest product measured per shape (the
+        kernels' own `dense` among the candidates when they built)."""
         from runtime.platforms.cpu import ops
         if name == "linear":
-            return ops.linear  # torch's own oneDNN, no build needed
+            self.kernel_build_error()  # loads `dense` where it builds; torch's products need none
+            return ops.linear
         if name not in ops.OPS:
             return None
         return ops.OPS[name] if self.kernel_build_error() is None else None

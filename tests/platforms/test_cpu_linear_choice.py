@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from runtime.platforms.cpu import linear_choice, ops
-from runtime.platforms.cpu.linear_choice import PackedRows
+from runtime.platforms.cpu.linear_choice import ROW_BUCKETS, ProductChoice
 
 LARGE = (512, 1024)  # in, out: large enough to be timed itself
 
@@ -13,81 +13,114 @@ LARGE = (512, 1024)  # in, out: large enough to be timed itself
 def fresh_choices(tmp_path, monkeypatch):
     """An empty cache root and no choice remembered by this process."""
     monkeypatch.setenv("RUNTIME_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(ops.ONEDNN_ENV, raising=False)
-    linear_choice._packed_rows.cache_clear()
+    monkeypatch.delenv(ops.LINEAR_ENV, raising=False)
+    linear_choice._products.cache_clear()
     yield tmp_path
-    linear_choice._packed_rows.cache_clear()
+    linear_choice._products.cache_clear()
+
+
+def by_bucket(**spans: int) -> dict[int, str]:
+    """{bucket: product} from `product=first bucket` pairs, in bucket order."""
+    starts = sorted((first, name) for name, first in spans.items())
+    return {b: [name for first, name in starts if first <= b][-1] for b in ROW_BUCKETS}
 
 
 def test_rows_take_the_choice_of_their_bucket():
-    choice = PackedRows([4, 8, 16, 2048])
-    assert [r in choice for r in (1, 3, 4, 7, 31, 32, 2047, 2048, 9000)] == \
-        [False, False, True, True, True, False, False, True, True]
-    assert choice.describe() == "4-31, 2048+"
-    assert PackedRows([]).describe() == "none"
-    assert PackedRows([1, 2]).describe() == "1-3"
+    choice = ProductChoice(by_bucket(torch=1, dense=4, onednn=32))
+    assert [choice.product(r) for r in (1, 3, 4, 31, 32, 2047, 2048, 9000)] == \
+        ["torch", "torch", "dense", "dense", "onednn", "onednn", "onednn", "onednn"]
+    assert choice.describe() == "torch for 1-3, dense for 4-31, onednn for 32+ rows"
+    assert choice.products() == {"torch", "dense", "onednn"}
+    assert ProductChoice.everywhere("dense").describe() == "dense for 1+ rows"
 
 
 def test_the_measurement_is_cached_per_host_thread_count_and_shape(fresh_choices, monkeypatch):
     calls = []
-    monkeypatch.setattr(linear_choice, "measure_packed_buckets",
-                        lambda shape: calls.append(shape) or [16, 32])
-    assert linear_choice.fp32_packed_rows(3, *LARGE).packed_buckets == [16, 32]
-    linear_choice._packed_rows.cache_clear()  # a new process reads the file
-    assert linear_choice.fp32_packed_rows(3, *LARGE).packed_buckets == [16, 32]
+    chosen = by_bucket(onednn=1, dense=16)
+    monkeypatch.setattr(linear_choice, "measure_products",
+                        lambda shape, products: calls.append(shape) or chosen)
+    assert linear_choice.fp32_products(3, *LARGE).by_bucket == chosen
+    linear_choice._products.cache_clear()  # a new process reads the file
+    assert linear_choice.fp32_products(3, *LARGE).by_bucket == chosen
     assert calls == [LARGE]
     (saved,) = (fresh_choices / "cpu_linear").iterdir()
-    assert json.loads(saved.read_text()) == {"threads": 3, "shape": list(LARGE),
-                                             "packed_buckets": [16, 32]}
-    linear_choice.fp32_packed_rows(5, *LARGE)  # another thread count is measured anew
-    linear_choice.fp32_packed_rows(3, 1024, 512)  # and another shape
+    assert json.loads(saved.read_text()) == {
+        "threads": 3, "shape": list(LARGE), "products": {str(b): p for b, p in chosen.items()}}
+    linear_choice.fp32_products(5, *LARGE)  # another thread count is measured anew
+    linear_choice.fp32_products(3, 1024, 512)  # and another shape
     assert calls == [LARGE, LARGE, (1024, 512)]
+
+
+def test_the_candidates_and_the_kernel_source_are_part_of_the_key():
+    assert linear_choice.host_key(2, ("torch", "onednn")) != \
+        linear_choice.host_key(2, ("torch", "onednn", "dense"))
+    assert linear_choice.host_key(2, ("torch",)) == linear_choice.host_key(2, ("torch",))
 
 
 def test_small_weights_take_the_reference_shapes_choice(fresh_choices, monkeypatch):
     calls = []
-    monkeypatch.setattr(linear_choice, "measure_packed_buckets",
-                        lambda shape: calls.append(shape) or [4])
-    assert linear_choice.fp32_packed_rows(2, 64, 128).packed_buckets == [4]
-    assert linear_choice.fp32_packed_rows(2, 128, 64).packed_buckets == [4]
+    monkeypatch.setattr(linear_choice, "measure_products",
+                        lambda shape, products: calls.append(shape) or by_bucket(torch=1))
+    assert linear_choice.fp32_products(2, 64, 128).product(64) == "torch"
+    assert linear_choice.fp32_products(2, 128, 64).product(64) == "torch"
     assert calls == [linear_choice.REFERENCE_SHAPE]
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 def test_rows_past_the_timing_budget_take_the_largest_timed_choice(monkeypatch):
     timed = []
     real = linear_choice._seconds
+    products = linear_choice.candidates()
     monkeypatch.setattr(linear_choice, "SECONDS_PER_TIMING", 1e-4)
     monkeypatch.setattr(linear_choice, "MAX_TIMED_FLOP", 2 * 64 * 32 * 48)
     monkeypatch.setattr(linear_choice, "_seconds", lambda fn: timed.append(1) or real(fn))
-    buckets = linear_choice.measure_packed_buckets((32, 48))
-    assert len(timed) == 2 * linear_choice.ROW_BUCKETS.index(64) + 2  # 1-64 rows, both products
-    larger = [b for b in linear_choice.ROW_BUCKETS if b > 64]
-    assert all(b in buckets for b in larger) or not any(b in buckets for b in larger)
-    assert (64 in buckets) == (128 in buckets)
+    chosen = linear_choice.measure_products((32, 48), products)
+    assert len(timed) == len(products) * (ROW_BUCKETS.index(64) + 1)  # 1-64 rows, each product
+    assert {chosen[b] for b in ROW_BUCKETS if b >= 64} == {chosen[64]}
+    assert set(chosen.values()) <= set(products)
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
-def test_the_dense_kernel_follows_its_shapes_choice(fresh_choices, monkeypatch):
-    packed_calls = []
-    real = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(linear_choice, "measure_packed_buckets",
-                        lambda shape: [4] if shape == LARGE else [1, 8])
+def test_every_candidate_computes_the_product():
+    weight, x, bias = torch.randn(40, 24), torch.randn(5, 24), torch.randn(40)
+    for name in linear_choice.candidates():
+        got = linear_choice.prepare(name, weight)(x, bias)
+        torch.testing.assert_close(got, x @ weight.T + bias, atol=1e-4, rtol=1e-4)
+
+
+def test_the_dense_layer_follows_its_shapes_choice(fresh_choices, monkeypatch):
+    packed = linear_choice.candidates()[-1]  # oneDNN's or `dense`
+    if packed == "torch":
+        pytest.skip("torch's product is this host's only one")
+    ran = []
+    real_prepare = linear_choice.prepare
+
+    def recording(name, weight):
+        kernel = real_prepare(name, weight)
+
+        def run(x, bias):
+            ran.append((name, x.size(0)))
+            return kernel(x, bias)
+        return run
+    monkeypatch.setattr(ops, "prepare", recording)
+    monkeypatch.setattr(linear_choice, "measure_products", lambda shape, products: by_bucket(
+        **({"torch": 1, packed: 4} if shape == LARGE else {packed: 1, "torch": 8})))
     weight, x = torch.randn(LARGE[1], LARGE[0]), torch.randn(64, LARGE[0])
-    dense = ops.linear(weight)
+    layer = ops.linear(weight)
     small_weight, small_x = torch.randn(48, 32), torch.randn(64, 32)
-    small = ops.linear(small_weight)  # the reference shape's choice: 1-3 and 8-15 rows
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
-                        lambda *a: packed_calls.append(a[0].size(-1)) or real(*a))
+    small = ops.linear(small_weight)  # the reference shape's choice: packed for 1-7 rows
     for rows in (1, 4, 7, 8):
-        got = dense(x[:rows], None)
-        torch.testing.assert_close(got, x[:rows] @ weight.T, atol=1e-3, rtol=1e-4)
-        got = small(small_x[:rows], None)
-        torch.testing.assert_close(got, small_x[:rows] @ small_weight.T, atol=1e-4, rtol=1e-4)
-    assert packed_calls == [32, LARGE[0], LARGE[0], 32]
-    monkeypatch.setattr(linear_choice, "measure_packed_buckets", lambda shape: [])
-    linear_choice._packed_rows.cache_clear()
-    monkeypatch.setenv("RUNTIME_CACHE_DIR", str(fresh_choices / "other"))
-    assert ops.onednn_rows(weight) is None  # nothing wins: no packed copy at all
-    monkeypatch.setenv(ops.ONEDNN_ENV, "1")
-    assert 1 in ops.onednn_rows(weight)
+        torch.testing.assert_close(layer(x[:rows], None), x[:rows] @ weight.T,
+                                   atol=1e-3, rtol=1e-4)
+        torch.testing.assert_close(small(small_x[:rows], None), small_x[:rows] @ small_weight.T,
+                                   atol=1e-4, rtol=1e-4)
+    assert ran == [(packed, 1), (packed, 4), (packed, 4), (packed, 7), (packed, 7), (packed, 8)]
+    layer(x[:8].T.contiguous().T, None)  # a strided input takes torch's product
+    assert len(ran) == 6
+
+
+def test_a_forced_product_is_checked_against_the_hosts(fresh_choices, monkeypatch):
+    monkeypatch.setenv(ops.LINEAR_ENV, "torch")
+    assert ops.dense_products(torch.randn(64, 32)).products() == {"torch"}
+    monkeypatch.setenv(ops.LINEAR_ENV, "mkl")
+    with pytest.raises(ValueError, match="RUNTIME_CPU_LINEAR='mkl': this host runs torch"):
+        ops.dense_products(torch.randn(64, 32))
+    assert not (fresh_choices / "cpu_linear").exists()  # nothing timed

@@ -1,0 +1,67 @@
+"""The CPU kernels' float32 dense product against float64 torch, across its tiles' edges."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.platforms.cpu import kernels
+from runtime.platforms.cpu.platform import CpuPlatform
+
+BUILD_ERROR = kernels.load(CpuPlatform().info.model_name)
+pytestmark = pytest.mark.skipif(BUILD_ERROR is not None,
+                                reason=f"the CPU kernels did not build: {BUILD_ERROR}")
+
+
+def dense(x, weight, bias=None):
+    packed = torch.ops.runtime_cpu.pack_dense_weight(weight)
+    return torch.ops.runtime_cpu.dense(x, packed, weight.size(0), bias)
+
+
+# rows: each register tile's height (1-6), the 120-row block's edge; in_features: one K
+# block, its edge, three blocks with a short last one; out_features: under one panel, a panel,
+# a ragged last panel.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 64, 119, 120, 121, 250])
+@pytest.mark.parametrize("in_features,out_features", [(8, 3), (256, 16), (257, 40),
+                                                      (576, 100), (600, 33)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_dense_matches_float64(rows, in_features, out_features, with_bias):
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features + out_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    got = dense(x, weight, bias)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=2e-5 * in_features ** 0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_dense_is_the_same_on_any_thread_count(threads):
+    generator = torch.Generator().manual_seed(threads)
+    x, weight = torch.randn(70, 300, generator=generator), torch.randn(530, 300, generator=generator)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = dense(x, weight)
+        torch.set_num_threads(threads)
+        assert torch.equal(dense(x, weight), one)  # each output has one summation order
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_no_rows_give_an_empty_product():
+    assert dense(torch.randn(0, 32), torch.randn(20, 32)).shape == (0, 20)
+
+
+def test_wrong_inputs_are_refused_with_the_reason():
+    weight = torch.randn(20, 32)
+    packed = torch.ops.runtime_cpu.pack_dense_weight(weight)
+    with pytest.raises(RuntimeError, match="in_features"):
+        torch.ops.runtime_cpu.dense(torch.randn(4, 31), packed, 20, None)
+    with pytest.raises(RuntimeError, match="out_features 40 does not match"):
+        torch.ops.runtime_cpu.dense(torch.randn(4, 32), packed, 40, None)
+    with pytest.raises(RuntimeError, match="contiguous 2-D float32"):
+        torch.ops.runtime_cpu.dense(torch.randn(32, 4).T, packed, 20, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.runtime_cpu.dense(torch.randn(4, 32), packed, 20, torch.randn(19))
+    with pytest.raises(RuntimeError, match="2-D float32 weight"):
+        torch.ops.runtime_cpu.pack_dense_weight(weight.double())
