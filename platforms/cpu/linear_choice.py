@@ -36,7 +36,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 REFERENCE_SHAPE = (1024, 2048)
 MIN_MEASURED_ELEMENTS = 1 << 18  # a weight this large (1 MiB in float32) is timed itself
 MAX_TIMED_FLOP = 2e9  # larger buckets (a few tens of ms a call) take the largest timed one's
-SECONDS_PER_TIMING = 0.004
+SECONDS_PER_TIMING = 0.002
+ROUNDS = 5
 PRODUCTS = ("torch", "onednn", "dense")
 DENSE_SOURCE = Path(__file__).parent / "csrc" / "dense.cpp"
 
@@ -70,29 +71,37 @@ class ProductChoice:
                          f"{name} for {lo}-{upper[hi]}" for name, lo, hi in spans) + " rows"
 
 
-def _seconds(fn) -> float:
-    """The best of three timings of `fn`, each over enough calls to last a few milliseconds."""
-    fn()
-    begin = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - begin, 1e-7)
-    calls = max(1, int(SECONDS_PER_TIMING / once))
-    best = float("inf")
-    for _ in range(3):
+def _fastest(kernels: dict[str, Callable[[], object]]) -> str:
+    """The name of the fastest of `kernels`: each timed over enough calls to last a few
+    milliseconds, in ROUNDS rounds that take them in turn (a burst of load then slows one
+    round of each, not all of one), the best round counting."""
+    calls = {}
+    for name, fn in kernels.items():
+        fn()
         begin = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - begin) / calls)
-    return best
+        fn()
+        calls[name] = max(1, int(SECONDS_PER_TIMING / max(time.perf_counter() - begin, 1e-7)))
+    best = dict.fromkeys(kernels, float("inf"))
+    for _ in range(ROUNDS):
+        for name, fn in kernels.items():
+            begin = time.perf_counter()
+            for _ in range(calls[name]):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - begin) / calls[name])
+    return min(best, key=best.get)
 
 
-def candidates() -> tuple[str, ...]:
-    """The products this process can run: torch's always, oneDNN's where torch has it, `dense`
-    where the CPU kernels are loaded."""
+def candidates(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
+    """The products this process can run on `dtype` weights: torch's always, oneDNN's where
+    torch has it and (bf16, fp16) the CPU computes that dtype, `dense` for float32 where the
+    CPU kernels are loaded."""
     found = ["torch"]
-    if torch.backends.mkldnn.is_available():
+    if torch.backends.mkldnn.is_available() and (
+            dtype == torch.float32
+            or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            or (dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported())):
         found.append("onednn")
-    if hasattr(torch.ops.runtime_cpu, "dense"):
+    if dtype == torch.float32 and hasattr(torch.ops.runtime_cpu, "dense"):
         found.append("dense")
     return tuple(found)
 
@@ -122,7 +131,8 @@ def measure_products(shape: tuple[int, int], products: tuple[str, ...]) -> dict[
     for rows in ROW_BUCKETS:
         if rows == 1 or 2 * rows * k * n <= MAX_TIMED_FLOP:
             x = torch.randn(rows, k, generator=generator)
-            fastest = min(products, key=lambda name: _seconds(lambda: kernels[name](x, None)))
+            fastest = _fastest({name: (lambda kernel=kernels[name]: kernel(x, None))
+                                for name in products})
         chosen[rows] = fastest
     return chosen
 

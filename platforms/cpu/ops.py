@@ -372,28 +372,25 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
 # In bf16 (fp16) torch's own product is oneDNN already, re-ordering the weight every call; the
 # packed copy saves that at every row count and thread count. Measured on a 2-core AVX512-BF16
 # EPYC, SmolLM2-135M's shapes: 1 thread, rows 1-256 gain 1.1-2.4x, 512-2048 rows 1.0-1.1x.
-LINEAR_ENV = "RUNTIME_CPU_LINEAR"  # one of PRODUCTS for every float32 row count, untimed
+LINEAR_ENV = "RUNTIME_CPU_LINEAR"  # one of PRODUCTS for every layer and row count, untimed
 
 
 def dense_products(weight: torch.Tensor) -> ProductChoice:
-    """The product `weight`'s layer runs at each row count on this host: float32's measured on
-    this host for its shape (`linear_choice.py`) at the thread count set before the model loads,
-    or the one `RUNTIME_CPU_LINEAR` names; bf16/fp16 packed for oneDNN where the ISA computes
-    that dtype."""
-    dtype = weight.dtype
-    if dtype == torch.float32:
-        forced = os.environ.get(LINEAR_ENV)
-        if forced:
-            if forced not in candidates():
-                raise ValueError(f"{LINEAR_ENV}={forced!r}: this host runs "
-                                 f"{', '.join(candidates())} (of {', '.join(PRODUCTS)})")
-            return ProductChoice.everywhere(forced)
+    """The product `weight`'s layer runs at each row count on this host: the one
+    `RUNTIME_CPU_LINEAR` names; else float32's measured on this host for its shape
+    (`linear_choice.py`) at the thread count set before the model loads, bf16/fp16 packed for
+    oneDNN where the ISA computes that dtype."""
+    allowed = candidates(weight.dtype)
+    forced = os.environ.get(LINEAR_ENV)
+    if forced:
+        if forced not in allowed:
+            raise ValueError(f"{LINEAR_ENV}={forced!r}: {str(weight.dtype)[6:]} layers on this "
+                             f"host run {', '.join(allowed)} (of {', '.join(PRODUCTS)})")
+        return ProductChoice.everywhere(forced)
+    if weight.dtype == torch.float32:
         out_features, in_features = weight.shape
         return fp32_products(torch.get_num_threads(), in_features, out_features)
-    onednn = torch.backends.mkldnn.is_available() and (
-        (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        or (dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported()))
-    return ProductChoice.everywhere("onednn" if onednn else "torch")
+    return ProductChoice.everywhere(allowed[-1])
 
 
 def linear(weight: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:

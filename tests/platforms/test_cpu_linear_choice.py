@@ -1,4 +1,5 @@
 import json
+import time
 
 import pytest
 import torch
@@ -68,15 +69,21 @@ def test_small_weights_take_the_reference_shapes_choice(fresh_choices, monkeypat
 
 def test_rows_past_the_timing_budget_take_the_largest_timed_choice(monkeypatch):
     timed = []
-    real = linear_choice._seconds
+    real = linear_choice._fastest
     products = linear_choice.candidates()
     monkeypatch.setattr(linear_choice, "SECONDS_PER_TIMING", 1e-4)
     monkeypatch.setattr(linear_choice, "MAX_TIMED_FLOP", 2 * 64 * 32 * 48)
-    monkeypatch.setattr(linear_choice, "_seconds", lambda fn: timed.append(1) or real(fn))
+    monkeypatch.setattr(linear_choice, "_fastest", lambda fns: timed.append(set(fns)) or real(fns))
     chosen = linear_choice.measure_products((32, 48), products)
-    assert len(timed) == len(products) * (ROW_BUCKETS.index(64) + 1)  # 1-64 rows, each product
+    assert timed == [set(products)] * (ROW_BUCKETS.index(64) + 1)  # 1-64 rows, all products
     assert {chosen[b] for b in ROW_BUCKETS if b >= 64} == {chosen[64]}
     assert set(chosen.values()) <= set(products)
+
+
+def test_the_fastest_is_found_across_interleaved_rounds():
+    slow = lambda: time.sleep(0.002)  # noqa: E731
+    assert linear_choice._fastest({"slow": slow, "fast": lambda: None, "slower": lambda: slow()
+                                   or slow()}) == "fast"
 
 
 def test_every_candidate_computes_the_product():
@@ -121,6 +128,12 @@ def test_a_forced_product_is_checked_against_the_hosts(fresh_choices, monkeypatc
     monkeypatch.setenv(ops.LINEAR_ENV, "torch")
     assert ops.dense_products(torch.randn(64, 32)).products() == {"torch"}
     monkeypatch.setenv(ops.LINEAR_ENV, "mkl")
-    with pytest.raises(ValueError, match="RUNTIME_CPU_LINEAR='mkl': this host runs torch"):
+    with pytest.raises(ValueError, match="RUNTIME_CPU_LINEAR='mkl': float32 layers on this "
+                                         "host run torch"):
         ops.dense_products(torch.randn(64, 32))
+    monkeypatch.setenv(ops.LINEAR_ENV, "torch")
+    assert ops.dense_products(torch.randn(64, 32).bfloat16()).products() == {"torch"}
+    monkeypatch.setenv(ops.LINEAR_ENV, "dense")  # float32 only
+    with pytest.raises(ValueError, match="bfloat16 layers on this host run torch"):
+        ops.dense_products(torch.randn(64, 32).bfloat16())
     assert not (fresh_choices / "cpu_linear").exists()  # nothing timed

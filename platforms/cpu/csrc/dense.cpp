@@ -2,13 +2,14 @@
 // panels of 16 output features, each panel K-major (panel p holds W[16p .. 16p+15][k] for
 // every k as 16 consecutive floats), the last panel padded with zero rows. A register tile of
 // up to 6 rows x 16 features keeps 12 8-lane accumulators; each k step loads the panel's two
-// vectors once and broadcasts one x value per row. The threads split the panels, each running
-// its panels in K blocks small enough to stay in L1 while every row block of the call reuses
-// them, so a decode step reads each weight byte from memory once.
+// vectors once and broadcasts one x value per row. The threads split the (row block, panel)
+// items; each item runs in K slices small enough to stay in L1 while every row tile of its
+// block passes over them, so a decode step (one row block) reads each weight byte from memory
+// once.
 //
-// Written for hosts whose oneDNN small-row products run below the FMA peak (AVX2: 65-85 %
-// measured at 64 rows on two Zen 3 cores); which product a shape takes is timed per host
-// (linear_choice.py).
+// Written for hosts whose oneDNN small-row products run below the FMA peak (AVX2: 65-85 % at
+// 64 rows on two Zen 3 cores; this kernel 81-96 % on two Zen 2 cores); which product a shape
+// takes is timed per host (linear_choice.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -118,6 +119,7 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& packed, int64_t out_feat
                   packed.size(1) == x.size(1) && packed.scalar_type() == at::kFloat,
               "dense takes a weight from pack_dense_weight with the input's in_features");
   const int64_t rows = x.size(0), depth = x.size(1), panels = packed.size(0);
+  TORCH_CHECK(depth > 0, "dense needs in_features > 0");
   TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
               "out_features ", out_features, " does not match the packed weight");
   const float* b = nullptr;
