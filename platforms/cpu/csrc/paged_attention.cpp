@@ -113,7 +113,7 @@ inline float dot(const float* q, const T* k, int64_t n) {
 
 // Lane t of the result: the sum of the 16 lanes of part[t]. Four levels of shuffles and adds
 // for 16 sums, where 16 horizontal sums take four levels each.
-inline v16f reduce16(const v16f* part) {
+inline v16f reduce_rows(const v16f* part) {
   v16f l1[8], l2[4], l3[2];
   for (int i = 0; i < 8; ++i)  // lanes 8i'..: 8 partial sums of rows 2i, 2i + 1
     l1[i] = __builtin_shufflevector(part[2 * i], part[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16,
@@ -136,22 +136,37 @@ inline v16f reduce16(const v16f* part) {
                                  29, 31);
 }
 
-// Lane t: the dot product of q with the t-th of 16 K rows `stride` apart; HEAD is a multiple
-// of 16.
-template <int HEAD, typename C>
-inline v16f dot16(const float* q, const C* k, int64_t stride) {
-  v16f part[16];
-  for (int t = 0; t < 16; ++t) {
+// The same for 8 rows of 8 lanes.
+inline v8f reduce_rows(const v8f* part) {
+  v8f l1[4], l2[2];
+  for (int i = 0; i < 4; ++i)  // lanes 0-3: 4 partial sums of row 2i; 4-7: of row 2i + 1
+    l1[i] = __builtin_shufflevector(part[2 * i], part[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+            __builtin_shufflevector(part[2 * i], part[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)  // lanes 2k, 2k + 1: 2 partial sums of row 4i + k
+    l2[i] = __builtin_shufflevector(l1[2 * i], l1[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+            __builtin_shufflevector(l1[2 * i], l1[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(l2[0], l2[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(l2[0], l2[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+// Lane t: the dot product of q with the t-th of as many K rows `stride` apart as V has lanes
+// (16 on AVX-512; 8 on AVX2 and for fp8 caches), one reduction for them all instead of a
+// horizontal sum per row; HEAD is a multiple of the lane count.
+template <int HEAD, typename V, typename C>
+inline V dot_rows(const float* q, const C* k, int64_t stride) {
+  constexpr int width = sizeof(V) / sizeof(float);
+  V part[width];
+  for (int t = 0; t < width; ++t) {
     const C* row = k + t * stride;
-    v16f a = load16(q) * load16(row);
-    for (int j = 16; j < HEAD; j += 16) a += load16(q + j) * load16(row + j);
+    V a = load_vec<V>(q) * load_vec<V>(row);
+    for (int j = width; j < HEAD; j += width) a += load_vec<V>(q + j) * load_vec<V>(row + j);
     part[t] = a;
   }
-  return reduce16(part);
+  return reduce_rows(part);
 }
 
 #if defined(__AVX512BF16__)
-// dot16 for a bf16 query and cache: 32 products per instruction (vdpbf16ps), summed in float32;
+// dot_rows for a bf16 query and cache on AVX512-BF16: 32 products per instruction (vdpbf16ps), summed in float32;
 // the query stays unscaled (scaling it would round it again), the caller scales the scores.
 template <int HEAD>
 inline v16f dot16_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t stride) {
@@ -165,7 +180,7 @@ inline v16f dot16_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t s
       a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(row + 32 * j));
     part[t] = reinterpret_cast<v16f>(a);
   }
-  return reduce16(part);
+  return reduce_rows(part);
 }
 #endif
 
@@ -307,7 +322,13 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
           for (; t + 16 <= hi; t += 16, k += 16 * kt_stride)
             for (int64_t g = 0; g < group; ++g)
               store16(scores.data() + g * n + (t - first),
-                      dot16<HEAD>(q.data() + g * head_size, k, kt_stride));
+                      dot_rows<HEAD, v16f>(q.data() + g * head_size, k, kt_stride));
+        }
+        if constexpr (HEAD > 0 && HEAD % 8 == 0 && std::is_same_v<CacheVec<C>, v8f>) {
+          for (; t + 8 <= hi; t += 8, k += 8 * kt_stride)
+            for (int64_t g = 0; g < group; ++g)
+              store8(scores.data() + g * n + (t - first),
+                     dot_rows<HEAD, v8f>(q.data() + g * head_size, k, kt_stride));
         }
         for (; t < hi; ++t, k += kt_stride)
           for (int64_t g = 0; g < group; ++g)
