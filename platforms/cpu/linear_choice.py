@@ -5,11 +5,11 @@ weight every call), oneDNN's with a weight packed once, and the CPU kernels' `de
 (csrc/dense.cpp: register tiles over a weight packed once) where they are built.
 
 No fixed rule holds across hosts: on a 2-core AVX2 EPYC oneDNN's packed product won only for
-8-256 rows on two threads and `dense` beat both from 4 rows up; on a 2-core AVX-512 EPYC without
-AMX (MKL takes no AVX-512 path on AMD) oneDNN won 2-5x at every row count from 4 to 2048; on an
-AMX Xeon MKL's sgemm is strong on long prefill chunks; and on one host the winner at a row count
-differs between shapes (the AVX2 EPYC at 2048 rows: MKL 6-15 % faster than oneDNN on three of
-SmolLM2's projections, 7 % slower on its 576 x 960 qkv).
+8-256 rows on two threads, and `dense` beat both at every row count; on a 2-core AVX-512 EPYC
+without AMX (MKL takes no AVX-512 path on AMD) oneDNN won 2-5x at every row count from 4 to
+2048; on an AMX Xeon MKL's sgemm is strong on long prefill chunks; and on one host the winner at
+a row count differs between shapes (the AVX2 EPYC at 2048 rows: MKL 6-15 % faster than oneDNN on
+three of SmolLM2's projections, 7 % slower on its 576 x 960 qkv).
 """
 from __future__ import annotations
 

@@ -410,7 +410,8 @@ def linear(weight: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor | None]
     return apply
 
 
-# The ops that need the built kernels (`linear` runs without them, on torch's and oneDNN's products).
+# The ops that need the built kernels (`linear` runs without them, on torch's and oneDNN's
+# products).
 OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul,
        "gated_rms_norm": gated_rms_norm,
        "rotary_embedding": rotary_embedding, "lora_shrink": lora_shrink, "lora_expand": lora_expand,

@@ -37,7 +37,8 @@ def test_dense_matches_float64(rows, in_features, out_features, with_bias):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_dense_is_the_same_on_any_thread_count(threads):
     generator = torch.Generator().manual_seed(threads)
-    x, weight = torch.randn(70, 300, generator=generator), torch.randn(530, 300, generator=generator)
+    x = torch.randn(70, 300, generator=generator)
+    weight = torch.randn(530, 300, generator=generator)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

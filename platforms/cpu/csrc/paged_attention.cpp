@@ -166,8 +166,9 @@ inline V dot_rows(const float* q, const C* k, int64_t stride) {
 }
 
 #if defined(__AVX512BF16__)
-// dot_rows for a bf16 query and cache on AVX512-BF16: 32 products per instruction (vdpbf16ps), summed in float32;
-// the query stays unscaled (scaling it would round it again), the caller scales the scores.
+// dot_rows for a bf16 query and cache on AVX512-BF16: 32 products per instruction (vdpbf16ps),
+// summed in float32; the query stays unscaled (scaling it would round it again), the caller
+// scales the scores.
 template <int HEAD>
 inline v16f dot16_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t stride) {
   __m512bh qv[HEAD / 32];
