@@ -13,6 +13,7 @@ three of SmolLM2's projections, 7 % slower on its 576 x 960 qkv).
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -53,7 +54,8 @@ class ProductChoice:
         return cls({b: product for b in ROW_BUCKETS})
 
     def product(self, rows: int) -> str:
-        return self.by_bucket[max((b for b in ROW_BUCKETS if b <= rows), default=ROW_BUCKETS[0])]
+        """Called on every dense layer's every call: one bisection."""
+        return self.by_bucket[ROW_BUCKETS[max(bisect.bisect_right(ROW_BUCKETS, rows) - 1, 0)]]
 
     def products(self) -> set[str]:
         return set(self.by_bucket.values())

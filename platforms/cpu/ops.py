@@ -390,7 +390,7 @@ def dense_products(weight: torch.Tensor) -> ProductChoice:
     if weight.dtype == torch.float32:
         out_features, in_features = weight.shape
         return fp32_products(torch.get_num_threads(), in_features, out_features)
-    return ProductChoice.everywhere(allowed[-1])
+    return ProductChoice.everywhere("onednn" if "onednn" in allowed else "torch")
 
 
 def linear(weight: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
