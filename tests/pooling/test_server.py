@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import signal
 
 import httpx
 import numpy as np
@@ -134,7 +135,8 @@ def test_concurrent_embedding_requests_are_batched(tiny_model_factory):
     """Concurrent /v1/embeddings requests to the app run through one engine core, which
     batches them: fewer core steps than requests, and each result equals LLM.embed's; /metrics
     counts them. More inputs than the waiting queue can ever take are a 400 (a 503 would be
-    retried forever)."""
+    retried forever). The core is held (SIGSTOP) until all 12 are on its wire, so how many
+    share a step does not depend on how fast a loaded machine runs the app's handlers."""
     from runtime import LLM
     from runtime.config import EngineConfig
     from runtime.engine.async_llm import AsyncLLM
@@ -159,17 +161,34 @@ def test_concurrent_embedding_requests_are_batched(tiny_model_factory):
             handle(replica, message)
 
         engine.on_outputs = recorded
+        core = engine.cores.replicas[0].process.pid
+        admitted, sent = asyncio.Event(), []
+        add = engine.cores.add
+
+        def counted_add(replica, message):
+            add(replica, message)
+            sent.extend(message.requests)
+            if len(sent) >= len(prompts):
+                admitted.set()
+
+        engine.cores.add = counted_add
+
+        async def release_core() -> None:
+            await asyncio.wait_for(admitted.wait(), 30)
+            os.kill(core, signal.SIGCONT)
         app = create_app(engine, metrics, ["bert"], None, None, "v1", 1 << 20,
                          CORS([], [], []), False)
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                          base_url="http://test") as client:
-                replies = await asyncio.gather(*(
+                os.kill(core, signal.SIGSTOP)
+                replies, _ = await asyncio.gather(asyncio.gather(*(
                     client.post("/v1/embeddings", json={"input": [p]}, timeout=60)
-                    for p in prompts))
+                    for p in prompts)), release_core())
                 full = await client.post("/v1/embeddings", json={"input": prompts + [[5]]})
                 counted = (await client.get("/metrics")).text
         finally:
+            os.kill(core, signal.SIGCONT)
             await engine.shutdown()
         return replies, [n for n in batches if n], full, counted
 
