@@ -1,7 +1,8 @@
 // Paged attention for decode steps on the CPU: one query token per sequence, reading K and V
 // straight from the paged cache (no gather), one pass of scores, softmax, weighted sum of V.
-// Work is split over (sequence, KV head) pairs, one run of them per thread balanced by blocks
-// read, with at::parallel_for, so it follows torch.set_num_threads. Accumulation is in float32
+// Work is split over sequences (or, with few sequences, (sequence, KV head) pairs), one run of
+// them per thread balanced by blocks read, with at::parallel_for, so it follows
+// torch.set_num_threads. Accumulation is in float32
 // for every cache dtype.
 //
 // The cache is in the query's dtype, or in FP8 (e4m3fn or e5m2) holding K / k_scale and
@@ -219,31 +220,35 @@ inline void weighted_rows_upto(int64_t tile, float* acc, const float* w, int64_t
   weighted_rows<TILE, HEAD, V, C>(acc, w, w_stride, v, v_stride, count);
 }
 
-// The (sequence, KV head) items of each of `parts` parts, as bounds[p] .. bounds[p + 1]: cut
-// where the running count of blocks read crosses an equal share, so that ragged contexts load
-// the threads evenly (with equal item counts, the thread whose sequences happen to be the long
-// ones finishes last). An item costs one block more than it reads: its set-up and its output.
-std::vector<int64_t> split_items(const int32_t* lens, int64_t num_seqs, int64_t num_kv_heads,
+// The (sequence, run of KV heads) items of each of `parts` parts, `runs` per sequence, as
+// bounds[p] .. bounds[p + 1]: cut where the running count of blocks read crosses an equal
+// share, so that ragged contexts load the threads evenly (with equal item counts, the thread
+// whose sequences happen to be the long ones finishes last). An item costs one block more than
+// it reads: its set-up and its output.
+std::vector<int64_t> split_items(const int32_t* lens, int64_t num_seqs, int64_t runs,
                                  int64_t block_size, int64_t sliding_window, int64_t parts) {
   std::vector<int64_t> cost(num_seqs + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t len = lens[s];
     const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
     const int64_t blocks = len > first ? (len - 1) / block_size - first / block_size + 1 : 0;
-    cost[s + 1] = cost[s] + num_kv_heads * (blocks + 1);
+    cost[s + 1] = cost[s] + runs * (blocks + 1);
   }
-  std::vector<int64_t> bounds(parts + 1, num_seqs * num_kv_heads);
+  std::vector<int64_t> bounds(parts + 1, num_seqs * runs);
   bounds[0] = 0;
   int64_t s = 0;
   for (int64_t p = 1; p < parts; ++p) {
     const int64_t share = cost[num_seqs] * p / parts;
     while (s < num_seqs && cost[s + 1] <= share) ++s;
-    const int64_t per_item = s < num_seqs ? (cost[s + 1] - cost[s]) / num_kv_heads : 1;
-    const int64_t item = s * num_kv_heads + (share - cost[s]) / per_item;
-    bounds[p] = std::clamp(item, bounds[p - 1], num_seqs * num_kv_heads);
+    const int64_t per_item = s < num_seqs ? (cost[s + 1] - cost[s]) / runs : 1;
+    const int64_t item = s * runs + (share - cost[s]) / per_item;
+    bounds[p] = std::clamp(item, bounds[p - 1], num_seqs * runs);
   }
   return bounds;
 }
+
+// Sequences per thread from which an item takes all of a sequence's KV heads.
+constexpr int64_t kSeqsPerThread = 4;
 
 // HEAD > 0 fixes the head size at compile time, so the loops unroll and the output rows
 // stay in registers through a block; HEAD == 0 reads it at run time.
@@ -270,109 +275,124 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
   T* o_ptr = out.data_ptr<T>();
   const int32_t* bt_ptr = block_tables.data_ptr<int32_t>();
   const int32_t* len_ptr = seq_lens.data_ptr<int32_t>();
-  const int64_t items = num_seqs * num_kv_heads;
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  // An item is one sequence's run of `span` KV heads: all of them where there are sequences
+  // enough to keep every thread busy, so that each block is read as one run of memory (its
+  // rows hold every head side by side), else one head, so that one long sequence still
+  // spreads over the threads.
+  const int64_t threads = at::get_num_threads();
+  const int64_t span = num_seqs >= kSeqsPerThread * threads ? num_kv_heads : 1;
+  const int64_t spans = num_kv_heads / span, heads = span * group;  // query heads of an item
+  const int64_t items = num_seqs * spans;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, items));
   const std::vector<int64_t> bounds =
-      split_items(len_ptr, num_seqs, num_kv_heads, block_size, sliding_window, parts);
+      split_items(len_ptr, num_seqs, spans, block_size, sliding_window, parts);
 
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    std::vector<float> q(group * head_size), acc(group * head_size), scores, sums(group),
-        maxes(group);
+    std::vector<float> q(heads * head_size), acc(heads * head_size), scores, sums(heads),
+        maxes(heads);
     for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
-      const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t s = item / spans, kvh0 = item % spans * span, h0 = kvh0 * group;
       const int64_t len = len_ptr[s];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t n = len - first;
       const int32_t* table = bt_ptr + s * bt_stride;
       if (n == 0) {  // an empty shard of a context (decode context parallel)
-        for (int64_t g = 0; g < group; ++g) {
-          T* dst = o_ptr + s * os_stride + (kvh * group + g) * oh_stride;
+        for (int64_t h = h0; h < h0 + heads; ++h) {
+          T* dst = o_ptr + s * os_stride + h * oh_stride;
           for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(0.f);
-          if (lse) lse[s * num_heads + kvh * group + g] = -std::numeric_limits<float>::infinity();
+          if (lse) lse[s * num_heads + h] = -std::numeric_limits<float>::infinity();
         }
         continue;
       }
-      const T* q_head = q_ptr + s * qs_stride + kvh * group * qh_stride;  // the group's first
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = q_head + g * qh_stride;
+      const T* q_item = q_ptr + s * qs_stride + h0 * qh_stride;  // the item's first head
+      for (int64_t g = 0; g < heads; ++g) {
+        const T* src = q_item + g * qh_stride;
         for (int64_t d = 0; d < head_size; ++d)
           q[g * head_size + d] = static_cast<float>(src[d]) * q_scale;
       }
-      scores.resize(group * n);
+      scores.resize(heads * n);
       // Scores block by block: no division per token, and a block's rows are adjacent.
       for (int64_t b = first / block_size; b * block_size < len; ++b) {
         const int64_t lo = std::max(first, b * block_size);
         const int64_t hi = std::min(len, (b + 1) * block_size);
-        if ((b + 2) * block_size < len)
+        for (int64_t kvh = kvh0; kvh < kvh0 + span && (b + 2) * block_size < len; ++kvh)
           prefetch_rows(k_ptr + table[b + 2] * kb_stride + kvh * kh_stride, block_size,
                         kt_stride, head_size);
-        const C* k = k_ptr + table[b] * kb_stride + kvh * kh_stride +
-                     (lo - b * block_size) * kt_stride;
-        int64_t t = lo;
+        for (int64_t kvh = kvh0; kvh < kvh0 + span; ++kvh) {
+          const int64_t g0 = (kvh - kvh0) * group;  // the KV head's first query head here
+          const C* k = k_ptr + table[b] * kb_stride + kvh * kh_stride +
+                       (lo - b * block_size) * kt_stride;
+          float* row = scores.data() + g0 * n + (lo - first);
+          int64_t t = lo;
 #if defined(__AVX512BF16__)
-        if constexpr (HEAD > 0 && HEAD % 32 == 0 && std::is_same_v<C, c10::BFloat16> &&
-                      std::is_same_v<T, c10::BFloat16>) {
-          const v16f scale16 = v16f{} + q_scale;
-          for (; t + 16 <= hi; t += 16, k += 16 * kt_stride)
-            for (int64_t g = 0; g < group; ++g)
-              store16(scores.data() + g * n + (t - first),
-                      scale16 * dot16_bf16<HEAD>(q_head + g * qh_stride, k, kt_stride));
-        }
+          if constexpr (HEAD > 0 && HEAD % 32 == 0 && std::is_same_v<C, c10::BFloat16> &&
+                        std::is_same_v<T, c10::BFloat16>) {
+            const v16f scale16 = v16f{} + q_scale;
+            for (; t + 16 <= hi; t += 16, k += 16 * kt_stride, row += 16)
+              for (int64_t g = 0; g < group; ++g)
+                store16(row + g * n,
+                        scale16 * dot16_bf16<HEAD>(q_item + (g0 + g) * qh_stride, k, kt_stride));
+          }
 #endif
-        if constexpr (HEAD > 0 && HEAD % 16 == 0 && std::is_same_v<CacheVec<C>, v16f>) {
-          for (; t + 16 <= hi; t += 16, k += 16 * kt_stride)
+          if constexpr (HEAD > 0 && HEAD % 16 == 0 && std::is_same_v<CacheVec<C>, v16f>) {
+            for (; t + 16 <= hi; t += 16, k += 16 * kt_stride, row += 16)
+              for (int64_t g = 0; g < group; ++g)
+                store16(row + g * n,
+                        dot_rows<HEAD, v16f>(q.data() + (g0 + g) * head_size, k, kt_stride));
+          }
+          if constexpr (HEAD > 0 && HEAD % 8 == 0 && std::is_same_v<CacheVec<C>, v8f>) {
+            for (; t + 8 <= hi; t += 8, k += 8 * kt_stride, row += 8)
+              for (int64_t g = 0; g < group; ++g)
+                store8(row + g * n,
+                       dot_rows<HEAD, v8f>(q.data() + (g0 + g) * head_size, k, kt_stride));
+          }
+          for (; t < hi; ++t, k += kt_stride, ++row)
             for (int64_t g = 0; g < group; ++g)
-              store16(scores.data() + g * n + (t - first),
-                      dot_rows<HEAD, v16f>(q.data() + g * head_size, k, kt_stride));
+              row[g * n] = dot(q.data() + (g0 + g) * head_size, k, head_size);
         }
-        if constexpr (HEAD > 0 && HEAD % 8 == 0 && std::is_same_v<CacheVec<C>, v8f>) {
-          for (; t + 8 <= hi; t += 8, k += 8 * kt_stride)
-            for (int64_t g = 0; g < group; ++g)
-              store8(scores.data() + g * n + (t - first),
-                     dot_rows<HEAD, v8f>(q.data() + g * head_size, k, kt_stride));
-        }
-        for (; t < hi; ++t, k += kt_stride)
-          for (int64_t g = 0; g < group; ++g)
-            scores[g * n + (t - first)] = dot(q.data() + g * head_size, k, head_size);
       }
       const float no_sink = -std::numeric_limits<float>::infinity();
-      for (int64_t g = 0; g < group; ++g)
-        sums[g] = softmax_numerator(scores.data() + g * n, n,
-                                    sinks ? sinks[kvh * group + g] : no_sink,
+      for (int64_t g = 0; g < heads; ++g)
+        sums[g] = softmax_numerator(scores.data() + g * n, n, sinks ? sinks[h0 + g] : no_sink,
                                     lse ? &maxes[g] : nullptr);
       if (lse)
-        for (int64_t g = 0; g < group; ++g)
-          lse[s * num_heads + kvh * group + g] = maxes[g] + std::log(sums[g]);
+        for (int64_t g = 0; g < heads; ++g)
+          lse[s * num_heads + h0 + g] = maxes[g] + std::log(sums[g]);
       // The weighted sums of V rows, block by block: with the head size known, up to kTile
-      // heads of the group at a time (weighted_rows), so that each V row is read from memory
-      // once per tile, not once per head.
+      // heads of a group at a time (weighted_rows), so that each V row is read from memory
+      // once, and from L1 for the group's other tiles. A tile's accumulators take half the
+      // vector registers (16 of AVX-512's 32, 8 of AVX2's 16): on AVX2 a tile of two 64-wide
+      // heads took all 16 and spilled the V row.
       using V = CacheVec<C>;
       constexpr int64_t lanes = HEAD > 0 ? HEAD / (sizeof(V) / sizeof(float)) : 1;
-      constexpr int kTile = HEAD > 0 ? std::max<int>(1, 16 / lanes) : 1;
+      constexpr int kTile = HEAD > 0 ? std::max<int>(1, (kLanes == 16 ? 16 : 8) / lanes) : 1;
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t g0 = 0; g0 < group; g0 += kTile) {
-        const int64_t tile = std::min<int64_t>(kTile, group - g0);
-        float* a = acc.data() + g0 * head_size;
-        for (int64_t b = first / block_size; b * block_size < len; ++b) {
-          const int64_t lo = std::max(first, b * block_size);
-          const int64_t hi = std::min(len, (b + 1) * block_size);
-          if ((b + 2) * block_size < len)
-            prefetch_rows(v_ptr + table[b + 2] * vb_stride + kvh * vh_stride, block_size,
-                          vt_stride, head_size);
+      for (int64_t b = first / block_size; b * block_size < len; ++b) {
+        const int64_t lo = std::max(first, b * block_size);
+        const int64_t hi = std::min(len, (b + 1) * block_size);
+        for (int64_t kvh = kvh0; kvh < kvh0 + span && (b + 2) * block_size < len; ++kvh)
+          prefetch_rows(v_ptr + table[b + 2] * vb_stride + kvh * vh_stride, block_size,
+                        vt_stride, head_size);
+        for (int64_t kvh = kvh0; kvh < kvh0 + span; ++kvh) {
           const C* v = v_ptr + table[b] * vb_stride + kvh * vh_stride +
                        (lo - b * block_size) * vt_stride;
-          const float* w = scores.data() + g0 * n + (lo - first);
-          if constexpr (HEAD > 0) {
-            weighted_rows_upto<kTile, HEAD, V, C>(tile, a, w, n, v, vt_stride, hi - lo);
-          } else {
-            for (int64_t r = 0; r < hi - lo; ++r, v += vt_stride)
-              for (int64_t d = 0; d < head_size; d += 8)
-                store8(a + d, load8(a + d) + w[r] * load8(v + d));
+          for (int64_t g0 = (kvh - kvh0) * group, g_end = g0 + group; g0 < g_end; g0 += kTile) {
+            float* a = acc.data() + g0 * head_size;
+            const float* w = scores.data() + g0 * n + (lo - first);
+            if constexpr (HEAD > 0) {
+              weighted_rows_upto<kTile, HEAD, V, C>(std::min<int64_t>(kTile, g_end - g0), a, w,
+                                                    n, v, vt_stride, hi - lo);
+            } else {
+              const C* vr = v;
+              for (int64_t r = 0; r < hi - lo; ++r, vr += vt_stride)
+                for (int64_t d = 0; d < head_size; d += 8)
+                  store8(a + d, load8(a + d) + w[r] * load8(vr + d));
+            }
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        T* dst = o_ptr + s * os_stride + (kvh * group + g) * oh_stride;
+      for (int64_t g = 0; g < heads; ++g) {
+        T* dst = o_ptr + s * os_stride + (h0 + g) * oh_stride;
         const float inv = static_cast<float>(v_scale) / sums[g];
         for (int64_t d = 0; d < head_size; ++d)
           dst[d] = static_cast<T>(acc[g * head_size + d] * inv);
