@@ -1,4 +1,7 @@
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -12,9 +15,12 @@ LARGE = (512, 1024)  # in, out: large enough to be timed itself
 
 @pytest.fixture
 def fresh_choices(tmp_path, monkeypatch):
-    """An empty cache root and no choice remembered by this process."""
+    """An empty cache root, no choice remembered by this process, and CPUs no other process
+    keeps busy (the suite's own parallel workers would)."""
     monkeypatch.setenv("RUNTIME_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(ops.LINEAR_ENV, raising=False)
+    monkeypatch.setattr(linear_choice, "others_load_while", lambda fn: (fn(), 0.0))
+    monkeypatch.setattr(linear_choice, "others_load_now", lambda: 0.0)
     linear_choice._products.cache_clear()
     yield tmp_path
     linear_choice._products.cache_clear()
@@ -50,6 +56,48 @@ def test_the_measurement_is_cached_per_host_thread_count_and_shape(fresh_choices
     linear_choice.fp32_products(5, *LARGE)  # another thread count is measured anew
     linear_choice.fp32_products(3, 1024, 512)  # and another shape
     assert calls == [LARGE, LARGE, (1024, 512)]
+
+
+def test_a_choice_timed_on_busy_cpus_is_timed_again_once_they_are_quiet(fresh_choices,
+                                                                           monkeypatch):
+    calls, load = [], {"while": 1.3, "now": 0.0}
+    choices = iter([by_bucket(onednn=1), by_bucket(dense=1)])
+    monkeypatch.setattr(linear_choice, "measure_products",
+                        lambda shape, products: calls.append(shape) or next(choices))
+    monkeypatch.setattr(linear_choice, "others_load_while", lambda fn: (fn(), load["while"]))
+    monkeypatch.setattr(linear_choice, "others_load_now", lambda: load["now"])
+    assert linear_choice.fp32_products(2, *LARGE).product(64) == "onednn"
+    (saved,) = (fresh_choices / "cpu_linear").iterdir()
+    assert json.loads(saved.read_text())["busy"] == 1.3
+    load["now"] = 0.9  # the next process starts while the CPUs are still busy: no new timing
+    linear_choice._products.cache_clear()
+    assert linear_choice.fp32_products(2, *LARGE).product(64) == "onednn"
+    assert calls == [LARGE]
+    load["now"] = load["while"] = 0.1  # a quiet start times it again and trusts that timing
+    linear_choice._products.cache_clear()
+    assert linear_choice.fp32_products(2, *LARGE).product(64) == "dense"
+    assert calls == [LARGE, LARGE] and "busy" not in json.loads(saved.read_text())
+    linear_choice._products.cache_clear()
+    assert linear_choice.fp32_products(2, *LARGE).product(64) == "dense"
+    assert calls == [LARGE, LARGE]
+
+
+def test_the_load_of_other_processes_is_measured():
+    """A busy loop on this process's CPUs shows up both ways; an idle host shows no load."""
+    quiet = linear_choice.others_load_now()
+    result, while_quiet = linear_choice.others_load_while(lambda: 42)
+    assert result == 42 and while_quiet >= 0.0
+    cpu = min(os.sched_getaffinity(0))  # one of the CPUs this process may run on
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                               preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    try:
+        time.sleep(0.3)
+        assert linear_choice.others_load_now(0.3) >= min(quiet + 0.5, 0.9)
+        _, busy = linear_choice.others_load_while(lambda: time.sleep(0.3))
+        assert busy >= 0.5
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 def test_the_candidates_and_the_kernel_source_are_part_of_the_key():
