@@ -1,8 +1,9 @@
 """Which product each float32 dense layer runs, chosen per weight shape and row count by timing
 the candidates on this host once per shape, thread count, torch build and kernel source, cached
-under the cache root. The candidates: torch's own product (MKL's sgemm on x86, which re-packs the
-weight every call), oneDNN's with a weight packed once, and the CPU kernels' `dense`
-(csrc/dense.cpp: register tiles over a weight packed once) where they are built.
+under the cache root (provisionally when other processes kept the CPUs busy meanwhile). The
+candidates: torch's own product (MKL's sgemm on x86, which re-packs the weight every call),
+oneDNN's with a weight packed once, and the CPU kernels' `dense` (csrc/dense.cpp: register
+tiles over a weight packed once) where they are built.
 
 No fixed rule holds across hosts: on a 2-core AVX2 EPYC oneDNN's packed product won only for
 8-256 rows on two threads, and `dense` beat both at every row count; on a 2-core AVX-512 EPYC
@@ -212,8 +213,8 @@ def _products(threads: int, shape: tuple[int, int], products: tuple[str, ...]) -
     try:
         saved = json.loads(path.read_text())
         choice = ProductChoice({int(b): name for b, name in saved["products"].items()})
-        busy = saved.get("busy")
-    except (OSError, ValueError, KeyError, AttributeError):
+        busy = float(saved["busy"]) if "busy" in saved else None
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
         choice = busy = None
     if choice is not None and busy is None:
         source = "cached"
