@@ -287,6 +287,16 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
   const std::vector<int64_t> bounds =
       split_items(len_ptr, num_seqs, spans, block_size, sliding_window, parts);
 
+  // The rows of the item's KV heads in the block two ahead of block b of a pass, asked for.
+  const auto prefetch_ahead = [&](const C* cache, int64_t b_stride, int64_t t_stride,
+                                  int64_t h_stride, const int32_t* table, int64_t len,
+                                  int64_t kvh0, int64_t b) {
+    if ((b + 2) * block_size >= len) return;
+    for (int64_t h = kvh0; h < kvh0 + span; ++h)
+      prefetch_rows(cache + table[b + 2] * b_stride + h * h_stride, block_size, t_stride,
+                    head_size);
+  };
+
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     std::vector<float> q(heads * head_size), acc(heads * head_size), scores, sums(heads),
         maxes(heads);
@@ -315,9 +325,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
       for (int64_t b = first / block_size; b * block_size < len; ++b) {
         const int64_t lo = std::max(first, b * block_size);
         const int64_t hi = std::min(len, (b + 1) * block_size);
-        for (int64_t kvh = kvh0; kvh < kvh0 + span && (b + 2) * block_size < len; ++kvh)
-          prefetch_rows(k_ptr + table[b + 2] * kb_stride + kvh * kh_stride, block_size,
-                        kt_stride, head_size);
+        prefetch_ahead(k_ptr, kb_stride, kt_stride, kh_stride, table, len, kvh0, b);
         for (int64_t kvh = kvh0; kvh < kvh0 + span; ++kvh) {
           const int64_t g0 = (kvh - kvh0) * group;  // the KV head's first query head here
           const C* k = k_ptr + table[b] * kb_stride + kvh * kh_stride +
@@ -370,9 +378,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
       for (int64_t b = first / block_size; b * block_size < len; ++b) {
         const int64_t lo = std::max(first, b * block_size);
         const int64_t hi = std::min(len, (b + 1) * block_size);
-        for (int64_t kvh = kvh0; kvh < kvh0 + span && (b + 2) * block_size < len; ++kvh)
-          prefetch_rows(v_ptr + table[b + 2] * vb_stride + kvh * vh_stride, block_size,
-                        vt_stride, head_size);
+        prefetch_ahead(v_ptr, vb_stride, vt_stride, vh_stride, table, len, kvh0, b);
         for (int64_t kvh = kvh0; kvh < kvh0 + span; ++kvh) {
           const C* v = v_ptr + table[b] * vb_stride + kvh * vh_stride +
                        (lo - b * block_size) * vt_stride;
