@@ -2,8 +2,7 @@
 // straight from the paged cache (no gather), one pass of scores, softmax, weighted sum of V.
 // Work is split over sequences (or, with few sequences, (sequence, KV head) pairs), one run of
 // them per thread balanced by blocks read, with at::parallel_for, so it follows
-// torch.set_num_threads. Accumulation is in float32
-// for every cache dtype.
+// torch.set_num_threads. Accumulation is in float32 for every cache dtype.
 //
 // The cache is in the query's dtype, or in FP8 (e4m3fn or e5m2) holding K / k_scale and
 // V / v_scale: FP8 rows are widened to float32 eight at a time in registers, k_scale is folded
