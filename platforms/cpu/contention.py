@@ -55,6 +55,13 @@ def own_ticks(stat: Path = OWN_STAT) -> int:
     return int(fields[11]) + int(fields[12])
 
 
+def load_sample() -> tuple[dict[int, tuple[int, int]], int]:
+    """The counts `others_load` compares: every CPU's (busy, total) ticks from /proc/stat
+    (`threads.cpu_times`) and this process's own ticks."""
+    return threads.cpu_times(threads.PROC_STAT.read_text(),
+                             not threads.niced_load_yields()), own_ticks()
+
+
 def lost_cpus(pinned: dict[int, int], before: dict[int, tuple[int, int]],
               after: dict[int, tuple[int, int]]) -> list[int]:
     """The CPUs of `pinned` (CPU -> thread id) whose thread waited at least `WAIT_SHARE` of
@@ -131,8 +138,7 @@ class ThreadShare:
         if self.pinned:
             return {tid: times for tid in self.pinned.values()
                     if (times := thread_times(tid)) is not None}
-        return threads.cpu_times(threads.PROC_STAT.read_text(),
-                                 not threads.niced_load_yields()), own_ticks()
+        return load_sample()
 
     def wanted_state(self, before: tuple | dict, after: tuple | dict) -> tuple[int, bool]:
         """The (thread count, pinned) the last interval asks for."""

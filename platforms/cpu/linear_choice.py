@@ -27,8 +27,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from runtime.platforms.cpu.contention import others_load, own_ticks
-from runtime.platforms.cpu.threads import PROC_STAT, cpu_load, cpu_times, niced_load_yields
+from runtime.platforms.cpu.contention import load_sample, others_load
+from runtime.platforms.cpu.threads import cpu_load
 from runtime.plugins.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -173,20 +173,16 @@ def host_key(threads: int, products: tuple[str, ...]) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def _load_sample() -> tuple[dict[int, tuple[int, int]], int]:
-    return cpu_times(PROC_STAT.read_text(), not niced_load_yields()), own_ticks()
-
-
 def others_load_while(fn: Callable[[], object]) -> tuple[object, float]:
     """`fn()`'s result, and the cores' worth of this process's CPUs that other processes kept
     busy while it ran (0.0 where /proc/stat is unreadable)."""
     cpus = sorted(os.sched_getaffinity(0))
     try:
-        before = _load_sample()
+        before = load_sample()
     except OSError:
         return fn(), 0.0
     result = fn()
-    after = _load_sample()
+    after = load_sample()
     return result, others_load(cpus, before[0], after[0], before[1], after[1])
 
 

@@ -45,9 +45,8 @@ def test_ragged_decodes_split_over_threads(threads, dtype, tol, heads, head_size
     """Decodes alone, of 1 token to 13 blocks, over 2 and 3 threads: the runs of items the
     threads take, cut by blocks read, cover every item once. Over 2 threads the 9 sequences are
     enough for an item to take all of a sequence's KV heads, over 3 an item is one (sequence,
-    KV head) pair. GQA groups of 3
-    and 4 take the V pass's register tiles of each size (4 heads of 64 at once, 2 and then 1 or
-    2 of 128), and head size 32 the run-time path."""
+    KV head) pair. GQA groups of 3 and 4 take the V pass's register tiles of each size (4 heads
+    of 64 at once, 2 and then 1 or 2 of 128), and head size 32 the run-time path."""
     lens = [1, 200, 17, 16, 97, 3, 150, 64, 33]
     batch = make_batch([1] * len(lens), lens, 16, *heads, head_size, dtype, seed=7)
     before = torch.get_num_threads()
