@@ -1,9 +1,10 @@
-"""Which product each float32 dense layer runs, chosen per weight shape and row count by timing
-the candidates on this host once per shape, thread count, torch build and kernel source, cached
-under the cache root (provisionally when other processes kept the CPUs busy meanwhile). The
-candidates: torch's own product (MKL's sgemm on x86, which re-packs the weight every call),
-oneDNN's with a weight packed once, and the CPU kernels' `dense` (csrc/dense.cpp: register
-tiles over a weight packed once) where they are built.
+"""Which product each float32 or bfloat16 dense layer runs, chosen per dtype, weight shape and
+row count by timing the candidates on this host once per shape, thread count, torch build and
+kernel source, cached under the cache root (provisionally when other processes kept the CPUs
+busy meanwhile). The candidates: torch's own product (float32: MKL's sgemm on x86, which
+re-packs the weight every call), oneDNN's with a weight packed once, and the CPU kernels'
+`dense` (csrc/dense.cpp: register tiles over a weight packed once; bfloat16 where the CPU has
+AVX512-BF16) where they are built.
 
 No fixed rule holds across hosts: on a 2-core AVX2 EPYC oneDNN's packed product won only for
 8-256 rows on two threads, and `dense` beat both at every row count; on a 2-core AVX-512 EPYC
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -49,6 +51,7 @@ PRODUCTS = ("torch", "onednn", "dense")
 # `dense` is 14-17 % faster (64 x 512-token prompts: 96.6 -> 99.1 output tok/s once re-timed).
 BUSY_CORES = 0.5
 DENSE_SOURCE = Path(__file__).parent / "csrc" / "dense.cpp"
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the dtypes timed
 
 
 class ProductChoice:
@@ -103,15 +106,17 @@ def _fastest(kernels: dict[str, Callable[[], object]]) -> str:
 
 def candidates(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
     """The products this process can run on `dtype` weights: torch's always, oneDNN's where
-    torch has it and (bf16, fp16) the CPU computes that dtype, `dense` for float32 where the
-    CPU kernels are loaded."""
+    torch has it and (bf16, fp16) the CPU computes that dtype, `dense` where the CPU kernels are
+    loaded, for float32 and (`dense_takes_bf16`) bfloat16."""
     found = ["torch"]
     if torch.backends.mkldnn.is_available() and (
             dtype == torch.float32
             or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
             or (dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported())):
         found.append("onednn")
-    if dtype == torch.float32 and hasattr(torch.ops.runtime_cpu, "dense"):
+    if hasattr(torch.ops.runtime_cpu, "dense") and (
+            dtype == torch.float32
+            or (dtype == torch.bfloat16 and torch.ops.runtime_cpu.dense_takes_bf16())):
         found.append("dense")
     return tuple(found)
 
@@ -129,22 +134,45 @@ def prepare(product: str, weight: torch.Tensor) -> Callable[[torch.Tensor, torch
     return lambda x, bias: F.linear(x, weight, bias)
 
 
-def measure_products(shape: tuple[int, int], products: tuple[str, ...]) -> dict[int, str]:
-    """Time each of `products` on a weight of `shape` (in_features, out_features) at each bucket
-    on the current thread count; the fastest per bucket. A bucket over MAX_TIMED_FLOP takes the
-    choice of the largest one under it."""
+def measure_products(shape: tuple[int, int], products: tuple[str, ...],
+                     dtype: torch.dtype) -> dict[int, str]:
+    """Time each of `products` on a `dtype` weight of `shape` (in_features, out_features) at
+    each bucket on the current thread count; the fastest per bucket. A bucket over
+    MAX_TIMED_FLOP takes the choice of the largest one under it."""
     k, n = shape
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(n, k, generator=generator)
-    kernels = {name: prepare(name, weight) for name in products}
+    weight = torch.randn(n, k, generator=generator).to(dtype)
+    # As in a model's step, each call reads its weight from memory, not from a cache that the
+    # previous call left it in: the calls take turns over copies that outgrow the caches twice.
+    copies = max(1, -(-2 * last_level_cache_bytes() // (weight.numel() * weight.element_size())))
+    weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+    kernels = {name: [prepare(name, w) for w in weights] for name in products}
     chosen, fastest = {}, products[0]
     for rows in ROW_BUCKETS:
         if rows == 1 or 2 * rows * k * n <= MAX_TIMED_FLOP:
-            x = torch.randn(rows, k, generator=generator)
-            fastest = _fastest({name: (lambda kernel=kernels[name]: kernel(x, None))
-                                for name in products})
+            x = torch.randn(rows, k, generator=generator).to(dtype)
+            fastest = _fastest({name: _taking_turns(kernels[name], x) for name in products})
         chosen[rows] = fastest
     return chosen
+
+
+def _taking_turns(kernels: list[Callable], x: torch.Tensor) -> Callable[[], object]:
+    """A call of the next of `kernels` on `x`, round and round."""
+    turns = itertools.cycle(kernels)
+    return lambda: next(turns)(x, None)
+
+
+def last_level_cache_bytes(cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The size of this CPU's largest cache, from sysfs; 32 MiB where that is unreadable."""
+    sizes = []
+    for index in cpu.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=32 << 20)
 
 
 def measured_shape(in_features: int, out_features: int) -> tuple[int, int]:
@@ -157,8 +185,8 @@ def measured_shape(in_features: int, out_features: int) -> tuple[int, int]:
 
 def host_key(threads: int, products: tuple[str, ...]) -> str:
     """What the choice depends on: the CPU (its first entry in /proc/cpuinfo: model and
-    flags), torch's build, the ISA oneDNN may use, the thread count, the candidates and the
-    `dense` kernel's source."""
+    flags), torch's build, the ISA oneDNN may use, the thread count, the candidates, the
+    `dense` kernel's source and the timing's own (this module's)."""
     try:
         with open("/proc/cpuinfo") as f:
             cpu = f.read().split("\n\n", 1)[0]
@@ -169,7 +197,7 @@ def host_key(threads: int, products: tuple[str, ...]) -> str:
         else ""
     text = "|".join([*described, torch.backends.cpu.get_cpu_capability(), torch.__version__,
                      os.environ.get("ONEDNN_MAX_CPU_ISA", ""), str(threads), *products,
-                     dense_source])
+                     dense_source, hashlib.sha1(Path(__file__).read_bytes()).hexdigest()])
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
@@ -192,20 +220,23 @@ def others_load_now(interval: float = 0.1) -> float:
     return sum(cpu_load(sorted(os.sched_getaffinity(0)), interval).values())
 
 
-def fp32_products(threads: int, in_features: int, out_features: int) -> ProductChoice:
-    """The product a float32 weight of this shape runs at each row count on `threads`
-    threads."""
-    return _products(threads, measured_shape(in_features, out_features), candidates())
+def timed_products(threads: int, dtype: torch.dtype, in_features: int, out_features: int,
+                   products: tuple[str, ...]) -> ProductChoice:
+    """The product of `products` a `dtype` (float32, bfloat16) weight of this shape runs at each
+    row count on `threads` threads."""
+    return _products(threads, dtype, measured_shape(in_features, out_features), products)
 
 
 @lru_cache(maxsize=None)
-def _products(threads: int, shape: tuple[int, int], products: tuple[str, ...]) -> ProductChoice:
+def _products(threads: int, dtype: torch.dtype, shape: tuple[int, int],
+              products: tuple[str, ...]) -> ProductChoice:
     """`shape`'s choice among `products` on `threads` threads: read from the cache, else
     measured (about a second) and cached. A choice timed while other processes kept
     BUSY_CORES or more busy is cached as provisional: a later start times it again unless the
     CPUs are still that busy. Logged either way."""
     k, n = shape
-    path = cache_dir("cpu_linear", f"fp32-{host_key(threads, products)}-{k}x{n}.json")
+    name = DTYPE_NAMES[dtype]
+    path = cache_dir("cpu_linear", f"{name}-{host_key(threads, products)}-{k}x{n}.json")
     try:
         saved = json.loads(path.read_text())
         choice = ProductChoice({int(b): name for b, name in saved["products"].items()})
@@ -219,7 +250,7 @@ def _products(threads: int, shape: tuple[int, int], products: tuple[str, ...]) -
                   f"{now:.1f} still are")
     else:
         begin = time.perf_counter()
-        chosen, load = others_load_while(lambda: measure_products(shape, products))
+        chosen, load = others_load_while(lambda: measure_products(shape, products, dtype))
         choice = ProductChoice(chosen)
         source = f"measured in {time.perf_counter() - begin:.1f} s"
         entry = {"threads": threads, "shape": [k, n], "products": choice.by_bucket}
@@ -231,6 +262,6 @@ def _products(threads: int, shape: tuple[int, int], products: tuple[str, ...]) -
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(entry))
         os.replace(tmp, path)
-    logger.info("float32 dense products of %d x %d on %d thread(s): %s (%s on this host: %s)",
-                k, n, threads, choice.describe(), source, path)
+    logger.info("%s dense products of %d x %d on %d thread(s): %s (%s on this host: %s)",
+                str(dtype).removeprefix("torch."), k, n, threads, choice.describe(), source, path)
     return choice

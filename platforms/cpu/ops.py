@@ -12,8 +12,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from runtime.platforms.cpu.linear_choice import (PRODUCTS, ProductChoice, candidates,
-                                                  fp32_products, prepare)
+from runtime.platforms.cpu.linear_choice import (PRODUCTS, ProductChoice, candidates, prepare,
+                                                  timed_products)
 from runtime.plugins import kda_ops as portable_kda
 from runtime.plugins import lora_ops as portable_lora
 from runtime.plugins import recurrent_ops as portable_recurrent
@@ -377,9 +377,9 @@ LINEAR_ENV = "RUNTIME_CPU_LINEAR"  # one of PRODUCTS for every layer and row cou
 
 def dense_products(weight: torch.Tensor) -> ProductChoice:
     """The product `weight`'s layer runs at each row count on this host: the one
-    `RUNTIME_CPU_LINEAR` names; else float32's measured on this host for its shape
-    (`linear_choice.py`) at the thread count set before the model loads, bf16/fp16 packed for
-    oneDNN where the ISA computes that dtype."""
+    `RUNTIME_CPU_LINEAR` names; else, for float32 and (where `dense` takes it) bfloat16, the
+    one measured on this host for its shape (`linear_choice.py`) at the thread count set before
+    the model loads; else bf16/fp16 packed for oneDNN where the ISA computes that dtype."""
     allowed = candidates(weight.dtype)
     forced = os.environ.get(LINEAR_ENV)
     if forced:
@@ -387,9 +387,13 @@ def dense_products(weight: torch.Tensor) -> ProductChoice:
             raise ValueError(f"{LINEAR_ENV}={forced!r}: {str(weight.dtype)[6:]} layers on this "
                              f"host run {', '.join(allowed)} (of {', '.join(PRODUCTS)})")
         return ProductChoice.everywhere(forced)
+    out_features, in_features = weight.shape
     if weight.dtype == torch.float32:
-        out_features, in_features = weight.shape
-        return fp32_products(torch.get_num_threads(), in_features, out_features)
+        return timed_products(torch.get_num_threads(), weight.dtype, in_features, out_features,
+                              allowed)
+    if weight.dtype == torch.bfloat16 and "dense" in allowed:  # torch's is slower: not timed
+        return timed_products(torch.get_num_threads(), weight.dtype, in_features, out_features,
+                              tuple(name for name in allowed if name != "torch"))
     return ProductChoice.everywhere("onednn" if "onednn" in allowed else "torch")
 
 

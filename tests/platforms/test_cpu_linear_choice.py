@@ -26,6 +26,11 @@ def fresh_choices(tmp_path, monkeypatch):
     linear_choice._products.cache_clear()
 
 
+def fp32_products(threads: int, in_features: int, out_features: int) -> ProductChoice:
+    return linear_choice.timed_products(threads, torch.float32, in_features, out_features,
+                                        linear_choice.candidates())
+
+
 def by_bucket(**spans: int) -> dict[int, str]:
     """{bucket: product} from `product=first bucket` pairs, in bucket order."""
     starts = sorted((first, name) for name, first in spans.items())
@@ -45,16 +50,16 @@ def test_the_measurement_is_cached_per_host_thread_count_and_shape(fresh_choices
     calls = []
     chosen = by_bucket(onednn=1, dense=16)
     monkeypatch.setattr(linear_choice, "measure_products",
-                        lambda shape, products: calls.append(shape) or chosen)
-    assert linear_choice.fp32_products(3, *LARGE).by_bucket == chosen
+                        lambda shape, products, dtype: calls.append(shape) or chosen)
+    assert fp32_products(3, *LARGE).by_bucket == chosen
     linear_choice._products.cache_clear()  # a new process reads the file
-    assert linear_choice.fp32_products(3, *LARGE).by_bucket == chosen
+    assert fp32_products(3, *LARGE).by_bucket == chosen
     assert calls == [LARGE]
     (saved,) = (fresh_choices / "cpu_linear").iterdir()
     assert json.loads(saved.read_text()) == {
         "threads": 3, "shape": list(LARGE), "products": {str(b): p for b, p in chosen.items()}}
-    linear_choice.fp32_products(5, *LARGE)  # another thread count is measured anew
-    linear_choice.fp32_products(3, 1024, 512)  # and another shape
+    fp32_products(5, *LARGE)  # another thread count is measured anew
+    fp32_products(3, 1024, 512)  # and another shape
     assert calls == [LARGE, LARGE, (1024, 512)]
 
 
@@ -63,22 +68,22 @@ def test_a_choice_timed_on_busy_cpus_is_timed_again_once_they_are_quiet(fresh_ch
     calls, load = [], {"while": 1.3, "now": 0.0}
     choices = iter([by_bucket(onednn=1), by_bucket(dense=1)])
     monkeypatch.setattr(linear_choice, "measure_products",
-                        lambda shape, products: calls.append(shape) or next(choices))
+                        lambda shape, products, dtype: calls.append(shape) or next(choices))
     monkeypatch.setattr(linear_choice, "others_load_while", lambda fn: (fn(), load["while"]))
     monkeypatch.setattr(linear_choice, "others_load_now", lambda: load["now"])
-    assert linear_choice.fp32_products(2, *LARGE).product(64) == "onednn"
+    assert fp32_products(2, *LARGE).product(64) == "onednn"
     (saved,) = (fresh_choices / "cpu_linear").iterdir()
     assert json.loads(saved.read_text())["busy"] == 1.3
     load["now"] = 0.9  # the next process starts while the CPUs are still busy: no new timing
     linear_choice._products.cache_clear()
-    assert linear_choice.fp32_products(2, *LARGE).product(64) == "onednn"
+    assert fp32_products(2, *LARGE).product(64) == "onednn"
     assert calls == [LARGE]
     load["now"] = load["while"] = 0.1  # a quiet start times it again and trusts that timing
     linear_choice._products.cache_clear()
-    assert linear_choice.fp32_products(2, *LARGE).product(64) == "dense"
+    assert fp32_products(2, *LARGE).product(64) == "dense"
     assert calls == [LARGE, LARGE] and "busy" not in json.loads(saved.read_text())
     linear_choice._products.cache_clear()
-    assert linear_choice.fp32_products(2, *LARGE).product(64) == "dense"
+    assert fp32_products(2, *LARGE).product(64) == "dense"
     assert calls == [LARGE, LARGE]
 
 
@@ -110,9 +115,9 @@ def test_the_candidates_and_the_kernel_source_are_part_of_the_key():
 def test_small_weights_take_the_reference_shapes_choice(fresh_choices, monkeypatch):
     calls = []
     monkeypatch.setattr(linear_choice, "measure_products",
-                        lambda shape, products: calls.append(shape) or by_bucket(torch=1))
-    assert linear_choice.fp32_products(2, 64, 128).product(64) == "torch"
-    assert linear_choice.fp32_products(2, 128, 64).product(64) == "torch"
+                        lambda shape, products, dtype: calls.append(shape) or by_bucket(torch=1))
+    assert fp32_products(2, 64, 128).product(64) == "torch"
+    assert fp32_products(2, 128, 64).product(64) == "torch"
     assert calls == [linear_choice.REFERENCE_SHAPE]
 
 
@@ -123,7 +128,7 @@ def test_rows_past_the_timing_budget_take_the_largest_timed_choice(monkeypatch):
     monkeypatch.setattr(linear_choice, "SECONDS_PER_TIMING", 1e-4)
     monkeypatch.setattr(linear_choice, "MAX_TIMED_FLOP", 2 * 64 * 32 * 48)
     monkeypatch.setattr(linear_choice, "_fastest", lambda fns: timed.append(set(fns)) or real(fns))
-    chosen = linear_choice.measure_products((32, 48), products)
+    chosen = linear_choice.measure_products((32, 48), products, torch.float32)
     assert timed == [set(products)] * (ROW_BUCKETS.index(64) + 1)  # 1-64 rows, all products
     assert {chosen[b] for b in ROW_BUCKETS if b >= 64} == {chosen[64]}
     assert set(chosen.values()) <= set(products)
@@ -157,7 +162,7 @@ def test_the_dense_layer_follows_its_shapes_choice(fresh_choices, monkeypatch):
             return kernel(x, bias)
         return run
     monkeypatch.setattr(ops, "prepare", recording)
-    monkeypatch.setattr(linear_choice, "measure_products", lambda shape, products: by_bucket(
+    monkeypatch.setattr(linear_choice, "measure_products", lambda shape, products, dtype: by_bucket(
         **({"torch": 1, packed: 4} if shape == LARGE else {packed: 1, "torch": 8})))
     weight, x = torch.randn(LARGE[1], LARGE[0]), torch.randn(64, LARGE[0])
     layer = ops.linear(weight)
@@ -182,7 +187,23 @@ def test_a_forced_product_is_checked_against_the_hosts(fresh_choices, monkeypatc
         ops.dense_products(torch.randn(64, 32))
     monkeypatch.setenv(ops.LINEAR_ENV, "torch")
     assert ops.dense_products(torch.randn(64, 32).bfloat16()).products() == {"torch"}
-    monkeypatch.setenv(ops.LINEAR_ENV, "dense")  # float32 only
-    with pytest.raises(ValueError, match="bfloat16 layers on this host run torch"):
-        ops.dense_products(torch.randn(64, 32).bfloat16())
+    monkeypatch.setenv(ops.LINEAR_ENV, "dense")  # float32 and bfloat16 only
+    with pytest.raises(ValueError, match="float16 layers on this host run torch"):
+        ops.dense_products(torch.randn(64, 32).half())
     assert not (fresh_choices / "cpu_linear").exists()  # nothing timed
+
+
+def test_bf16_layers_are_timed_where_dense_takes_bf16(fresh_choices, monkeypatch):
+    """bf16 weights choose between oneDNN's packed product and `dense` by timing, in a cache
+    file of their own; where `dense` has no bf16 path they take oneDNN's untimed."""
+    calls = []
+    monkeypatch.setattr(linear_choice, "measure_products", lambda shape, products, dtype:
+                        calls.append((shape, products, dtype)) or by_bucket(dense=1, onednn=64))
+    choice = ops.dense_products(torch.randn(LARGE[1], LARGE[0]).bfloat16())
+    if "dense" not in linear_choice.candidates(torch.bfloat16):
+        assert choice.products() <= {"onednn", "torch"} and calls == []
+        return
+    assert calls == [(LARGE, ("onednn", "dense"), torch.bfloat16)]
+    assert choice.product(16) == "dense" and choice.product(64) == "onednn"
+    (saved,) = (fresh_choices / "cpu_linear").iterdir()
+    assert saved.name.startswith("bf16-")
