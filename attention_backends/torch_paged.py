@@ -117,8 +117,10 @@ class TorchPagedAttention(AttentionBackend):
         block_size = k_cache.size(1)
         self._write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
 
-        out = torch.empty_like(query)
         nd = metadata.num_decode_tokens
+        if 0 < nd == query.size(0):  # decodes alone: their output is the step's, no copy into one
+            return self._decode(query, k_cache, v_cache, metadata, nd, block_size)
+        out = torch.empty_like(query)
         if nd:
             out[:nd] = self._decode(query[:nd], k_cache, v_cache, metadata, nd, block_size)
         if nd < metadata.num_reqs:
