@@ -235,8 +235,8 @@ def _products(threads: int, dtype: torch.dtype, shape: tuple[int, int],
     BUSY_CORES or more busy is cached as provisional: a later start times it again unless the
     CPUs are still that busy. Logged either way."""
     k, n = shape
-    name = DTYPE_NAMES[dtype]
-    path = cache_dir("cpu_linear", f"{name}-{host_key(threads, products)}-{k}x{n}.json")
+    path = cache_dir("cpu_linear",
+                     f"{DTYPE_NAMES[dtype]}-{host_key(threads, products)}-{k}x{n}.json")
     try:
         saved = json.loads(path.read_text())
         choice = ProductChoice({int(b): name for b, name in saved["products"].items()})

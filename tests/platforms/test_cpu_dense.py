@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.platforms.cpu import kernels
+from runtime.platforms.cpu import kernels, ops
 from runtime.platforms.cpu.platform import CpuPlatform
 
 BUILD_ERROR = kernels.load(CpuPlatform().info.model_name)
@@ -60,11 +60,17 @@ def test_bf16_dense_matches_float64(rows, in_features, out_features, with_bias):
 
 @BF16
 def test_bf16_dense_refuses_an_odd_in_features():
-    packed = torch.ops.runtime_cpu.pack_dense_weight(torch.randn(20, 33).bfloat16())
     with pytest.raises(RuntimeError, match="even in_features, got 33"):
-        torch.ops.runtime_cpu.dense(torch.randn(4, 33).bfloat16(), packed, 20, None)
+        torch.ops.runtime_cpu.pack_dense_weight(torch.randn(20, 33).bfloat16())
+    packed = torch.ops.runtime_cpu.pack_dense_weight(torch.randn(20, 32).bfloat16())
     with pytest.raises(RuntimeError, match="packed weight's dtype"):
-        torch.ops.runtime_cpu.dense(torch.randn(4, 33), packed, 20, None)
+        torch.ops.runtime_cpu.dense(torch.randn(4, 32), packed, 20, None)
+
+
+def test_a_bf16_layer_of_odd_in_features_takes_onednn():
+    """`dense` cannot take it, whatever the choice of the reference shape says."""
+    products = ops.dense_products(torch.randn(64, 33).bfloat16()).products()
+    assert "dense" not in products
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

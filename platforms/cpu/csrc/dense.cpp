@@ -6,7 +6,7 @@
 // multiplies 32 bf16 pairs and adds them to 16 float32 sums in one instruction.
 //
 // A register tile of up to 6 rows (AVX2) or 12 rows (AVX-512) x the panel's two vectors keeps
-// half to three quarters of the vector registers as accumulators; each k step loads the
+// three quarters of the vector registers as accumulators; each k step loads the
 // panel's two vectors once and broadcasts one x value (bf16: one pair) per row. The threads
 // split the (row block, panel) items; each item runs in K slices small enough to stay in L1
 // while every row tile of its block passes over them, summing into a float32 tile that is
@@ -149,10 +149,11 @@ at::Tensor pack_dense_weight(const at::Tensor& weight) {
               kBf16 ? " or a bfloat16 one" : "");
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
   const int64_t step = weight.scalar_type() == at::kFloat ? 1 : 2;
-  const int64_t padded_k = (k + step - 1) / step * step;
-  at::Tensor padded = at::zeros({panels * kPanel, padded_k}, weight.options());
-  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
-  return padded.view({panels, kPanel, padded_k / step, step}).permute({0, 2, 1, 3}).contiguous();
+  // bf16 pairs read x two at a time: an odd in_features would read past each row.
+  TORCH_CHECK(k % step == 0, "bfloat16 dense needs an even in_features, got ", k);
+  at::Tensor padded = at::zeros({panels * kPanel, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight);
+  return padded.view({panels, kPanel, k / step, step}).permute({0, 2, 1, 3}).contiguous();
 }
 
 // The tile's float32 sums (+ bias), rounded into `cols` columns of the output's rows.
@@ -178,7 +179,6 @@ void run_dense(const T* xs, const T* ws, T* ys, const float* bias, int64_t rows,
   constexpr int64_t step = kStep<T>;
   // A K slice: kSliceBytes of the panel, whole packed rows (bf16: whole pairs).
   constexpr int64_t slice = kSliceBytes / (kPanel * static_cast<int64_t>(sizeof(T)));
-  const int64_t padded_depth = (depth + step - 1) / step * step;
   // Row blocks of equal height, a multiple of the tile's and at most kRowBlock (a multiple of
   // it), so none is empty; the threads split the (row block, panel) items, each taking a run of
   // panels of one block or a few.
@@ -192,17 +192,16 @@ void run_dense(const T* xs, const T* ws, T* ys, const float* bias, int64_t rows,
       const int64_t r0 = item / panels * block_height, p = item % panels;
       const int64_t height = std::min(block_height, rows - r0);
       const int64_t col = p * kPanel, cols = std::min(kPanel, out_features - col);
-      const T* panel = ws + p * padded_depth * kPanel;
-      const T* following =
-          item + 1 < end ? ws + (item + 1) % panels * padded_depth * kPanel : nullptr;
+      const T* panel = ws + p * depth * kPanel;
+      const T* following = item + 1 < end ? ws + (item + 1) % panels * depth * kPanel : nullptr;
       const float* pbias = bias == nullptr ? nullptr : bias + col;
       if (pbias != nullptr && cols < kPanel) {
         std::copy(pbias, pbias + cols, bias_tail);
         pbias = bias_tail;
       }
-      for (int64_t k0 = 0; k0 < padded_depth; k0 += slice) {
-        const int64_t d = std::min(slice, padded_depth - k0);
-        const T* next = k0 + d < padded_depth ? panel + (k0 + d) * kPanel : following;
+      for (int64_t k0 = 0; k0 < depth; k0 += slice) {
+        const int64_t d = std::min(slice, depth - k0);
+        const T* next = k0 + d < depth ? panel + (k0 + d) * kPanel : following;
         const int64_t tiles = (height + kRowTile - 1) / kRowTile;
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t r = t * kRowTile, tile = std::min(kRowTile, height - r);
@@ -225,11 +224,9 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& packed, int64_t out_feat
   const int64_t rows = x.size(0), depth = x.size(1), panels = packed.size(0);
   const int64_t step = dtype == at::kFloat ? 1 : 2;
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kPanel &&
-                  packed.size(3) == step && packed.size(1) == (depth + step - 1) / step,
+                  packed.size(3) == step && packed.size(1) * step == depth,
               "dense takes a weight from pack_dense_weight with the input's in_features");
   TORCH_CHECK(depth > 0, "dense needs in_features > 0");
-  // bf16 pairs read x two at a time: an odd in_features would read past each row.
-  TORCH_CHECK(depth % step == 0, "bfloat16 dense needs an even in_features, got ", depth);
   TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
               "out_features ", out_features, " does not match the packed weight");
   at::Tensor bias32;
@@ -245,7 +242,7 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& packed, int64_t out_feat
   if (dtype == at::kFloat) {
     run_dense(x.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), b, rows,
               depth, panels, out_features);
-  } else {
+  } else if constexpr (kBf16) {
     run_dense(x.data_ptr<c10::BFloat16>(), packed.data_ptr<c10::BFloat16>(),
               out.data_ptr<c10::BFloat16>(), b, rows, depth, panels, out_features);
   }
