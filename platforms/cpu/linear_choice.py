@@ -43,6 +43,7 @@ REFERENCE_SHAPE = (1024, 2048)
 MIN_MEASURED_ELEMENTS = 1 << 18  # a weight this large (1 MiB in float32) is timed itself
 MAX_TIMED_FLOP = 2e9  # larger buckets (a few tens of ms a call) take the largest timed one's
 SECONDS_PER_TIMING = 0.002
+MAX_COPIES = 256  # of a timed weight
 ROUNDS = 5
 PRODUCTS = ("torch", "onednn", "dense")
 # Other processes' load on this process's CPUs (cores' worth) from which a timing is not
@@ -143,8 +144,11 @@ def measure_products(shape: tuple[int, int], products: tuple[str, ...],
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(n, k, generator=generator).to(dtype)
     # As in a model's step, each call reads its weight from memory, not from a cache that the
-    # previous call left it in: the calls take turns over copies that outgrow the caches twice.
-    copies = max(1, -(-2 * last_level_cache_bytes() // (weight.numel() * weight.element_size())))
+    # previous call left it in: the calls take turns over copies that outgrow the caches twice
+    # (at most MAX_COPIES, for the tiny weights only tests time: a model's take the reference
+    # shape's choice).
+    copies = -(-2 * last_level_cache_bytes() // (weight.numel() * weight.element_size()))
+    copies = max(1, min(MAX_COPIES, copies))
     weights = [weight] + [weight.clone() for _ in range(copies - 1)]
     kernels = {name: [prepare(name, w) for w in weights] for name in products}
     chosen, fastest = {}, products[0]

@@ -67,6 +67,7 @@ def test_bf16_dense_refuses_an_odd_in_features():
         torch.ops.runtime_cpu.dense(torch.randn(4, 32), packed, 20, None)
 
 
+@BF16
 def test_a_bf16_layer_of_odd_in_features_takes_onednn():
     """`dense` cannot take it, whatever the choice of the reference shape says."""
     products = ops.dense_products(torch.randn(64, 33).bfloat16()).products()

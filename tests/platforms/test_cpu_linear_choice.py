@@ -134,6 +134,32 @@ def test_rows_past_the_timing_budget_take_the_largest_timed_choice(monkeypatch):
     assert set(chosen.values()) <= set(products)
 
 
+def test_the_timing_reads_each_weight_from_memory(monkeypatch):
+    """The calls take turns over copies of the weight twice the last-level cache's size, as a
+    model's step reads each weight after the others have passed through the caches."""
+    used = []
+    real_prepare = linear_choice.prepare
+
+    def recording(name, weight):
+        kernel = real_prepare(name, weight)
+        return lambda x, bias: used.append(weight.data_ptr()) or kernel(x, bias)
+    monkeypatch.setattr(linear_choice, "prepare", recording)
+    monkeypatch.setattr(linear_choice, "last_level_cache_bytes", lambda: 3 * 32 * 48 * 4)
+    monkeypatch.setattr(linear_choice, "SECONDS_PER_TIMING", 1e-4)
+    monkeypatch.setattr(linear_choice, "MAX_TIMED_FLOP", 0)  # one row timed, the rest take it
+    chosen = linear_choice.measure_products((32, 48), ("torch",), torch.float32)
+    assert set(chosen.values()) == {"torch"}
+    assert len(set(used)) == 6 and all(a != b for a, b in zip(used, used[1:]))
+
+
+def test_the_last_level_cache_is_read_from_sysfs(tmp_path):
+    for index, size in (("index0", "48K"), ("index2", "1024K"), ("index3", "16384K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert linear_choice.last_level_cache_bytes(tmp_path) == 16 << 20
+    assert linear_choice.last_level_cache_bytes(tmp_path / "missing") == 32 << 20
+
+
 def test_the_fastest_is_found_across_interleaved_rounds():
     slow = lambda: time.sleep(0.002)  # noqa: E731
     assert linear_choice._fastest({"slow": slow, "fast": lambda: None, "slower": lambda: slow()
