@@ -111,8 +111,11 @@ def test_images_encoded_together_attend_only_within_each_image(llm):
     with torch.inference_mode():
         together = model.embed_multimodal(items)
         alone = [model.embed_multimodal([item])[0] for item in items]
+    # The batched call's projections have more rows, so the host's timed product choice may
+    # run them through another product (another fp32 summation order: 1e-5 apart); attending
+    # across images would put them orders of magnitude further apart.
     for a, b in zip(together, alone):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_chat_image_parts_equal_the_placeholder_prompt(llm):
