@@ -27,7 +27,7 @@ RECOVERY_S = 60
 STALL_TIMEOUT_S = 4
 POISON = 48999  # a prompt holding this token id kills the core (the server's test fault hook)
 LONG = {"prompt": "A long story:", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-N = 40  # tokens per stream
+N = 120  # tokens per stream: enough that none ends before the last has begun
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {
