@@ -176,7 +176,6 @@ void store_rows(const float* acc, int64_t rows, T* out, int64_t ldo, int64_t col
 template <typename T>
 void run_dense(const T* xs, const T* ws, T* ys, const float* bias, int64_t rows, int64_t depth,
                int64_t panels, int64_t out_features) {
-  constexpr int64_t step = kStep<T>;
   // A K slice: kSliceBytes of the panel, whole packed rows (bf16: whole pairs).
   constexpr int64_t slice = kSliceBytes / (kPanel * static_cast<int64_t>(sizeof(T)));
   // Row blocks of equal height, a multiple of the tile's and at most kRowBlock (a multiple of
