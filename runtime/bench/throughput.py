@@ -2,11 +2,15 @@
 
 Each backend runs in a fresh process of its own, one after another, with the same model,
 prompts (as token ids), dtype, thread count and output lengths (`ignore_eos`), and the same
-environment, hence the same malloc; the figures land in one table.
+environment, hence the same malloc; the figures land in one table. With `--num-iters N` the
+backends run N rounds, the order reversed every other round, so that a machine whose speed
+drifts (a shared VM) weighs on every backend alike: each row is its backend's median run, and
+the ratio to the first backend is the median of the rounds' own ratios.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from typing import Any
 
@@ -28,6 +32,9 @@ COLUMNS = [("backend", "backend"), ("version", "version"), ("requests_per_s", "r
            ("spec_acceptance", "spec accept %"),
            ("spec_mean_accepted_length", "spec tok/step"), ("decode_step_ms", "decode ms/step"),
            ("allocator", "allocator")]
+ROUND_COLUMNS = (COLUMNS[:5] + [("output_tokens_per_s_min", "min"),
+                                 ("output_tokens_per_s_max", "max"), ("runs", "runs")]
+                 + COLUMNS[5:])  # with --num-iters: each row's range over its runs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-cache-dir", default=common.MODEL_CACHE,
                         help="where a GGUF model is converted once for backends that need a "
                              "Hugging Face folder (vllm)")
+    parser.add_argument("--num-iters", type=int, default=1,
+                        help="rounds of every backend, the order reversed every other round; "
+                             "each row is its backend's median run")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds one backend may run before it is stopped")
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
@@ -117,6 +127,36 @@ def summarize(result: dict[str, Any], requests: list[SampleRequest]) -> dict[str
     return row
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median output tok/s (the lower of the middle two for an even count) among
+    a backend's runs that did not fail, with their count and range; the first failure if all
+    failed."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    speed = statistics.median_low(r["output_tokens_per_s"] for r in ok)
+    row = dict(next(r for r in ok if r["output_tokens_per_s"] == speed))
+    if len(runs) > 1:
+        row.update(runs=len(ok), output_tokens_per_s_min=min(r["output_tokens_per_s"] for r in ok),
+                   output_tokens_per_s_max=max(r["output_tokens_per_s"] for r in ok))
+    return row
+
+
+def round_ratios(rounds: list[dict[str, dict[str, Any]]],
+                 backends: list[str]) -> dict[str, dict[str, float]]:
+    """Output tok/s of the first backend over each other one's, per round (the two ran minutes
+    apart), as median, min and max over the rounds where both ran."""
+    first, ratios = backends[0], {}
+    for other in backends[1:]:
+        values = [r[first]["output_tokens_per_s"] / r[other]["output_tokens_per_s"]
+                  for r in rounds if "error" not in r[first] and "error" not in r[other]]
+        if values:
+            ratios[f"{first}/{other}"] = {"median": statistics.median(values),
+                                          "min": min(values), "max": max(values),
+                                          "rounds": len(values)}
+    return ratios
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run every backend of `args.backend` on one workload; returns the report."""
     backends = parse_backends(args.backend)
@@ -131,17 +171,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     structured = getattr(args, "structured_outputs", None)
     if structured and backends != ["runtime"]:
         raise ValueError("--structured-outputs runs on the runtime backend only")
-    rows = []
-    for backend in backends:
-        print(f"running {backend} ...", file=sys.stderr, flush=True)
-        spec = make_spec(backend, model, args, dtype, threads, requests, tokenizer)
-        python = args.vllm_python if backend == "vllm" else sys.executable
-        rows.append(summarize(run_in_subprocess(spec, python, args.timeout), requests))
+    iters = getattr(args, "num_iters", 1)
+    if iters < 1:
+        raise ValueError(f"--num-iters must be at least 1, got {iters}")
+    specs = {b: make_spec(b, model, args, dtype, threads, requests, tokenizer) for b in backends}
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for i in range(iters):
+        ran = {}
+        for backend in backends if i % 2 == 0 else backends[::-1]:
+            print(f"running {backend}" + (f" (round {i + 1} of {iters})" if iters > 1 else "")
+                  + " ...", file=sys.stderr, flush=True)
+            python = args.vllm_python if backend == "vllm" else sys.executable
+            ran[backend] = summarize(run_in_subprocess(specs[backend], python, args.timeout),
+                                     requests)
+        rounds.append(ran)
+    rows = [median_run([r[b] for r in rounds]) for b in backends]
     result = {"command": "throughput", "model": model, "dtype": dtype, "num_threads": threads,
               "workload": describe(args), "machine": machine, "results": rows}
+    if iters > 1:
+        result["rounds"] = [[r[b] for b in (backends if i % 2 == 0 else backends[::-1])]
+                            for i, r in enumerate(rounds)]
+        result["ratios"] = round_ratios(rounds, backends)
     if structured:
         print(f"running runtime with {structured} schemas ...", file=sys.stderr, flush=True)
-        spec["structured_outputs"] = schemas(structured, len(requests))
+        spec = {**specs["runtime"], "structured_outputs": schemas(structured, len(requests))}
         row = summarize(run_in_subprocess(spec, sys.executable, args.timeout), requests)
         rows.append({**row, "backend": f"runtime+{structured}"})
         if "error" not in rows[0] and "error" not in row:
@@ -153,8 +206,11 @@ def report(result: dict[str, Any]) -> str:
     ok = [r for r in result["results"] if "error" not in r]
     lines = [f"model {result['model']}, dtype {result['dtype']}, {result['num_threads']} "
              f"threads, workload {workload_text(result['workload'])}",
-             format_table(ok, COLUMNS)]
+             format_table(ok, ROUND_COLUMNS if any("runs" in r for r in ok) else COLUMNS)]
     lines += [f"{r['backend']}: skipped: {r['error']}" for r in result["results"] if "error" in r]
+    for name, ratio in result.get("ratios", {}).items():
+        lines.append(f"output tok/s {name}: {ratio['median']:.2f}x, the median of "
+                     f"{ratio['rounds']} rounds ({ratio['min']:.2f}x-{ratio['max']:.2f}x)")
     allocators = {r["allocator"] for r in ok}
     if len(allocators) > 1:
         lines.append(f"warning: the backends ran under different allocators {sorted(allocators)}")

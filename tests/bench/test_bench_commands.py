@@ -47,6 +47,41 @@ def test_throughput_runtime_and_hf(tiny_llama, tmp_path):
     assert png.stat().st_size > 0
 
 
+def test_throughput_rounds_alternate_and_report_medians(tiny_llama, tmp_path, capsys):
+    """--num-iters 3 runs each backend three times, the order reversed in the second round;
+    each row is its backend's median run and the ratio is the median of the rounds' ratios."""
+    out = tmp_path / "r.json"
+    assert main(["bench", "throughput", "--model", tiny_llama, "--backend", "runtime,hf",
+                 "--num-iters", "3", "--num-prompts", "2", "--input-len", "8",
+                 "--output-len", "4", "--dtype", "float32", "--num-threads", "1",
+                 "--kv-cache-memory", "32MiB", "--output-json", str(out)]) == 0
+    result = read(out)
+    assert [[r["backend"] for r in rnd] for rnd in result["rounds"]] == [
+        ["runtime", "hf"], ["hf", "runtime"], ["runtime", "hf"]]
+    for row in result["results"]:
+        speeds = sorted(r["output_tokens_per_s"] for rnd in result["rounds"] for r in rnd
+                        if r["backend"] == row["backend"])
+        assert row["runs"] == 3 and row["output_tokens_per_s"] == speeds[1]
+        assert (row["output_tokens_per_s_min"], row["output_tokens_per_s_max"]) == (
+            speeds[0], speeds[2])
+    ratios = []
+    for rnd in result["rounds"]:
+        speed = {r["backend"]: r["output_tokens_per_s"] for r in rnd}
+        ratios.append(speed["runtime"] / speed["hf"])
+    ratio = result["ratios"]["runtime/hf"]
+    assert ratio["rounds"] == 3 and ratio["median"] == pytest.approx(sorted(ratios)[1])
+    assert (ratio["min"], ratio["max"]) == pytest.approx((min(ratios), max(ratios)))
+    assert "output tok/s runtime/hf: " in capsys.readouterr().out
+
+
+def test_num_iters_below_one_is_refused(tiny_llama, capsys):
+    assert main(["bench", "throughput", "--model", tiny_llama, "--num-iters", "0",
+                 "--num-prompts", "1"]) == 2
+    captured = capsys.readouterr()
+    assert "error: --num-iters must be at least 1, got 0" in captured.err
+    assert "running runtime" not in captured.err
+
+
 def _vllm_importable() -> bool:
     return subprocess.run([VLLM_PYTHON, "-c", "import vllm"], capture_output=True).returncode == 0
 
