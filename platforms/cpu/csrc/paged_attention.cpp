@@ -72,19 +72,21 @@ inline void store_vec(float* p, V v) {
   if constexpr (std::is_same_v<V, v16f>) store16(p, v); else store8(p, v);
 }
 
-// One head's rows of a block two ahead, asked for before the pass reaches them: a block is a
-// jump in memory the hardware prefetcher does not follow, and a few threads alone keep too few
-// misses in flight to reach the memory bandwidth otherwise (batch 64, 1024-token contexts, 2
-// threads of an AVX-512 EPYC: 26 -> 40 GB/s in fp32, 14 -> 32 GB/s in bf16, with the V pass
-// reading each row once per group of heads). Into L2 (prefetcht1), not L1: a block's 32-64 lines
-// asked into L1 at once held up the pass (perf put a quarter of its samples on the prefetches),
-// bf16, batch 64, 1 thread, DRAM: 1057 -> 820 us per call at 128 tokens, 8.0 -> 6.5 ms at 1024.
+// One head's rows of a block two ahead, loaded before the pass reaches them: a block is a jump
+// in memory the hardware prefetcher does not follow, and a few threads alone keep too few misses
+// in flight to reach the memory bandwidth otherwise. Plain loads, one byte of each line, rather
+// than prefetch instructions: on a Zen 5 EPYC (a VM) prefetcht1 and prefetcht0 changed nothing
+// (bf16, batch 64 x 192 tokens from DRAM, 2 threads: 698 us a call with them, 653 without),
+// where loading the same lines took it to 499 us (fp32: 1319 -> 920 us; bf16 64 x 1024: 4258 ->
+// 3486 us); an earlier AVX-512 EPYC had gained as much from prefetcht1 (26 -> 40 GB/s in fp32,
+// 14 -> 32 in bf16 at 64 x 1024). Loading every other line gained nothing, and carrying the
+// look-ahead across the passes and into the next sequence gained nothing more.
 template <typename C>
-inline void prefetch_rows(const C* rows, int64_t count, int64_t stride, int64_t head_size) {
+inline void load_rows_ahead(const C* rows, int64_t count, int64_t stride, int64_t head_size) {
   const int64_t bytes = head_size * static_cast<int64_t>(sizeof(C));
   for (int64_t r = 0; r < count; ++r)
     for (int64_t off = 0; off < bytes; off += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(rows + r * stride) + off, 0, 2);
+      static_cast<void>(*(reinterpret_cast<const volatile char*>(rows + r * stride) + off));
 }
 
 // Two accumulators break the FMA dependency chain; n is a multiple of 8.
@@ -286,14 +288,14 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
   const std::vector<int64_t> bounds =
       split_items(len_ptr, num_seqs, spans, block_size, sliding_window, parts);
 
-  // The rows of the item's KV heads in the block two ahead of block b of a pass, asked for.
-  const auto prefetch_ahead = [&](const C* cache, int64_t b_stride, int64_t t_stride,
-                                  int64_t h_stride, const int32_t* table, int64_t len,
-                                  int64_t kvh0, int64_t b) {
+  // The rows of the item's KV heads in the block two ahead of block b of a pass, loaded.
+  const auto load_ahead = [&](const C* cache, int64_t b_stride, int64_t t_stride,
+                              int64_t h_stride, const int32_t* table, int64_t len, int64_t kvh0,
+                              int64_t b) {
     if ((b + 2) * block_size >= len) return;
     for (int64_t h = kvh0; h < kvh0 + span; ++h)
-      prefetch_rows(cache + table[b + 2] * b_stride + h * h_stride, block_size, t_stride,
-                    head_size);
+      load_rows_ahead(cache + table[b + 2] * b_stride + h * h_stride, block_size, t_stride,
+                      head_size);
   };
 
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
@@ -324,7 +326,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
       for (int64_t b = first / block_size; b * block_size < len; ++b) {
         const int64_t lo = std::max(first, b * block_size);
         const int64_t hi = std::min(len, (b + 1) * block_size);
-        prefetch_ahead(k_ptr, kb_stride, kt_stride, kh_stride, table, len, kvh0, b);
+        load_ahead(k_ptr, kb_stride, kt_stride, kh_stride, table, len, kvh0, b);
         for (int64_t kvh = kvh0; kvh < kvh0 + span; ++kvh) {
           const int64_t g0 = (kvh - kvh0) * group;  // the KV head's first query head here
           const C* k = k_ptr + table[b] * kb_stride + kvh * kh_stride +
@@ -377,7 +379,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
       for (int64_t b = first / block_size; b * block_size < len; ++b) {
         const int64_t lo = std::max(first, b * block_size);
         const int64_t hi = std::min(len, (b + 1) * block_size);
-        prefetch_ahead(v_ptr, vb_stride, vt_stride, vh_stride, table, len, kvh0, b);
+        load_ahead(v_ptr, vb_stride, vt_stride, vh_stride, table, len, kvh0, b);
         for (int64_t kvh = kvh0; kvh < kvh0 + span; ++kvh) {
           const C* v = v_ptr + table[b] * vb_stride + kvh * vh_stride +
                        (lo - b * block_size) * vt_stride;
