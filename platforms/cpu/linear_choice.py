@@ -168,13 +168,12 @@ def _taking_turns(kernels: list[Callable], x: torch.Tensor) -> Callable[[], obje
 
 def last_level_cache_bytes(cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
     """The size of this CPU's largest cache, from sysfs; 32 MiB where that is unreadable."""
-    sizes = []
+    sizes, units = [], {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     for index in cpu.glob("index*"):
         try:
             text = (index / "size").read_text().strip()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
     return max(sizes, default=32 << 20)
 
@@ -197,12 +196,17 @@ def host_key(threads: int, products: tuple[str, ...]) -> str:
     except OSError:
         cpu = ""
     described = [line for line in cpu.splitlines() if line.startswith(("model name", "flags"))]
-    dense_source = hashlib.sha1(DENSE_SOURCE.read_bytes()).hexdigest() if "dense" in products \
-        else ""
+    dense_source = source_hash(DENSE_SOURCE) if "dense" in products else ""
     text = "|".join([*described, torch.backends.cpu.get_cpu_capability(), torch.__version__,
                      os.environ.get("ONEDNN_MAX_CPU_ISA", ""), str(threads), *products,
-                     dense_source, hashlib.sha1(Path(__file__).read_bytes()).hexdigest()])
+                     dense_source, source_hash(Path(__file__))])
     return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+@lru_cache(maxsize=None)
+def source_hash(path: Path) -> str:
+    """The SHA-1 of a source file, read once a process (every timed shape's key takes it)."""
+    return hashlib.sha1(path.read_bytes()).hexdigest()
 
 
 def others_load_while(fn: Callable[[], object]) -> tuple[object, float]:

@@ -198,10 +198,10 @@ void run_dense(const T* xs, const T* ws, T* ys, const float* bias, int64_t rows,
         std::copy(pbias, pbias + cols, bias_tail);
         pbias = bias_tail;
       }
+      const int64_t tiles = (height + kRowTile - 1) / kRowTile;
       for (int64_t k0 = 0; k0 < depth; k0 += slice) {
         const int64_t d = std::min(slice, depth - k0);
         const T* next = k0 + d < depth ? panel + (k0 + d) * kPanel : following;
-        const int64_t tiles = (height + kRowTile - 1) / kRowTile;
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t r = t * kRowTile, tile = std::min(kRowTile, height - r);
           kRowTiles<T>[tile](xs + (r0 + r) * depth + k0, depth, panel + k0 * kPanel, d,
